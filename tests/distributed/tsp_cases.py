@@ -1,0 +1,75 @@
+"""Rank functions shared by the TSP parity tests (module level, so forked ranks can run them)."""
+
+from __future__ import annotations
+
+import torch
+
+from tsp_trainer.model import Transformer
+from tsp_trainer.parallel import zigzag
+from tsp_trainer.parallel.apply import apply_tsp, gather_full_grads, gather_full_state_dict
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import build_mesh
+
+
+def make_batch(cfg, batch: int, seq_len: int, seed: int = 123):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    labels[0, :3] = -100             # some ignored labels: the count must be global, not local
+    return tokens[:, :-1].contiguous(), labels
+
+
+def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2):
+    """One process: logits, loss, grads of the plain model; optionally `steps` AdamW steps."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(seed)
+    logits = model(ids).detach()
+    loss = model.loss(ids, labels)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    out = {"logits": logits, "loss": loss.item(), "grads": grads}
+    if steps:
+        model.zero_grad()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for _ in range(steps):
+            model.loss(ids, labels).backward()
+            opt.step()
+            opt.zero_grad()
+        out["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False):
+    mesh = build_mesh(world)
+    d = mesh.dims.tsp
+    if meta:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=ids.shape[1], init_seed=seed)
+    else:
+        model = Transformer(cfg)
+        model.init_weights(seed)
+        specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=ids.shape[1])
+    local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, d)
+
+    mesh.ledger.reset()
+    loss_sum, count = model.loss_sum(local_ids, local_labels, pos)
+    total = global_count(count, [mesh.tsp])
+    (loss_sum / total).backward()
+    ledger = list(mesh.ledger.records)
+    loss = reduce_loss_value(loss_sum, total, [mesh.tsp])
+    grads = gather_full_grads(model, specs, mesh.tsp)
+    out = {"loss": loss, "grads": grads, "ledger": ledger,
+           "logits_local": model(local_ids, pos).detach(),
+           "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    if steps:
+        model.zero_grad()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        for _ in range(steps):
+            s, c = model.loss_sum(local_ids, local_labels, pos)
+            (s / global_count(c, [mesh.tsp])).backward()
+            opt.step()
+            opt.zero_grad()
+        out["weights"] = gather_full_state_dict(model, specs, mesh.tsp)
+    return out

@@ -1,0 +1,143 @@
+"""Decoder layers: RMSNorm, RoPE, GQA causal attention (torch SDPA), SwiGLU gated MLP.
+
+Conventions: activations are [B, T, h]; heads are split with view(B, T, -1, head_dim) so the same
+code runs on a full model or on any contiguous head shard (TSP and the TP baselines reuse it).
+Weights follow nn.Linear: [out_features, in_features], y = x @ W.T. RoPE uses Hugging Face's
+rotate_half convention so weights export to transformers' LlamaForCausalLM unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tsp_trainer.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        # `weight` lets a parallel wrapper pass the same parameter through an autograd function
+        # (e.g. one that sums its gradient over a group) without changing this math.
+        w = self.weight if weight is None else weight
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * w
+
+
+@dataclass
+class Rotary:
+    """Global positions [T] of the tokens in hand and their RoPE tables cos, sin [T, head_dim].
+    A sequence-parallel caller passes the positions of its own slice (e.g. two zigzag chunks)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, head_dim: int, theta: float) -> "Rotary":
+        cos, sin = rope_cos_sin(positions, head_dim, theta)
+        return cls(positions, cos, sin)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, head_dim] for integer positions [T] (global token positions)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / head_dim))
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]      # [T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                                # [T, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, d]; cos/sin: [T, d]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   q_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
+    position j). Returns [B, Tq, Hq * d].
+
+    q_positions=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise query i
+    sees keys 0..q_positions[i]; the queries are processed per contiguous run of positions with a
+    bottom-right aligned causal mask over the key prefix they need (zigzag chunks are such runs).
+    """
+    b, tq, hq, d = q.shape
+    gqa = hq != k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, d]
+    if q_positions is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(b, tq, hq * d)
+    outs = []
+    for start, stop in _contiguous_runs(q_positions):
+        first = int(q_positions[start])
+        n_q, n_k = stop - start, first + (stop - start)
+        # query i (global position first+i) may see keys 0..first+i
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=first)
+        outs.append(F.scaled_dot_product_attention(qt[:, :, start:stop], kt[:, :, :n_k],
+                                                   vt[:, :, :n_k], attn_mask=mask, enable_gqa=gqa))
+    out = torch.cat(outs, dim=2)
+    return out.transpose(1, 2).reshape(b, tq, hq * d)
+
+
+def _contiguous_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, stop)] index ranges over which positions increase by exactly one."""
+    pos = positions.tolist()
+    runs, start = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, t, -1, self.head_dim), rope.cos, rope.sin)
+        k = apply_rope(self.k_proj(x).view(b, t, -1, self.head_dim), rope.cos, rope.sin)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        return self.o_proj(attention_core(q, k, v))
+
+
+def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+              w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: (silu(x W_gate^T) * (x W_up^T)) W_down^T. Works on any block of the intermediate
+    dim: the sum over blocks of this function is the full MLP (TSP's ring relies on it)."""
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, inter, bias=False)
+        self.up_proj = nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)

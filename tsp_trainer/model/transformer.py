@@ -1,0 +1,114 @@
+"""The decoder: embedding -> N x (norm, attention, residual, norm, gated MLP, residual) -> norm ->
+LM head + cross-entropy. Module names match Hugging Face's LlamaForCausalLM state dict
+(model.embed_tokens, model.layers.i.self_attn.q_proj, ...), minus the leading "model."."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.layers import Attention, GatedMLP, RMSNorm, Rotary
+
+IGNORE_INDEX = -100
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(nn.Module):
+    """Output projection and the loss. `loss_sum` returns (sum of token losses, valid-token count),
+    so that callers can divide by a global count (the mean over all tokens of the global batch)."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self(hidden).float()
+        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+        return loss, (labels != IGNORE_INDEX).sum()
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Wraps each block's call (e.g. activation checkpointing); set by the trainer, not the model.
+        self.block_wrapper = None
+
+    # -- forward ---------------------------------------------------------------------------------
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Final normed hidden states [B, T, h]. positions: global token positions [T] of the given
+        tokens (default 0..T-1); a sequence-parallel caller passes the positions of its slice."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        rope = Rotary.build(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(input_ids)
+        for block in self.layers:
+            x = block(x, rope) if self.block_wrapper is None else self.block_wrapper(block, x, rope)
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]."""
+        return self.lm_head(self.hidden_states(input_ids, positions))
+
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token cross-entropies, number of labels != -100) for these tokens."""
+        return self.lm_head.loss_sum(self.hidden_states(input_ids, positions), labels)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over valid labels (single-process reference)."""
+        total, count = self.loss_sum(input_ids, labels)
+        return total / count.clamp(min=1)
+
+    # -- init ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from one seed, per parameter name, independent of layout: every
+        parallel scheme that builds its shards with `init_parameter` gets slices of these tensors."""
+        for name, param in self.named_parameters():
+            param.copy_(init_parameter(name, tuple(param.shape), seed=seed, std=self.cfg.init_std))
+
+
+def init_parameter(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
+    """The full initial value of parameter `name`: ones for norms, N(0, std) otherwise, drawn from
+    a generator seeded by (seed, name) so the value does not depend on the order of construction."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -1,0 +1,168 @@
+"""Turn the plain Transformer into its parallel form, from a plan table.
+
+`apply_tsp(model, comm)` swaps every block for its TSP implementation (tsp/), keeping parameter
+names, and returns the ShardingSpec of every parameter (which dim is split over which axis), the
+record checkpointing and export use to gather, reshard or slice state dicts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from tsp_trainer.config.validate import check_parallel_shapes
+from tsp_trainer.model.transformer import Transformer, init_parameter
+from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.tsp.attention import TSPAttention
+from tsp_trainer.parallel.tsp.mlp import TSPGatedMLP
+from tsp_trainer.parallel.tsp.norm import TSPRMSNorm
+from tsp_trainer.parallel.tsp.vocab import TSPEmbedding, TSPLMHead
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is laid out: split along `dim` into `degree` equal blocks over mesh axis
+    `axis` (block i on the axis's rank i), or replicated when dim is None."""
+
+    dim: int | None
+    degree: int = 1
+    axis: str = "tsp"
+
+    def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        return full if self.dim is None else full.chunk(self.degree, dim=self.dim)[rank].clone()
+
+    def local_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dim is None:
+            return tuple(full_shape)
+        shape = list(full_shape)
+        shape[self.dim] //= self.degree
+        return tuple(shape)
+
+
+# FQN pattern -> split dim, for TSP (and TP, which shards weights the same way: Megatron 1-D).
+TSP_PLAN: list[tuple[str, int | None]] = [
+    ("embed_tokens.weight", 0),                 # vocab rows
+    ("layers.*.self_attn.[qkv]_proj.weight", 0),  # head rows (column parallel)
+    ("layers.*.self_attn.o_proj.weight", 1),    # head columns (row parallel)
+    ("layers.*.mlp.gate_proj.weight", 0),
+    ("layers.*.mlp.up_proj.weight", 0),
+    ("layers.*.mlp.down_proj.weight", 1),
+    ("lm_head.weight", 0),                      # vocab rows
+    ("*norm.weight", None),                     # replicated
+]
+
+
+def plan_specs(names, plan: list[tuple[str, int | None]], degree: int, axis: str) -> dict[str, ShardSpec]:
+    specs = {}
+    for name in names:
+        dims = [dim for pattern, dim in plan if fnmatch.fnmatchcase(name, pattern)]
+        if not dims:
+            raise KeyError(f"parameter {name!r} matches no entry of the sharding plan")
+        specs[name] = ShardSpec(dims[0], degree if dims[0] is not None else 1, axis)
+    return specs
+
+
+def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
+    return plan_specs([n for n, _ in model.named_parameters(remove_duplicate=False)], TSP_PLAN,
+                      degree, "tsp")
+
+
+def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len: int | None = None,
+              init_seed: int | None = None) -> dict[str, ShardSpec]:
+    """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
+    are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
+    with init_parameter, one full parameter at a time: the same values a plain model gets)."""
+    cfg = model.cfg
+    check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
+                          head_buckets=head_buckets)
+    specs = tsp_specs(model, comm.size)
+    local = _LocalShards(model, specs, comm.rank, init_seed)
+    for i, block in enumerate(model.layers):
+        pre = f"layers.{i}."
+        block.self_attn = TSPAttention(*(local(pre + f"self_attn.{n}_proj.weight") for n in "qkvo"),
+                                       head_dim=cfg.head_dim, comm=comm, head_buckets=head_buckets)
+        block.mlp = TSPGatedMLP(*(local(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
+                                comm=comm)
+        block.input_layernorm = TSPRMSNorm(_materialize(block.input_layernorm, local,
+                                                        pre + "input_layernorm"), comm=comm)
+        block.post_attention_layernorm = TSPRMSNorm(
+            _materialize(block.post_attention_layernorm, local, pre + "post_attention_layernorm"),
+            comm=comm)
+    model.norm = TSPRMSNorm(_materialize(model.norm, local, "norm"), comm=comm)
+    embed = nn.Parameter(local("embed_tokens.weight"))
+    head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
+    model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size)
+    model.lm_head = TSPLMHead(head, comm=comm, vocab_size=cfg.vocab_size)
+    mark_model_parallel(model, specs)
+    return specs
+
+
+class _LocalShards:
+    """name -> this rank's shard, sliced from the real weight or initialised from the seed."""
+
+    def __init__(self, model: nn.Module, specs: dict[str, ShardSpec], rank: int, seed: int | None):
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.specs, self.rank, self.seed, self.std = specs, rank, seed, model.cfg.init_std
+
+    def __call__(self, name: str) -> torch.Tensor:
+        p = self.params[name]
+        if p.is_meta:
+            if self.seed is None:
+                raise ValueError("apply_tsp on a meta-device model needs init_seed")
+            full = init_parameter(name, tuple(p.shape), seed=self.seed, std=self.std)
+        else:
+            full = p.detach()
+        return self.specs[name].local(full, self.rank)
+
+
+def _materialize(norm: nn.Module, local: _LocalShards, prefix: str) -> nn.Module:
+    if norm.weight.is_meta:
+        norm.weight = nn.Parameter(local(prefix + ".weight"))
+    return norm
+
+
+def mark_model_parallel(model: nn.Module, specs: dict[str, ShardSpec]) -> None:
+    """Flag sharded parameters the way DeepSpeed (and Megatron) expect, so gradient-norm clipping
+    counts each shard once on every model-parallel rank and replicated weights once."""
+    for name, p in model.named_parameters():
+        spec = specs[name]
+        p.tensor_model_parallel = spec.dim is not None
+        p.partition_dim = -1 if spec.dim is None else spec.dim
+        p.partition_stride = 1
+
+
+@torch.no_grad()
+def gather_full(tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec], comm: Comm) -> dict[str, torch.Tensor]:
+    """All-gather every sharded tensor over `comm`; return full-shape tensors (on every rank)."""
+    out = {}
+    for name, tensor in tensors.items():
+        spec = specs[name]
+        if spec.dim is None or comm.size == 1:
+            out[name] = tensor.detach().clone()
+            continue
+        parts = tensor.new_empty((comm.size,) + tuple(tensor.shape))
+        comm.all_gather(parts.view((-1,) + tuple(tensor.shape[1:])), tensor.contiguous(),
+                        tag="state.gather")
+        out[name] = torch.cat(list(parts.unbind(0)), dim=spec.dim)
+    return out
+
+
+def gather_full_state_dict(model: nn.Module, specs: dict[str, ShardSpec], comm: Comm) -> dict[str, torch.Tensor]:
+    return gather_full(model.state_dict(), specs, comm)
+
+
+def gather_full_grads(model: nn.Module, specs: dict[str, ShardSpec], comm: Comm) -> dict[str, torch.Tensor]:
+    """Gradients gathered to full shape (parity tests compare them with one process)."""
+    return gather_full({n: p.grad for n, p in model.named_parameters()}, specs, comm)
+
+
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], specs: dict[str, ShardSpec],
+                         rank_of_axis: dict[str, int]) -> None:
+    """Copy this rank's slice of each full tensor into the sharded model (reshard, import)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            spec = specs[name]
+            p.copy_(spec.local(full[name], rank_of_axis.get(spec.axis, 0)))

@@ -1,0 +1,66 @@
+"""Communication ledger: every collective and P2P op issued by `tsp_trainer.parallel` is recorded
+here with its kind, axis, group size, tag and payload bytes, so tests and benchmarks can read bytes
+per rank per step and compare them with the closed-form formulas in docs/parallelism.md.
+
+Payload bytes are the size of the tensor the op works on, on this rank:
+  broadcast          the broadcast buffer (on the source and on every receiver)
+  all_gather         the gathered output (D x the local input)
+  reduce_scatter     the full input (D x the local output)
+  reduce, all_reduce the reduced buffer
+  send, recv         the tensor sent or received (P2P; recorded separately)
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str           # broadcast | all_gather | reduce_scatter | reduce | all_reduce | send | recv
+    axis: str         # mesh axis of the group: "tsp", "dp", "world", ...
+    tag: str          # what moved, e.g. "attn.weights", "attn.kv", "mlp.ring"
+    group_size: int
+    nbytes: int
+
+
+class CommLedger:
+    """An append-only list of CommRecord with group-by helpers. Disabled ledgers record nothing."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.records: list[CommRecord] = []
+
+    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int) -> None:
+        if self.enabled:
+            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes)))
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def total_bytes(self, **match) -> int:
+        return sum(r.nbytes for r in self._select(match))
+
+    def count(self, **match) -> int:
+        return sum(1 for _ in self._select(match))
+
+    def bytes_by(self, *keys: str, **match) -> dict:
+        """Sum of payload bytes grouped by record fields, e.g. bytes_by("op", "tag")."""
+        out: dict = collections.defaultdict(int)
+        for r in self._select(match):
+            key = tuple(getattr(r, k) for k in keys)
+            out[key[0] if len(key) == 1 else key] += r.nbytes
+        return dict(out)
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """{"op/tag": {"count": n, "bytes": b}}: the JSON-friendly form benchmarks write out."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            entry = out.setdefault(f"{r.op}/{r.tag}", {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += r.nbytes
+        return out
+
+    def _select(self, match: dict):
+        return (r for r in self.records if all(getattr(r, k) == v for k, v in match.items()))

@@ -1,0 +1,36 @@
+"""Replicated RMSNorm under TSP: the weight is the same on every rank of the tsp group, but each
+rank sees different tokens, so each rank's gradient is partial. The sum over the group happens
+inside autograd (identity forward, all-reduce backward on the weight), so whoever reads .grad after
+backward (DeepSpeed's reduction hooks included) sees the full gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from tsp_trainer.model.layers import RMSNorm
+from tsp_trainer.parallel.comm import Comm
+
+
+class SumGradOverGroup(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (sum) the gradient over `comm`."""
+
+    @staticmethod
+    def forward(ctx, w, comm: Comm, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        ctx.comm.all_reduce(g, tag=ctx.tag)
+        return g, None, None
+
+
+class TSPRMSNorm(RMSNorm):
+    def __init__(self, norm: RMSNorm, *, comm: Comm):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight = norm.weight
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, SumGradOverGroup.apply(self.weight, self.comm, "norm.grad"))

@@ -1,0 +1,140 @@
+"""TSP embedding and LM head + loss: each rank holds V/D rows of the vocabulary (rows p*V/D ..).
+
+Embedding: the vocab shards pass around the ring (tsp/ring.py); at each step a rank looks up those
+of its local token ids that fall in the shard in hand. Backward: the reverse ring carries each
+shard's gradient accumulator (index_add of the local rows) home to the owner.
+
+LM head + loss: the same ring; at each step a rank computes the logits of its local tokens for the
+shard in hand ([N/D, V/D], never the full vocabulary), folds them into an online log-sum-exp and
+picks the target logit when the label falls in the shard. Backward recomputes each block of logits
+and returns (softmax - onehot) x grad along the reverse ring. Full-vocabulary logits of all tokens
+never exist on one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tsp_trainer.model.transformer import IGNORE_INDEX
+from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward
+
+
+class TSPEmbedding(nn.Module):
+    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.comm, self.vocab_size = comm, vocab_size
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingFn.apply(ids, self.weight, self.comm)
+
+
+class TSPLMHead(nn.Module):
+    """Vocab-sharded output projection; `loss_sum` is the training path, `forward` (full logits of
+    the local tokens, assembled over the ring, no autograd) serves evaluation and parity tests."""
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.comm, self.vocab_size = comm, vocab_size
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
+        count = (labels != IGNORE_INDEX).sum()
+        return _HeadLossFn.apply(hidden, self.weight, labels, self.comm), count
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        logits = hidden.new_empty(hidden.shape[:-1] + (rows * self.comm.size,))
+
+        def step(j: int, w: torch.Tensor) -> None:
+            logits[..., j * rows:(j + 1) * rows] = hidden @ w.view(rows, -1).T
+
+        ring_forward(self.comm, pack(self.weight), step, tag="head.weights")
+        return logits
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, comm: Comm):
+        rows, h = weight.shape
+        out = weight.new_zeros(ids.shape + (h,))
+
+        def step(j: int, flat: torch.Tensor) -> None:
+            local, hit = _in_shard(ids, j, rows)
+            out[hit] = flat.view(rows, h)[local[hit]]
+
+        ring_forward(comm, pack(weight), step, tag="embed.weights")
+        ctx.save_for_backward(ids)
+        ctx.comm, ctx.shape = comm, weight.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (ids,) = ctx.saved_tensors
+        rows, h = ctx.shape
+
+        def grad_step(j: int, _flat: torch.Tensor) -> torch.Tensor:
+            local, hit = _in_shard(ids, j, rows)
+            g = dout.new_zeros(rows, h)
+            g.index_add_(0, local[hit], dout[hit])
+            return g.view(-1)
+
+        # The lookup's gradient does not need the weights: only the accumulators travel.
+        full = ring_backward(ctx.comm, None, grad_step, tag="embed.weights")
+        return None, full.view(rows, h), None
+
+
+def _in_shard(ids: torch.Tensor, shard: int, rows: int):
+    """(ids - shard * rows, mask of ids that fall in vocab shard `shard`)."""
+    local = ids - shard * rows
+    return local, (local >= 0) & (local < rows)
+
+
+class _HeadLossFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, comm: Comm):
+        rows = weight.shape[0]
+        x = hidden.reshape(-1, hidden.shape[-1])                    # [N/D, h]
+        flat_labels = labels.reshape(-1)
+        run_max = torch.full((x.shape[0],), float("-inf"), device=x.device)
+        run_sum = torch.zeros(x.shape[0], device=x.device)
+        target = torch.zeros(x.shape[0], device=x.device)
+
+        def step(j: int, w: torch.Tensor) -> None:
+            logits = (x @ w.view(rows, -1).T).float()               # [N/D, V/D]
+            new_max = torch.maximum(run_max, logits.max(dim=-1).values)
+            run_sum.mul_(torch.exp(run_max - new_max)).add_(torch.exp(logits - new_max[:, None]).sum(-1))
+            run_max.copy_(new_max)
+            local, hit = _in_shard(flat_labels, j, rows)
+            target[hit] = logits[hit, local[hit]]
+
+        ring_forward(comm, pack(weight), step, tag="head.weights")
+        lse = run_max + torch.log(run_sum)
+        valid = flat_labels != IGNORE_INDEX
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.comm = comm
+        return ((lse - target) * valid).sum()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        rows = weight.shape[0]
+        x = hidden.reshape(-1, hidden.shape[-1])
+        flat_labels = labels.reshape(-1)
+        scale = (flat_labels != IGNORE_INDEX).float() * dloss        # d loss / d token loss
+        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+        def grad_step(j: int, w: torch.Tensor) -> torch.Tensor:
+            w = w.view(rows, -1)
+            dlogits = torch.exp((x @ w.T).float() - lse[:, None])   # softmax block [N/D, V/D]
+            local, hit = _in_shard(flat_labels, j, rows)
+            dlogits[hit, local[hit]] -= 1.0
+            dlogits.mul_(scale[:, None])
+            dx.add_(dlogits @ w.float())
+            return (dlogits.T @ x.float()).to(w.dtype).reshape(-1)
+
+        full = ring_backward(ctx.comm, pack(weight), grad_step, tag="head.weights")
+        return dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape), None, None

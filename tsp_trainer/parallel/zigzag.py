@@ -1,0 +1,80 @@
+"""Zigzag sequence layout. A sequence of S tokens is cut into 2D chunks of C = S / (2D) tokens;
+rank p holds chunks p and 2D-1-p, so causal attention work is balanced across ranks. Inputs, labels
+(already shifted by one) and RoPE positions are laid out once, at the data boundary, and stay in
+this layout through the whole network.
+
+Gathered tensors (all_gather over the tsp group) arrive rank-major: [D, B, 2C, ...] = chunks
+(c_0, c_{2D-1}), (c_1, c_{2D-2}), ...; `gathered_to_logical` puts them in order c_0 .. c_{2D-1}.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_ids(rank: int, degree: int) -> tuple[int, int]:
+    return rank, 2 * degree - 1 - rank
+
+
+def check_zigzag(seq_len: int, degree: int) -> None:
+    if seq_len % (2 * degree):
+        raise ValueError(f"data.seq_len={seq_len} must be divisible by 2 * parallel.tsp_degree = "
+                         f"{2 * degree} (zigzag layout: 2D equal chunks)")
+
+
+def zigzag_positions(seq_len: int, rank: int, degree: int, device=None) -> torch.Tensor:
+    """Global positions [S / D] of the tokens rank `rank` holds."""
+    check_zigzag(seq_len, degree)
+    c = seq_len // (2 * degree)
+    a, b = chunk_ids(rank, degree)
+    return torch.cat([torch.arange(a * c, (a + 1) * c, device=device),
+                      torch.arange(b * c, (b + 1) * c, device=device)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, degree: int, dim: int = 1) -> torch.Tensor:
+    """Take this rank's two chunks of x along `dim` (size S) -> size S / D."""
+    check_zigzag(x.shape[dim], degree)
+    chunks = x.chunk(2 * degree, dim=dim)
+    a, b = chunk_ids(rank, degree)
+    return torch.cat([chunks[a], chunks[b]], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of shard_sequence: parts[p] is rank p's [.., S/D, ..] slice -> full [.., S, ..]."""
+    degree = len(parts)
+    halves = [p.chunk(2, dim=dim) for p in parts]
+    ordered = [halves[c][0] if c < degree else halves[2 * degree - 1 - c][1] for c in range(2 * degree)]
+    return torch.cat(ordered, dim=dim)
+
+
+def _logical_index(degree: int, device=None) -> torch.Tensor:
+    """idx[c] = position of logical chunk c among the rank-major half-chunks (rank * 2 + half)."""
+    return torch.tensor([2 * c if c < degree else 2 * (2 * degree - 1 - c) + 1
+                         for c in range(2 * degree)], device=device)
+
+
+def gathered_to_logical(g: torch.Tensor) -> torch.Tensor:
+    """[D, B, 2C, *rest] rank-major -> [B, 2DC, *rest] in logical (position) order."""
+    degree, b, two_c = g.shape[:3]
+    c = two_c // 2
+    halves = g.reshape(degree, b, 2, c, *g.shape[3:]).transpose(0, 1)     # [B, D, 2, C, ...]
+    halves = halves.reshape(b, 2 * degree, c, *g.shape[3:])
+    return halves.index_select(1, _logical_index(degree, g.device)).reshape(b, degree * two_c, *g.shape[3:])
+
+
+def logical_to_gathered(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """Inverse of gathered_to_logical: [B, S, *rest] -> [D, B, S/D, *rest] rank-major (contiguous)."""
+    b, s = x.shape[:2]
+    c = s // (2 * degree)
+    chunks = x.reshape(b, 2 * degree, c, *x.shape[2:])
+    inverse = torch.argsort(_logical_index(degree, x.device))
+    halves = chunks.index_select(1, inverse).reshape(b, degree, 2 * c, *x.shape[2:])
+    return halves.transpose(0, 1).contiguous()
+
+
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor, rank: int, degree: int):
+    """This rank's zigzag slice of a batch [B, S] whose labels are already shifted (labels[t] is
+    the token after input_ids[t]): (input_ids [B, S/D], labels [B, S/D], positions [S/D])."""
+    seq_len = input_ids.shape[1]
+    return (shard_sequence(input_ids, rank, degree), shard_sequence(labels, rank, degree),
+            zigzag_positions(seq_len, rank, degree, device=input_ids.device))
