@@ -19,7 +19,13 @@ def make_batch(cfg, batch: int, seq_len: int, seed: int = 123):
     return tokens[:, :-1].contiguous(), labels
 
 
-def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2):
+def make_optimizer(name: str, params, lr: float):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: str = "adamw"):
     """One process: logits, loss, grads of the plain model; optionally `steps` AdamW steps."""
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -31,7 +37,7 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2):
     out = {"logits": logits, "loss": loss.item(), "grads": grads}
     if steps:
         model.zero_grad()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = make_optimizer(optim, model.parameters(), lr)
         for _ in range(steps):
             model.loss(ids, labels).backward()
             opt.step()
@@ -40,7 +46,8 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2):
     return out
 
 
-def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False):
+def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
+             optim="adamw"):
     mesh = build_mesh(world)
     d = mesh.dims.tsp
     if meta:
@@ -65,7 +72,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if steps:
         model.zero_grad()
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt = make_optimizer(optim, model.parameters(), lr)
         for _ in range(steps):
             s, c = model.loss_sum(local_ids, local_labels, pos)
             (s / global_count(c, [mesh.tsp])).backward()

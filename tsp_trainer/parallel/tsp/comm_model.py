@@ -1,0 +1,62 @@
+"""Closed-form communication of one TSP forward + backward, per rank, in the ledger's terms
+(payload bytes per op kind and tag; see parallel/ledger.py for what "payload" means per op).
+Tests assert that the ledger of the real code equals this exactly; docs/parallelism.md states the
+same formulas; the planner builds on them.
+
+Notation: D degree, B micro-batch, S sequence length, h hidden, h_kv = n_kv * head_dim,
+I intermediate, V vocab, L layers, n_b head buckets, b_w / b_a bytes per weight / activation
+element. P_attn = 2 h^2 + 2 h h_kv and P_mlp = 3 h I (per layer).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from tsp_trainer.config import ModelConfig
+
+
+def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, head_buckets: int = 1,
+                  weight_bytes: int = 4, act_bytes: int = 4, norm_bytes: int | None = None,
+                  loss_count_reduces: int = 1) -> dict[tuple[str, str], dict[str, int]]:
+    """{(op, tag): {"count": n, "bytes": payload}} for one forward + backward on one rank."""
+    d, nb = degree, head_buckets
+    out: dict = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    if d == 1:
+        return {}
+
+    def add(op, tag, count, nbytes_each):
+        out[(op, tag)]["count"] += count
+        out[(op, tag)]["bytes"] += count * nbytes_each
+
+    h, h_kv, inter, L = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.num_layers
+    p_attn, p_mlp = 2 * h * h + 2 * h * h_kv, 3 * h * inter
+    kv_bucket = batch * seq_len * 2 * (h_kv // (d * nb)) * act_bytes   # gathered K and V, one bucket
+    for _ in range(L):
+        # attention: owner r's packed shard broadcast in forward and again in backward
+        add("broadcast", "attn.weights", 2 * d, p_attn // d * weight_bytes)
+        add("all_gather", "attn.kv", 2 * d * nb, kv_bucket)      # forward + recompute in backward
+        add("reduce_scatter", "attn.dkv", d * nb, kv_bucket)
+        add("reduce", "attn.wgrad", d, p_attn // d * weight_bytes)
+        # MLP: D-1 hops forward, D-1 weight hops + D accumulator hops backward
+        for op in ("send", "recv"):
+            add(op, "mlp.weights", 2 * (d - 1), p_mlp // d * weight_bytes)
+            add(op, "mlp.weights.grad", d, p_mlp // d * weight_bytes)
+    vocab_shard = cfg.vocab_size // d * h * weight_bytes
+    for op in ("send", "recv"):
+        add(op, "embed.weights", d - 1, vocab_shard)             # backward moves accumulators only
+        add(op, "embed.weights.grad", d, vocab_shard)
+        add(op, "head.weights", 2 * (d - 1), vocab_shard)
+        add(op, "head.weights.grad", d, vocab_shard)
+    add("all_reduce", "norm.grad", 2 * L + 1, h * (norm_bytes or weight_bytes))
+    if loss_count_reduces:
+        add("all_reduce", "loss.count", loss_count_reduces, 8)     # float64 token count
+    return {k: dict(v) for k, v in out.items()}
+
+
+def ledger_totals(records) -> dict[tuple[str, str], dict[str, int]]:
+    """The ledger's records in the same form as tsp_step_comm."""
+    out: dict = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+    for r in records:
+        out[(r.op, r.tag)]["count"] += 1
+        out[(r.op, r.tag)]["bytes"] += r.nbytes
+    return {k: dict(v) for k, v in out.items()}
