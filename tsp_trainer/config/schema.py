@@ -1,0 +1,151 @@
+"""The trainer's typed config: frozen dataclasses, standard library only.
+
+`load.py` fills these from YAML (the only OmegaConf user); `validate.py` checks the cross-field
+rules. Every builder receives only its own section (STYLE.md section 4). Choices are `Literal[...]`
+so that the loader and the validator read the allowed values from one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tsp_trainer.config.model import ModelConfig, model_config
+
+Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
+DataFormat = Literal["auto", "jsonl", "parquet", "text", "hub"]
+LayoutChange = Literal["refuse", "restart", "resplit"]
+DType = Literal["auto", "fp32", "bf16"]
+NonFinite = Literal["skip", "stop"]
+WandbMode = Literal["disabled", "offline", "online"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """A named size plus optional overrides; None means "take the value from the size"."""
+
+    size: str = "tiny"                         # a key of config.model.MODEL_SIZES
+    vocab_size: int | None = None              # tokens in the embedding / LM head
+    hidden_size: int | None = None             # h, the residual width
+    num_layers: int | None = None              # decoder blocks
+    num_heads: int | None = None               # query heads
+    num_kv_heads: int | None = None            # K/V heads (GQA when < num_heads)
+    intermediate_size: int | None = None       # gated-MLP width I
+    max_seq_len: int | None = None             # longest sequence RoPE is set up for (tokens)
+    rope_theta: float | None = None            # RoPE base
+    norm_eps: float | None = None              # RMSNorm epsilon
+    tie_embeddings: bool | None = None         # share the embedding and LM-head matrix
+    init_std: float | None = None              # std of the normal weight init
+    init_from: str | None = None               # Hugging Face Llama folder to start from (None = random)
+    seed: int = 0                              # RNG seed for the weight init
+
+    def overrides(self) -> dict[str, Any]:
+        """The ModelConfig fields this section sets explicitly."""
+        names = [f.name for f in dataclasses.fields(ModelConfig)]
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def to_model_config(self) -> ModelConfig:
+        return model_config(self.size, **self.overrides())
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """The model-parallel axis (size D = tsp_degree for every scheme) and the DP axis around it."""
+
+    scheme: Scheme = "tsp"                     # TSP or one of the baselines (DESIGN.md section 4)
+    tsp_degree: int = 1                        # D: ranks of one model-parallel group, inner mesh axis
+    head_buckets: int = 1                      # TSP: K/V all-gathers per weight shard (bounds the K/V buffer)
+    tp_degree: int | None = None               # tp_x_sp only: T, with T x S = D
+    sp_degree: int | None = None               # tp_x_sp only: S, with T x S = D
+    dp_degree: int | None = None               # None = world_size // tsp_degree; if set, must match
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Where tokens come from and how they are batched (sequences, not tokens, per micro-batch)."""
+
+    source: str = "data/corpus"                # local file/folder/glob or a hub dataset name
+    format: DataFormat = "auto"                # "auto" guesses from the file suffix; "hub" = hub name
+    text_field: str = "text"                   # column holding the raw text
+    train_split: str = "train"
+    eval_split: str | None = "validation"      # None = no evaluation data
+    tokenizer: str = "data/tokenizer"          # tokenizer folder or hub name
+    seq_len: int = 256                         # tokens per packed sequence (before the zigzag split)
+    micro_batch_size: int = 2                  # sequences per DP rank per forward/backward
+    shuffle: bool = False                      # buffered shuffle of the stream
+    shuffle_buffer: int = 1000                 # examples held by the shuffle buffer
+    on_layout_change: LayoutChange = "refuse"  # resuming loader state under another DP degree
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """AdamW with linear warmup then cosine decay from lr to min_lr."""
+
+    lr: float = 3e-4                           # peak learning rate
+    min_lr: float = 3e-5                       # learning rate at the last step
+    warmup_steps: int = 10                     # optimizer steps of linear warmup
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0                 # global L2 clip; 0 = no clipping
+
+
+@dataclass(frozen=True)
+class ZeroSection:
+    """DeepSpeed ZeRO over the DP axis only."""
+
+    stage: int = 1                             # 0, 1 or 2; 3 is not yet proven with TSP (DESIGN.md section 7)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """The loop: how long, in what precision, where to write, how to recover."""
+
+    steps: int = 100                           # optimizer steps
+    grad_accum: int = 1                        # micro-batches per optimizer step
+    global_batch_size: int | None = None       # sequences per step; if set, must be micro x grad_accum x dp
+    dtype: DType = "auto"                      # "auto" = bf16 on GPU, fp32 on CPU
+    activation_checkpointing: bool = False     # recompute each block in backward
+    eval_every: int = 0                        # optimizer steps between evaluations; 0 = off
+    eval_batches: int = 4                      # micro-batches per evaluation
+    seed: int = 0                              # RNG seed for data order and per-rank streams
+    output_dir: str = "runs/default"           # run folder: config.yaml, checkpoints, metrics
+    resume: str = "none"                       # "none", "auto" (latest in output_dir) or a checkpoint path
+    nonfinite: NonFinite = "skip"              # on a NaN/inf loss or grad norm: skip the step or stop
+    collective_timeout_s: int = 600            # process-group timeout (seconds)
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0                             # optimizer steps between checkpoints; 0 = only at the end
+    keep_last: int = 3                         # complete checkpoints kept on disk
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    wandb_mode: WandbMode = "disabled"
+    wandb_project: str = "tsp_trainer"
+    run_name: str | None = None                # None = derived from output_dir
+    log_every: int = 1                         # optimizer steps between metric lines
+    progress_bar: bool = True
+    jsonl: bool = True                         # metrics.jsonl in output_dir
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The root config. Only the Trainer, the checkpoint manager and observability see all of it."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    zero: ZeroSection = field(default_factory=ZeroSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,287 @@
+"""Cross-field rules of a TrainConfig. Each failure is a ValueError naming key(s), value(s), the rule
+and a hint, e.g. `parallel.tsp_degree=3 does not divide model.num_kv_heads=8; use one of 1, 2, 4, 8`.
+
+`check_parallel_shapes` is the pure shape rule of every scheme; the parallel package calls it before
+any process-group work, so a bad degree fails with this message rather than as a shape error deep
+inside a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import typing
+from typing import Any, Literal
+
+from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.config.schema import ParallelSection, Scheme, TrainConfig
+
+SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
+
+# Weight matrices are split along these dims by every weight-sharding scheme (heads of W_q/W_k/W_v,
+# the intermediate dim of the gated MLP, vocabulary rows of the embedding and LM head). KV heads come
+# first: they divide num_heads, so they are the tighter bound and the more useful message.
+_SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size", "vocab_size")
+
+# scheme -> (splits the weights, sequence chunks per rank: 2 = zigzag, 1 = contiguous, 0 = none).
+# Zigzag cuts each sequence into 2D chunks (rank p takes p and 2D-1-p) to balance causal work;
+# Megatron TP+SP splits the sequence contiguously around the TP region.
+_SCHEME_AXES = {"tsp": (True, 2), "tp": (True, 0), "tp_sp": (True, 1), "sp": (False, 2),
+                "tp_x_sp": (True, 2)}
+
+# key -> smallest allowed integer; None is allowed where the schema says `int | None`.
+_INT_MIN = {
+    "model.seed": 0, "parallel.tsp_degree": 1, "parallel.head_buckets": 1, "parallel.tp_degree": 1,
+    "parallel.sp_degree": 1, "parallel.dp_degree": 1, "data.seq_len": 1, "data.micro_batch_size": 1,
+    "data.shuffle_buffer": 1, "optim.warmup_steps": 0, "train.steps": 1, "train.grad_accum": 1,
+    "train.global_batch_size": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.seed": 0,
+    "train.collective_timeout_s": 1, "checkpoint.every": 0, "checkpoint.keep_last": 1,
+    "logging.log_every": 1,
+}
+_OPTIONAL_INTS = {"parallel.tp_degree", "parallel.sp_degree", "parallel.dp_degree",
+                  "train.global_batch_size"}
+
+# key -> (predicate, rule) for the optimizer's floats.
+_FLOAT_RULES = {
+    "optim.lr": (lambda v: v > 0, "must be > 0"),
+    "optim.min_lr": (lambda v: v >= 0, "must be >= 0"),
+    "optim.weight_decay": (lambda v: v >= 0, "must be >= 0"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "optim.eps": (lambda v: v > 0, "must be > 0"),
+    "optim.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
+}
+
+
+def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Raise ValueError on the first broken rule. `world_size` adds the mesh rules when known."""
+    _check_choices(cfg)
+    _check_numbers(cfg)
+    _check_zero(cfg.zero.stage)
+    model = cfg.model.to_model_config()   # ModelConfig checks its own shape (head_dim, GQA groups)
+    p = cfg.parallel
+    check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=cfg.data.seq_len,
+                          head_buckets=p.head_buckets, tp_degree=p.tp_degree, sp_degree=p.sp_degree)
+    _check_batch(cfg, resolve_dp_degree(p, world_size))
+    _check_schedule(cfg, model)
+    _check_paths(cfg)
+
+
+def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, seq_len: int | None,
+                          head_buckets: int = 1, tp_degree: int | None = None,
+                          sp_degree: int | None = None) -> None:
+    """Check that the model and sequence split evenly under `scheme` with model-parallel degree D.
+
+    Args:
+        degree: D, the size of the model-parallel group (`parallel.tsp_degree`) for every scheme.
+        seq_len: tokens per sequence before sharding; None skips the sequence rules.
+        tp_degree, sp_degree: T and S of scheme tp_x_sp (T x S = D); None for the other schemes.
+    """
+    _check_scheme_args(scheme, degree, seq_len, head_buckets, tp_degree, sp_degree)
+    splits_weights, chunks = _SCHEME_AXES[scheme]
+    if scheme == "tp_x_sp":   # two axes inside the group: T splits the weights, S the sequence
+        weight_axis, seq_axis = ("parallel.tp_degree", tp_degree), ("parallel.sp_degree", sp_degree)
+    else:
+        weight_axis = seq_axis = ("parallel.tsp_degree", degree)
+    # The degrees a message offers must also pass the sequence rule when one key governs both.
+    same_key = seq_axis[0] == weight_axis[0]
+    seq_rule = (seq_len, chunks) if chunks and seq_len is not None and same_key else None
+    if splits_weights:
+        _check_weight_split(model_cfg, *weight_axis, seq_rule=seq_rule)
+    if chunks and seq_len is not None:
+        _check_sequence_split(seq_len, *seq_axis, chunks=chunks)
+    if scheme == "tsp":
+        _check_head_buckets(model_cfg, degree, head_buckets)
+
+
+def resolve_dp_degree(parallel: ParallelSection, world_size: int | None) -> int | None:
+    """DP degree = world_size // tsp_degree; checks `parallel.dp_degree` when both are known."""
+    if world_size is None:
+        return parallel.dp_degree
+    _require_int("world size", world_size, 1)
+    d, dp = parallel.tsp_degree, parallel.dp_degree
+    if dp is not None and dp * d != world_size:
+        raise ValueError(f"world size {world_size} is not dp_degree x tsp_degree = {dp} x {d} "
+                         f"(parallel.dp_degree, parallel.tsp_degree); launch {dp * d} processes "
+                         "or set parallel.dp_degree=null to derive it")
+    if world_size % d:
+        raise ValueError(f"world size {world_size} is not divisible by parallel.tsp_degree={d}; "
+                         f"launch a multiple of {d} processes or use a degree in "
+                         f"{_fmt_list(_divisors(world_size))}")
+    return world_size // d
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-field rules
+
+
+def _check_choices(cfg: TrainConfig) -> None:
+    """Every `Literal[...]` field of every section (the same choices the loader enforces)."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for name, kind in typing.get_type_hints(type(obj)).items():
+            choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+            value = getattr(obj, name)
+            if choices and value not in choices:
+                raise ValueError(f"{section.name}.{name}={value!r} is not one of "
+                                 f"{', '.join(map(repr, choices))}; pick one of them")
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    for key, minimum in _INT_MIN.items():
+        value = _get(cfg, key)
+        if not (value is None and key in _OPTIONAL_INTS):
+            _require_int(key, value, minimum)
+    for key, (ok, rule) in _FLOAT_RULES.items():
+        value = _get(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"{key}={value!r} {rule}")
+
+
+def _check_zero(stage: Any) -> None:
+    if stage == 3 and not isinstance(stage, bool):
+        raise ValueError("zero.stage=3 is not yet proven with TSP: no parity test covers ZeRO-3 with "
+                         "sharded weights (DESIGN.md section 7); use zero.stage 0, 1 or 2")
+    if stage not in (0, 1, 2) or isinstance(stage, bool):
+        raise ValueError(f"zero.stage={stage!r} must be 0, 1 or 2 (DeepSpeed ZeRO stage over the DP axis)")
+
+
+def _require_int(key: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key}={value!r} must be an integer >= {minimum}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel shapes
+
+
+def _check_scheme_args(scheme: str, degree: int, seq_len: int | None, head_buckets: int,
+                       tp_degree: int | None, sp_degree: int | None) -> None:
+    if scheme not in SCHEMES:
+        raise ValueError(f"parallel.scheme={scheme!r} is not one of {', '.join(map(repr, SCHEMES))}")
+    _require_int("parallel.tsp_degree", degree, 1)
+    _require_int("parallel.head_buckets", head_buckets, 1)
+    if seq_len is not None:
+        _require_int("data.seq_len", seq_len, 1)
+    if scheme != "tsp" and head_buckets != 1:
+        raise ValueError(f"parallel.head_buckets={head_buckets} is only used by parallel.scheme='tsp' "
+                         f"(got {scheme!r}); set parallel.head_buckets=1")
+    if scheme != "tp_x_sp":
+        for key, value in (("parallel.tp_degree", tp_degree), ("parallel.sp_degree", sp_degree)):
+            if value is not None:
+                raise ValueError(f"{key}={value} is only used by parallel.scheme='tp_x_sp' (got "
+                                 f"{scheme!r}, whose degree is parallel.tsp_degree); set it to null")
+        return
+    _check_two_axes(degree, tp_degree, sp_degree)
+
+
+def _check_two_axes(degree: int, tp_degree: int | None, sp_degree: int | None) -> None:
+    """tp_x_sp folds a T-way TP axis and an S-way SP axis into the D ranks of a group."""
+    if tp_degree is None or sp_degree is None:
+        raise ValueError(f"parallel.scheme='tp_x_sp' needs parallel.tp_degree and parallel.sp_degree "
+                         f"(got {tp_degree} and {sp_degree}) with T x S = parallel.tsp_degree={degree}")
+    _require_int("parallel.tp_degree", tp_degree, 1)
+    _require_int("parallel.sp_degree", sp_degree, 1)
+    if tp_degree * sp_degree != degree:
+        pairs = ", ".join(f"{t} x {degree // t}" for t in _divisors(degree))
+        raise ValueError(f"parallel.tp_degree x parallel.sp_degree = {tp_degree} x {sp_degree} = "
+                         f"{tp_degree * sp_degree} is not parallel.tsp_degree={degree}; "
+                         f"use T x S in {pairs}")
+
+
+def _check_weight_split(model_cfg: ModelConfig, key: str, degree: int, *,
+                        seq_rule: tuple[int, int] | None) -> None:
+    sizes = {name: getattr(model_cfg, name) for name in _SHARDED_DIMS}
+    for name, size in sizes.items():
+        if size % degree:
+            bounds = list(sizes.values())
+            if seq_rule and seq_rule[0] % seq_rule[1] == 0:
+                bounds.append(seq_rule[0] // seq_rule[1])   # d | seq_len/chunks  <=>  chunks*d | seq_len
+            raise ValueError(f"{key}={degree} does not divide model.{name}={size}; use one of "
+                             f"{_fmt_list(_divisors(math.gcd(*bounds)))}")
+
+
+def _check_sequence_split(seq_len: int, key: str, degree: int, *, chunks: int) -> None:
+    parts = chunks * degree
+    if seq_len % parts == 0:
+        return
+    why = (f"2 x {key} = {parts} (zigzag cuts each sequence into 2D chunks)" if chunks == 2 else
+           f"{key}={degree} (sequence parallelism cuts each sequence into D chunks)")
+    lower = seq_len // parts * parts
+    nearby = f"{lower} or {lower + parts}" if lower else f"{parts}"
+    raise ValueError(f"data.seq_len={seq_len} is not divisible by {why}; use a multiple of {parts}, "
+                     f"e.g. {nearby}")
+
+
+def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) -> None:
+    # Buckets split the K/V heads of one weight shard; each bucket has its own K/V all-gather.
+    per_shard = model_cfg.num_kv_heads // degree
+    if per_shard % head_buckets:
+        raise ValueError(f"parallel.head_buckets={head_buckets} does not divide model.num_kv_heads / "
+                         f"parallel.tsp_degree = {model_cfg.num_kv_heads} / {degree} = {per_shard} "
+                         f"(K/V heads per TSP weight shard); use one of {_fmt_list(_divisors(per_shard))}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-section rules
+
+
+def _check_batch(cfg: TrainConfig, dp_degree: int | None) -> None:
+    micro, accum, wanted = cfg.data.micro_batch_size, cfg.train.grad_accum, cfg.train.global_batch_size
+    if wanted is None:
+        return
+    if dp_degree is None:   # world size unknown: only the part that does not depend on it
+        if wanted % (micro * accum):
+            raise ValueError(f"train.global_batch_size={wanted} is not a multiple of "
+                             f"data.micro_batch_size x train.grad_accum = {micro} x {accum}")
+        return
+    if wanted != micro * accum * dp_degree:
+        raise ValueError(f"train.global_batch_size={wanted} is not data.micro_batch_size x "
+                         f"train.grad_accum x dp_degree = {micro} x {accum} x {dp_degree} = "
+                         f"{micro * accum * dp_degree}; fix one of them or set it to null")
+
+
+def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
+    if cfg.data.seq_len > model.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model.max_seq_len} "
+                         f"(RoPE is set up for that many positions); lower data.seq_len or raise "
+                         f"model.max_seq_len")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ValueError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the "
+                         "schedule decays from lr down to min_lr")
+    if cfg.optim.warmup_steps > cfg.train.steps:
+        raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps="
+                         f"{cfg.train.steps}; warmup must end within the run")
+    if cfg.train.eval_every and cfg.data.eval_split is None:
+        raise ValueError(f"train.eval_every={cfg.train.eval_every} needs data.eval_split, which is "
+                         "null; name an eval split or set train.eval_every=0")
+
+
+def _check_paths(cfg: TrainConfig) -> None:
+    resume = cfg.train.resume
+    if resume not in ("none", "auto") and not os.path.exists(resume):
+        raise ValueError(f"train.resume={resume!r} is not 'none', 'auto' or an existing checkpoint "
+                         "path; check the path (relative paths start from the working directory)")
+    init_from = cfg.model.init_from
+    if init_from is not None and not os.path.isdir(init_from):
+        raise ValueError(f"model.init_from={init_from!r} is not an existing folder; give a Hugging "
+                         "Face Llama folder (config.json + safetensors) or null for a random init")
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _get(cfg: TrainConfig, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted({f for d in range(1, math.isqrt(n) + 1) if n % d == 0 for f in (d, n // d)})
+
+
+def _fmt_list(values: list[int], limit: int = 16) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return shown + (", ..." if len(values) > limit else "")

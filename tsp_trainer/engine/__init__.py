@@ -1,0 +1,1 @@
+"""The only importer of accelerate and deepspeed (DESIGN.md section 7)."""

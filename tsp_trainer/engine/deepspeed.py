@@ -1,0 +1,92 @@
+"""DeepSpeed ZeRO over the dp axis, under Hugging Face Accelerate.
+
+Accelerate has no public way to hand DeepSpeed a model-parallel `mpu`. Measured on accelerate
+1.15 / deepspeed 0.19: `Accelerator._prepare_deepspeed` looks up `deepspeed.initialize` when it
+runs, so binding `mpu=` onto it for the duration of `accelerator.prepare(...)` works. That is the
+one Accelerate internal we rely on; tests/distributed/test_engine.py fails if it changes.
+
+Everything else is the contract of DESIGN.md section 7: train_batch_size = micro x grad_accum x
+dp written explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
+gradient_clipping written explicitly (DeepSpeed's default is 1.0); a torch AdamW (no JIT build of
+DeepSpeed's fused op); bf16 on GPU, fp32 on CPU; the data loader is ours, never prepared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import importlib
+import os
+import sys
+
+import torch
+
+from tsp_trainer.parallel.mpu import TSPMpu
+
+
+def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: int,
+              max_grad_norm: float, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * dp_degree,
+        "gradient_clipping": float(max_grad_norm),
+        "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": 5e7,
+                              "allgather_bucket_size": 5e7},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": bool(bf16)},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+def skip_cpu_shm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory comm op at every initialize on CPU (~26 s the first
+    time) although only inference_all_reduce uses it; skip the build (ENV_NOTES.md section 3)."""
+    module = importlib.import_module("deepspeed.comm.torch")
+    module = sys.modules["deepspeed.comm.torch"]          # deepspeed.comm re-exports torch
+    module.build_shm_op = lambda: None
+
+
+def make_accelerator(ds_cfg: dict, *, timeout_s: int, cpu: bool):
+    """An Accelerator carrying our DeepSpeed config. It initialises the default process group
+    (gloo on CPU, NCCL on GPU) unless the caller already did."""
+    os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+    if cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        skip_cpu_shm_build()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    plugin = DeepSpeedPlugin(hf_ds_config=ds_cfg)
+    kwargs = InitProcessGroupKwargs(backend="gloo" if cpu else "nccl",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+    return Accelerator(deepspeed_plugin=plugin, mixed_precision="bf16" if ds_cfg["bf16"]["enabled"] else "no",
+                       kwargs_handlers=[kwargs])
+
+
+@contextlib.contextmanager
+def mpu_bound_to_initialize(mpu: TSPMpu):
+    """Inside the block, deepspeed.initialize(...) receives mpu=mpu (the shim)."""
+    import deepspeed
+
+    original = deepspeed.initialize
+    deepspeed.initialize = functools.partial(original, mpu=mpu)
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mpu: TSPMpu):
+    """accelerator.prepare(model, optimizer) with our mpu -> (DeepSpeedEngine, optimizer)."""
+    with mpu_bound_to_initialize(mpu):
+        engine, opt = accelerator.prepare(model, optimizer)
+    expected = mpu.get_data_parallel_world_size()
+    if engine.dp_world_size != expected:
+        raise RuntimeError(f"DeepSpeed engine sees dp_world_size={engine.dp_world_size}, expected "
+                           f"{expected}: the mpu did not reach deepspeed.initialize (has "
+                           "Accelerate's _prepare_deepspeed changed?)")
+    return engine, opt
