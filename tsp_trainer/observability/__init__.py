@@ -1,0 +1,39 @@
+"""Observability: rank-aware logging, FLOP formula and step metrics (tokens/s, MFU, memory), metric
+sinks (metrics.jsonl, console, W&B on global rank 0) and a progress bar. Never issues collectives;
+only wandb_sink.py imports wandb (lazily)."""
+
+from tsp_trainer.observability.flops import (
+    attention_flops_per_token,
+    block_matmul_params,
+    flops_per_token,
+    matmul_params,
+    model_and_hardware_flops_per_token,
+)
+from tsp_trainer.observability.log import configure_logging, get_logger
+from tsp_trainer.observability.metrics import (
+    DEVICE_PEAK_FLOPS,
+    StepMetrics,
+    detect_peak_flops,
+    peak_flops_for,
+    peak_memory_bytes,
+    reset_peak_memory,
+)
+from tsp_trainer.observability.progress import ProgressBar
+from tsp_trainer.observability.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    MetricsSink,
+    MultiSink,
+    NullSink,
+    format_console_line,
+    make_sinks,
+)
+from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
+
+__all__ = [
+    "DEVICE_PEAK_FLOPS", "WANDB_MODES", "ConsoleSink", "JsonlSink", "MetricsSink", "MultiSink", "NullSink",
+    "ProgressBar", "StepMetrics", "WandbSink", "attention_flops_per_token", "block_matmul_params",
+    "configure_logging", "detect_peak_flops", "flops_per_token", "format_console_line", "get_logger",
+    "make_sinks", "matmul_params", "model_and_hardware_flops_per_token", "peak_flops_for",
+    "peak_memory_bytes", "reset_peak_memory",
+]

@@ -1,0 +1,154 @@
+"""Metric sinks: where one dict of metrics per logged step goes (metrics.jsonl, the console, W&B).
+Sinks never communicate; the caller builds real sinks on global rank 0 only (make_sinks) and a
+NullSink everywhere else. wandb is imported only by wandb_sink.py, lazily.
+
+Keys the ConsoleSink knows how to print (others go to the JSONL file and W&B only):
+    loss, lr, grad_norm, tokens_per_s, mfu, peak_mem_bytes
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import IO, Any, Iterable, Protocol, runtime_checkable
+
+from tsp_trainer.observability.log import get_logger
+from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _to_json_value(value: Any) -> Any:
+    """Python scalars as-is; 0-d tensors / numpy scalars via .item(); NaN and inf as null (strict JSON)."""
+    if hasattr(value, "item") and callable(value.item):
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):   # not a scalar: json.dumps(default=str) prints it
+            return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class NullSink:
+    """Accepts everything, writes nothing: ranks != 0, and tests that do not look at metrics."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """One JSON object per line, {"step": step, **metrics}, flushed after each line so tools and
+    tests can read the file while training runs.
+
+    The file is opened in append mode: after a resume, steps between the last checkpoint and the
+    crash appear twice, and readers should keep the last line for each step. Non-finite floats are
+    written as null so every line is strict JSON.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            raise RuntimeError(f"JsonlSink({self.path!r}).log called after close")
+        record = {"step": int(step), **{k: _to_json_value(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record, allow_nan=False, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:.1f}"
+
+
+def format_console_line(step: int, metrics: dict[str, Any]) -> str:
+    """"step 12 | loss 3.4567 | lr 3.00e-04 | gnorm 1.234 | 12.35k tok/s | MFU 41.2% | mem 12.3 GiB";
+    fields whose key is missing or None are left out."""
+    m = {k: _to_json_value(v) for k, v in metrics.items()}
+    parts = [f"step {step}"]
+    formats = (("loss", "loss {:.4f}"), ("lr", "lr {:.2e}"), ("grad_norm", "gnorm {:.3f}"))
+    parts += [fmt.format(m[key]) for key, fmt in formats if m.get(key) is not None]
+    if m.get("tokens_per_s") is not None:
+        parts.append(f"{_si(m['tokens_per_s'])} tok/s")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if m.get("peak_mem_bytes") is not None:
+        parts.append(f"mem {m['peak_mem_bytes'] / 2**30:.1f} GiB")
+    return " | ".join(parts)
+
+
+class ConsoleSink:
+    """One compact line per logged step through the package logger (so a progress bar can redirect
+    it, see progress.py)."""
+
+    def __init__(self, logger: logging.LoggerAdapter | logging.Logger | None = None):
+        self._logger = logger if logger is not None else get_logger("tsp_trainer.metrics")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self._logger.info(format_console_line(step, metrics))
+
+    def close(self) -> None:
+        pass
+
+
+class MultiSink:
+    """Fans out to several sinks. close() closes all of them, then re-raises the first error."""
+
+    def __init__(self, sinks: Iterable[MetricsSink]):
+        self.sinks = list(sinks)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def close(self) -> None:
+        errors = []
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # keep closing the others (W&B must still finish)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+def make_sinks(*, global_rank: int, wandb_mode: str, project: str, run_name: str, config: dict[str, Any],
+               output_dir: str | os.PathLike, jsonl: bool = True, console: bool = True,
+               wandb_run_id: str | None = None) -> MetricsSink:
+    """The job's metric sink: NullSink on ranks != 0; on global rank 0 a MultiSink of
+    JsonlSink(output_dir/metrics.jsonl), ConsoleSink and WandbSink (unless wandb_mode="disabled";
+    its files go under output_dir/wandb). wandb_run_id resumes the same W&B run after a restart."""
+    if wandb_mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb_mode={wandb_mode!r} is not one of {WANDB_MODES}")
+    if global_rank != 0:
+        return NullSink()
+    output_dir = os.fspath(output_dir)
+    sinks: list[MetricsSink] = []
+    if jsonl:
+        sinks.append(JsonlSink(os.path.join(output_dir, "metrics.jsonl")))
+    if console:
+        sinks.append(ConsoleSink())
+    if wandb_mode != "disabled":
+        sinks.append(WandbSink(project, run_name=run_name, config=config, mode=wandb_mode,
+                               dir=output_dir, run_id=wandb_run_id))
+    return MultiSink(sinks)

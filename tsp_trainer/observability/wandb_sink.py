@@ -1,0 +1,71 @@
+"""Weights & Biases sink: the only module that imports wandb (lazily, inside WandbSink), built on
+global rank 0 only (see sinks.make_sinks). No collectives, no environment reads: the mode comes from
+the typed config (logging.wandb_mode).
+
+Modes: "online" (needs network and a login), "offline" (writes <dir>/wandb/offline-run-*, upload
+later with `wandb sync`), "disabled" (no files, no child process). Offline runs start a wandb-core
+child that exits with the training process (ENV_NOTES.md section 7). `dir` is always passed, so
+nothing lands in the working directory; wandb-core's own debug logs go to the user cache dir unless
+WANDB_CACHE_DIR points elsewhere (a launch-script concern).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _loggable(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Drop None (e.g. MFU on CPU) and non-finite floats, which W&B charts cannot draw."""
+    out = {}
+    for key, value in metrics.items():
+        if hasattr(value, "item") and callable(value.item):
+            try:
+                value = value.item()
+            except (ValueError, RuntimeError):
+                pass
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            continue
+        out[key] = value
+    return out
+
+
+def _refuse_off_rank0() -> None:
+    """A safety net for make_sinks's contract: W&B runs on global rank 0 only."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        raise RuntimeError(f"WandbSink built on global rank {dist.get_rank()}; build it on rank 0 only "
+                           "(use observability.make_sinks, which returns a NullSink elsewhere)")
+
+
+class WandbSink:
+    """Logs each step's metrics to one W&B run; close() finishes the run (idempotent)."""
+
+    def __init__(self, project: str, *, run_name: str | None, config: dict[str, Any], mode: str,
+                 dir: str | os.PathLike, run_id: str | None = None):  # noqa: A002 (wandb's name)
+        if mode not in WANDB_MODES:
+            raise ValueError(f"logging.wandb_mode={mode!r} is not one of {WANDB_MODES}")
+        _refuse_off_rank0()
+        import wandb
+
+        self.dir = os.fspath(dir)
+        os.makedirs(self.dir, exist_ok=True)
+        # reinit="create_new": this sink owns its run object and never picks up (or finishes)
+        # another run that happens to be active in the process.
+        self.run = wandb.init(project=project, name=run_name, config=config, mode=mode, dir=self.dir,
+                              id=run_id, resume="allow" if run_id else None, reinit="create_new")
+        self._closed = False
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._closed:
+            raise RuntimeError("WandbSink.log called after close")
+        self.run.log(_loggable(metrics), step=int(step))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.run.finish()
