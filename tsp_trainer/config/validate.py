@@ -60,6 +60,10 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_numbers(cfg)
     _check_zero(cfg.zero.stage)
+    if cfg.zero.stage == 0 and cfg.train.nonfinite == "skip":
+        raise ValueError("train.nonfinite='skip' needs zero.stage 1 or 2 (their overflow check, agreed "
+                         "over all ranks, is what skips the update); zero.stage=0 has none: use "
+                         "zero.stage 1 or 2, or train.nonfinite='stop'")
     model = cfg.model.to_model_config()   # ModelConfig checks its own shape (head_dim, GQA groups)
     p = cfg.parallel
     check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=cfg.data.seq_len,

@@ -72,6 +72,18 @@ class Comm:
         self._record("all_reduce", tag, _nbytes(tensor))
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj, src: int = 0):
+        """obj from group rank `src` (pickled; small control messages only)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
+        return box[0]
+
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]

@@ -1,0 +1,3 @@
+from tsp_trainer.cli import main
+
+main()

@@ -1,0 +1,173 @@
+"""Checkpoint save/resume: atomic publication, `latest` pointer, keep-last-K, manifest.
+
+Layout of one checkpoint (all ranks write into a temporary folder on a shared filesystem):
+
+    <root>/step_00000020/
+        deepspeed/...                     DeepSpeed model + ZeRO optimizer states (per rank)
+        model/model-tspXXX-of-YYY.safetensors   self-describing model shards (checkpoint/shards.py)
+        ranks/rank_XXXXX.pt               per-rank state: data loader, RNG, scheduler, counters
+        meta.json                         step, tokens seen, layout, model config, resolved config
+        manifest.json                     every file with its size and sha256 (written last)
+    <root>/latest                         name of the newest complete checkpoint
+
+A checkpoint is written as `.step_00000020.tmp`, renamed to its final name only after every rank
+has finished and the manifest is written, and only then does `latest` move (os.replace). A crash
+at any point leaves `latest` naming the previous complete checkpoint; stale temporaries are removed
+by the next save. Loading verifies the manifest (sizes and checksums) before anything is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tsp_trainer.parallel.comm import Comm
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+META = "meta.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+class CheckpointManager:
+    def __init__(self, root: str | os.PathLike, *, world: Comm, keep_last: int = 3):
+        self.root = Path(root)
+        self.world = world
+        self.keep_last = keep_last
+
+    # -- save -------------------------------------------------------------------------------------
+    def begin(self, step: int) -> Path:
+        """Collective: create a clean temporary folder for `step`; returns its path."""
+        tmp = self.root / f".{step_dir_name(step)}.tmp"
+        if self.world.rank == 0:
+            for stale in self.root.glob(".step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            for sub in ("deepspeed", "model", "ranks"):
+                (tmp / sub).mkdir(parents=True, exist_ok=True)
+        self.world.barrier()
+        return tmp
+
+    def write_rank_state(self, tmp: Path, state: dict) -> None:
+        atomic_torch_save(state, tmp / "ranks" / f"rank_{self.world.rank:05d}.pt")
+
+    def publish(self, tmp: Path, step: int, meta: dict) -> Path:
+        """Collective: once every rank has written into `tmp`, rank 0 writes meta + manifest,
+        renames the folder into place, moves `latest` and prunes old checkpoints."""
+        self.world.barrier()
+        final = self.root / step_dir_name(step)
+        if self.world.rank == 0:
+            atomic_write_text(tmp / META, json.dumps(meta, indent=2, sort_keys=True))
+            atomic_write_text(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1, sort_keys=True))
+            _fsync_dir(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            atomic_write_text(self.root / LATEST, final.name + "\n")
+            self._prune()
+        self.world.barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        done = sorted(p for p in self.root.glob("step_*") if (p / MANIFEST).exists())
+        for old in done[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -- resume -----------------------------------------------------------------------------------
+    def latest(self) -> Path | None:
+        pointer = self.root / LATEST
+        if not pointer.exists():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if (path / MANIFEST).exists() else None
+
+    def resolve(self, resume: str) -> Path | None:
+        """"none" -> None; "auto" -> the latest complete checkpoint (None if there is none);
+        anything else is a checkpoint folder that must exist."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if not (path / MANIFEST).exists():
+            raise ValueError(f"train.resume={resume!r} is not a complete checkpoint folder "
+                             f"(no {MANIFEST}); pass 'auto', 'none' or a step_* folder")
+        return path
+
+    def verify(self, path: Path) -> dict:
+        """Collective: rank 0 checks every file of the manifest; all ranks get meta or the error."""
+        error = None
+        if self.world.rank == 0:
+            error = verify_manifest(path)
+        error = self.world.broadcast_object(error)
+        if error:
+            raise ValueError(error)
+        return json.loads((path / META).read_text())
+
+    def read_rank_state(self, path: Path) -> dict:
+        return torch.load(path / "ranks" / f"rank_{self.world.rank:05d}.pt", weights_only=False)
+
+
+def build_manifest(folder: Path) -> dict:
+    files = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[str(f.relative_to(folder))] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    return {"version": 1, "files": files}
+
+
+def verify_manifest(folder: Path) -> str | None:
+    """None if every file listed exists with its size and checksum; else what is wrong."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.exists():
+        return f"checkpoint {folder} has no {MANIFEST}: it is incomplete or not a checkpoint"
+    manifest = json.loads(manifest_path.read_text())
+    for rel, entry in manifest["files"].items():
+        f = folder / rel
+        if not f.exists():
+            return f"checkpoint {folder} is missing {rel} (listed in {MANIFEST})"
+        if f.stat().st_size != entry["bytes"]:
+            return f"checkpoint file {f} has {f.stat().st_size} bytes, manifest says {entry['bytes']}"
+        if sha256_file(f) != entry["sha256"]:
+            return f"checkpoint file {f} fails its sha256 check (corrupted)"
+    return None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,293 @@
+"""The Trainer: builds, in order, mesh -> model with its parallel scheme -> DeepSpeed engine under
+Accelerate -> data -> checkpoints -> logging; then fit() runs train_step() / evaluate().
+
+One optimizer step = grad_accum micro-batches per DP rank. Every rank of a TSP group reads the same
+micro-batch (the loader is split by dp rank only) and takes its zigzag slice. The loss backpropagated
+on each rank is local_sum * dp / global_count: DeepSpeed averages gradients over dp and divides by
+grad_accum, so the update follows the mean over all tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tsp_trainer.checkpoint.manager import CheckpointManager
+from tsp_trainer.checkpoint.shards import shard_file_name, write_shard
+from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
+from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
+from tsp_trainer.engine import deepspeed as ds_engine
+from tsp_trainer.model import Transformer
+from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
+                                       model_and_hardware_flops_per_token, peak_memory_bytes)
+from tsp_trainer.optim import build_optimizer, build_scheduler
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.mpu import TSPMpu
+from tsp_trainer.parallel.schemes import Parallelized, parallelize
+
+_LAYOUT_POLICY = {"refuse": "error", "restart": "restart", "resplit": "resplit"}
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient with train.nonfinite=stop (raised before the update)."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0                # optimizer steps taken
+    tokens_seen: int = 0         # global tokens consumed
+    skipped_steps: int = 0       # non-finite steps skipped
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
+        validate_config(cfg, world_size)                 # bad input fails before any group exists
+        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        self.log = get_logger(__name__, rank=global_rank)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
+        dp = world_size // cfg.parallel.tsp_degree
+        self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
+                                                      timeout_s=cfg.train.collective_timeout_s)
+        self.mesh = build_mesh(cfg.parallel.tsp_degree)
+        self.par = self._build_model()
+        self.optimizer = build_optimizer(self.par.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
+        self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
+                                           TSPMpu(self.mesh))
+        self.loader = self._build_loader()
+        self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
+                                      keep_last=cfg.checkpoint.keep_last)
+        self.state = TrainState()
+        self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
+        self._poisoned = False
+        self._watch_gradients()
+        self._resume()
+        if self.mesh.rank == 0:
+            save_resolved_config(cfg, f"{cfg.train.output_dir}/config.yaml")
+        self.sinks = make_sinks(global_rank=self.mesh.rank, wandb_mode=cfg.logging.wandb_mode,
+                                project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
+                                config=cfg.to_dict(), output_dir=cfg.train.output_dir,
+                                jsonl=cfg.logging.jsonl)
+        self.flops = model_and_hardware_flops_per_token(
+            self.model_cfg, cfg.data.seq_len, recompute=cfg.train.activation_checkpointing)
+
+    # -- building ---------------------------------------------------------------------------------
+    def _ds_config(self, dp: int) -> dict:
+        c = self.cfg
+        return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
+                                   dp_degree=dp, zero_stage=c.zero.stage,
+                                   max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16)
+
+    def _build_model(self) -> Parallelized:
+        c = self.cfg
+        with torch.device("meta"):                       # no rank ever holds the full model
+            model = Transformer(self.model_cfg)
+        par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
+                          head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
+                          tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree)
+        if c.model.init_from:
+            from tsp_trainer.checkpoint.hf import load_hf_state_dict
+            par.load_full_state_dict(load_hf_state_dict(c.model.init_from, self.model_cfg))
+        if c.train.activation_checkpointing:
+            model.block_wrapper = _checkpointed_block
+        return par
+
+    def _build_loader(self):
+        c = self.cfg.data
+        return build_loader(c.source, tokenizer=self.tokenizer, seq_len=c.seq_len,
+                            micro_batch_size=c.micro_batch_size, split=c.train_split,
+                            text_field=c.text_field, dp_rank=self.mesh.dp_rank,
+                            dp_degree=self.mesh.dims.dp, seed=self.cfg.train.seed,
+                            shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer)
+
+    def _watch_gradients(self) -> None:
+        """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
+        def hook(grad):
+            if not torch.isfinite(grad).all():
+                self._nonfinite_grad.fill_(True)
+            return grad
+        for p in self.par.model.parameters():
+            p.register_hook(hook)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        c, mesh = self.cfg, self.mesh
+        t0, data_wait, loss_value, tokens = time.perf_counter(), 0.0, 0.0, 0
+        lr = self.optimizer.param_groups[0]["lr"]          # the rate this step's update uses
+        mesh.ledger.reset()
+        self._nonfinite_grad.fill_(False)
+        local_bad, skipped_before = False, self.engine.skipped_steps
+        for _ in range(c.train.grad_accum):
+            t = time.perf_counter()
+            batch = next(self.loader)
+            data_wait += time.perf_counter() - t
+            ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
+                                                    batch["labels"].to(self.device))
+            loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
+            total = global_count(count, self.par.token_comms + [mesh.dp])
+            loss = loss_sum * mesh.dims.dp / total
+            if not bool(torch.isfinite(loss_sum)):
+                # A non-finite loss must poison every gradient it touches (an additive NaN would
+                # not), so DeepSpeed's overflow check, agreed over dp and tsp, skips the update.
+                local_bad, loss = True, loss * float("nan")
+            self.engine.backward(loss)
+            if self.engine.is_gradient_accumulation_boundary():
+                self._check_finite(local_bad)
+            self.engine.step()
+            loss_value += reduce_loss_value(loss_sum, total, self.par.token_comms + [mesh.dp]) / c.train.grad_accum
+            tokens += int(total)
+        skipped = self._after_update(skipped_before)
+        metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped)
+        return {**metrics, "lr": lr}
+
+    def _check_finite(self, local_bad: bool) -> None:
+        """All ranks agree, before the update, whether this step is poisoned."""
+        flag = torch.tensor(float(local_bad or bool(self._nonfinite_grad)))
+        self.mesh.world.all_reduce(flag, tag="nonfinite.flag", op=torch.distributed.ReduceOp.MAX)
+        self._poisoned = bool(flag)
+        if self._poisoned and self.cfg.train.nonfinite == "stop":
+            raise NonFiniteError(f"non-finite loss or gradient at step {self.state.step + 1} "
+                                 "(train.nonfinite=stop): stopped before the optimizer update")
+
+    def _after_update(self, skipped_before: int) -> bool:
+        skipped = self._poisoned
+        if skipped and self.engine.skipped_steps == skipped_before:
+            raise RuntimeError(f"step {self.state.step + 1} had non-finite values but DeepSpeed "
+                               "applied the update; refusing to continue from a poisoned state")
+        if skipped:
+            self.state.skipped_steps += 1
+            self.log.warning(f"step {self.state.step + 1}: non-finite loss or gradient, update skipped "
+                             f"({self.state.skipped_steps} skipped so far)")
+        else:
+            self.scheduler.step()
+        self.state.step += 1
+        return skipped
+
+    def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool) -> dict:
+        m = StepMetrics.compute(tokens=tokens, step_time_s=dt, world_size=self.mesh.dims.world_size,
+                                model_flops_per_token=self.flops[0], hardware_flops_per_token=self.flops[1])
+        self.state.tokens_seen += tokens
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
+                **m.as_dict(), "peak_mem_bytes": peak_memory_bytes(),
+                "comm_bytes_model_parallel": self.mesh.ledger.total_bytes(),
+                "data_wait_s": data_wait, "skipped": int(skipped),
+                "skipped_steps": self.state.skipped_steps, "tokens_seen": self.state.tokens_seen}
+
+    # -- evaluation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        c = self.cfg
+        total_loss, total_tokens = 0.0, 0.0
+        for batch in iterate_eval_batches(c.data.source, tokenizer=self.tokenizer, seq_len=c.data.seq_len,
+                                          micro_batch_size=c.data.micro_batch_size,
+                                          num_batches=c.train.eval_batches, split=c.data.eval_split,
+                                          text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
+                                          dp_degree=self.mesh.dims.dp):
+            ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
+                                                    batch["labels"].to(self.device))
+            s, n = self.engine.module.loss_sum(ids, labels, pos)
+            total = global_count(n, self.par.token_comms + [self.mesh.dp])
+            total_loss += reduce_loss_value(s, total, self.par.token_comms + [self.mesh.dp]) * float(total)
+            total_tokens += float(total)
+        return total_loss / max(total_tokens, 1.0)
+
+    # -- loop -------------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        c, history = self.cfg, []
+        bar = ProgressBar(c.train.steps, initial=self.state.step, rank=self.mesh.rank,
+                          enabled=None if c.logging.progress_bar else False)
+        with bar:
+            while self.state.step < c.train.steps:
+                metrics = self.train_step()
+                step = self.state.step
+                if c.train.eval_every and step % c.train.eval_every == 0:
+                    metrics["eval_loss"] = self.evaluate()
+                if step % c.logging.log_every == 0 or step == c.train.steps:
+                    self.sinks.log(step, metrics)
+                bar.update(loss=metrics["loss"], tokens_per_s=metrics.get("tokens_per_s"))
+                history.append(metrics)
+                if c.checkpoint.enabled and c.checkpoint.every and step % c.checkpoint.every == 0:
+                    self.save()
+        if c.checkpoint.enabled and (not c.checkpoint.every or self.state.step % c.checkpoint.every):
+            self.save()
+        self.sinks.close()
+        return history
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save(self):
+        step, mesh = self.state.step, self.mesh
+        tmp = self.ckpt.begin(step)
+        self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
+        if mesh.dp_rank == 0:       # one copy of each distinct model shard, self-describing
+            write_shard(tmp / "model" / shard_file_name(mesh.tsp_rank, mesh.dims.tsp),
+                        dict(self.par.model.state_dict()), self.par.specs,
+                        {a: comm.rank for a, comm in self.par.axis_comms.items()})
+        self.ckpt.write_rank_state(tmp, self._rank_state())
+        return self.ckpt.publish(tmp, step, self._meta())
+
+    def _meta(self) -> dict:
+        c, dims = self.cfg, self.mesh.dims
+        return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
+                "skipped_steps": self.state.skipped_steps,
+                "layout": {"scheme": c.parallel.scheme, "tsp_degree": dims.tsp, "dp_degree": dims.dp,
+                           "world_size": dims.world_size},
+                "model": self.model_cfg.__dict__, "config_yaml": config_to_yaml(c)}
+
+    def _rank_state(self) -> dict:
+        return {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "numpy": np.random.get_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+
+    def _resume(self) -> None:
+        path = self.ckpt.resolve(self.cfg.train.resume)
+        if path is None:
+            return
+        meta = self.ckpt.verify(path)
+        self._check_compatible(meta, path)
+        self.engine.load_checkpoint(str(path), tag="deepspeed", load_lr_scheduler_states=False)
+        rank_state = self.ckpt.read_rank_state(path)
+        self.loader.load_state_dict(rank_state["loader"],
+                                    on_layout_change=_LAYOUT_POLICY[self.cfg.data.on_layout_change])
+        self.scheduler.load_state_dict(rank_state["scheduler"])
+        _set_rng(rank_state["rng"])
+        self.state = TrainState(meta["step"], meta["tokens_seen"], meta.get("skipped_steps", 0))
+        self.log.info(f"resumed from {path} at step {self.state.step}")
+
+    def _check_compatible(self, meta: dict, path) -> None:
+        if meta["model"] != self.model_cfg.__dict__:
+            diff = {k: (v, self.model_cfg.__dict__.get(k)) for k, v in meta["model"].items()
+                    if self.model_cfg.__dict__.get(k) != v}
+            raise ValueError(f"checkpoint {path} is of another model shape: "
+                             + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint" for k, (a, b) in diff.items()))
+        saved = meta["layout"]
+        if (saved["tsp_degree"], saved["dp_degree"], saved["scheme"]) != \
+                (self.mesh.dims.tsp, self.mesh.dims.dp, self.cfg.parallel.scheme):
+            raise ValueError(f"checkpoint {path} was saved with scheme={saved['scheme']} "
+                             f"tsp_degree={saved['tsp_degree']} dp_degree={saved['dp_degree']}; this run "
+                             f"has scheme={self.cfg.parallel.scheme} tsp_degree={self.mesh.dims.tsp} "
+                             f"dp_degree={self.mesh.dims.dp}: use `tsp-reshard` (docs) to change layout")
+
+
+def _checkpointed_block(block, x, rope):
+    # Non-reentrant checkpointing re-runs the block's forward (and its collectives, in the same
+    # order on every rank) during backward.
+    return torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
+
+
+def _set_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
