@@ -1,0 +1,61 @@
+"""Rank functions and a single-process reference loop for the Trainer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tsp_trainer.config import load_config
+from tsp_trainer.data import build_loader, load_tokenizer
+from tsp_trainer.model import Transformer
+from tsp_trainer.optim import build_optimizer, build_scheduler
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = str(REPO / "recipes" / "tiny_cpu.yaml")
+FAST = [f"data.source={REPO / 'data' / 'corpus'}", f"data.tokenizer={REPO / 'data' / 'tokenizer'}",
+        "data.seq_len=64", "data.micro_batch_size=2", "train.eval_every=0",
+        "logging.progress_bar=false", "optim.warmup_steps=2", "optim.lr=3e-3"]
+
+
+def config(overrides):
+    return load_config(RECIPE, FAST + list(overrides))
+
+
+def train_rank(rank, world, overrides, return_weights=True):
+    from tsp_trainer.trainer import Trainer
+
+    trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+    history = trainer.fit()
+    weights = trainer.par.gather_full_state_dict() if return_weights else None
+    return {"losses": [h["loss"] for h in history], "grad_norms": [h["grad_norm"] for h in history],
+            "skipped": [h["skipped"] for h in history], "weights": weights if rank == 0 else None,
+            "dp_world_size": trainer.engine.dp_world_size, "step": trainer.state.step}
+
+
+def reference_run(overrides, *, dp_degree: int):
+    """One process, plain PyTorch: the same init, optimizer, schedule and clipping, on the global
+    batch formed by concatenating what each DP rank's loader yields."""
+    cfg = config(overrides)
+    model = Transformer(cfg.model.to_model_config())
+    model.init_weights(cfg.model.seed)
+    opt = build_optimizer(model, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim, cfg.train.steps)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    loaders = [build_loader(cfg.data.source, tokenizer=tok, seq_len=cfg.data.seq_len,
+                            micro_batch_size=cfg.data.micro_batch_size, dp_rank=r,
+                            dp_degree=dp_degree, seed=cfg.train.seed) for r in range(dp_degree)]
+    losses = []
+    for _ in range(cfg.train.steps):
+        batches = [next(loader) for loader in loaders]
+        ids = torch.cat([b["input_ids"] for b in batches])
+        labels = torch.cat([b["labels"] for b in batches])
+        loss = model.loss(ids, labels)
+        loss.backward()
+        if cfg.optim.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
