@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# torchrun launcher, single or multi node.
+#   launch/torchrun.sh recipes/tiny_cpu.yaml                       # 4 CPU processes, this machine
+#   NPROC=8 launch/torchrun.sh recipes/7b_128k_8gpu.yaml          # one 8-GPU node
+#   NNODES=128 NODE_RANK=$i MASTER_ADDR=host0 NPROC=8 launch/torchrun.sh recipes/7b_128k_1024gpu.yaml
+# Extra arguments are dotlist overrides: launch/torchrun.sh recipes/tiny_cpu.yaml train.steps=10
+set -euo pipefail
+recipe=${1:?usage: launch/torchrun.sh RECIPE [key=value ...]}; shift
+here=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-$here/.venv/bin/python}
+if ! "$python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export DS_ACCELERATOR=cpu
+fi
+exec "$python" -m torch.distributed.run \
+  --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC:-4}" \
+  --rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
+  --rdzv_id "${RDZV_ID:-tsp_trainer}" \
+  -m tsp_trainer train "$recipe" "$@"
