@@ -1,6 +1,11 @@
 """Thin wrappers over torch.distributed: one `Comm` per process group (one mesh axis on this
 rank). Every op takes ranks *within the group*, records itself in the ledger, and is a local no-op
-on a group of size 1. This is the only module in the package that calls torch.distributed ops."""
+on a group of size 1. This is the only module in the package that calls torch.distributed ops.
+
+Failures: a collective runs under the process group's timeout (train.collective_timeout_s). When a
+peer dies or the timeout expires, the backend's error is re-raised as CommError naming the op, what
+it moved, the axis, this rank and the peers involved, instead of a bare backend message (or, with
+no timeout, a hang)."""
 
 from __future__ import annotations
 
@@ -10,11 +15,28 @@ import torch.distributed as dist
 from tsp_trainer.parallel.ledger import CommLedger
 
 
+class CommError(RuntimeError):
+    """A collective or P2P op failed (peer gone, timeout, broken connection)."""
+
+
 class _Done:
     """Stand-in for a completed Work handle (size-1 groups)."""
 
     def wait(self) -> bool:
         return True
+
+
+class _Work:
+    """An async Work whose wait() re-raises failures as CommError with the op's context."""
+
+    def __init__(self, work, describe):
+        self._work, self._describe = work, describe
+
+    def wait(self) -> bool:
+        try:
+            return self._work.wait()
+        except Exception as err:                 # gloo/NCCL raise RuntimeError subclasses
+            raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
 
 
 class Comm:
@@ -31,64 +53,80 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks})"
 
-    def _record(self, op: str, tag: str, nbytes: int) -> None:
+    def _run(self, op: str, tag: str, nbytes: int, call, *, peers=None, async_op: bool = False):
+        """Record the op, issue it, and attach context to any failure."""
         self.ledger.record(op, axis=self.axis, tag=tag, group_size=self.size, nbytes=nbytes)
+
+        def describe() -> str:
+            who = f"global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
+            return (f"{op} of {tag!r} ({nbytes} bytes) on axis {self.axis!r}, rank "
+                    f"{self.ranks[self.rank]} with {who}")
+        try:
+            result = call()
+        except Exception as err:
+            raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+        if async_op:
+            return _Work(result, describe)
+        return result
 
     # -- collectives ------------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int, *, tag: str, async_op: bool = False):
         if self.size == 1:
             return _Done() if async_op else None
-        self._record("broadcast", tag, _nbytes(tensor))
-        return dist.broadcast(tensor, src=self.ranks[src], group=self.group, async_op=async_op)
+        return self._run("broadcast", tag, _nbytes(tensor), lambda: dist.broadcast(
+            tensor, src=self.ranks[src], group=self.group, async_op=async_op),
+            peers=[self.ranks[src]], async_op=async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """out: [D * inp.shape[0], ...] (rank-major concatenation)."""
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
-        self._record("all_gather", tag, _nbytes(out))
-        return dist.all_gather_single(out, inp.contiguous(), group=self.group, async_op=async_op)
+        return self._run("all_gather", tag, _nbytes(out), lambda: dist.all_gather_single(
+            out, inp.contiguous(), group=self.group, async_op=async_op), async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """Sum over the group of inp [D * out.shape[0], ...]; this rank keeps block `rank`."""
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
-        self._record("reduce_scatter", tag, _nbytes(inp))
-        return dist.reduce_scatter_single(out, inp.contiguous(), op=dist.ReduceOp.SUM,
-                                          group=self.group, async_op=async_op)
+        return self._run("reduce_scatter", tag, _nbytes(inp), lambda: dist.reduce_scatter_single(
+            out, inp.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, *, tag: str, async_op: bool = False):
         """Sum into `tensor` on group rank `dst` (other ranks' buffers are left undefined)."""
         if self.size == 1:
             return _Done() if async_op else None
-        self._record("reduce", tag, _nbytes(tensor))
-        return dist.reduce(tensor, dst=self.ranks[dst], op=dist.ReduceOp.SUM, group=self.group,
-                           async_op=async_op)
+        return self._run("reduce", tag, _nbytes(tensor), lambda: dist.reduce(
+            tensor, dst=self.ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            peers=[self.ranks[dst]], async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size == 1:
             return _Done() if async_op else None
-        self._record("all_reduce", tag, _nbytes(tensor))
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._run("all_reduce", tag, _nbytes(tensor), lambda: dist.all_reduce(
+            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op)
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self.group)
+            self._run("barrier", "barrier", 0, lambda: dist.barrier(group=self.group))
 
     def broadcast_object(self, obj, src: int = 0):
         """obj from group rank `src` (pickled; small control messages only)."""
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
+        self._run("broadcast_object", "control", 0, lambda: dist.broadcast_object_list(
+            box, src=self.ranks[src], group=self.group), peers=[self.ranks[src]])
         return box[0]
 
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._run("all_gather_object", "control", 0,
+                  lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     # -- point to point ---------------------------------------------------------------------------
@@ -99,15 +137,24 @@ class Comm:
         if self.size == 1:
             recv.copy_(send)
             return []
-        self._record("send", tag, _nbytes(send))
-        self._record("recv", tag, _nbytes(recv))
-        ops = [dist.P2POp(dist.isend, send, self.ranks[send_to], self.group, p2p_tag),
-               dist.P2POp(dist.irecv, recv, self.ranks[recv_from], self.group, p2p_tag)]
-        return dist.batch_isend_irecv(ops)
+        self.ledger.record("send", axis=self.axis, tag=tag, group_size=self.size, nbytes=_nbytes(send))
+        dst, src = self.ranks[send_to], self.ranks[recv_from]
+        ops = [dist.P2POp(dist.isend, send, dst, self.group, p2p_tag),
+               dist.P2POp(dist.irecv, recv, src, self.group, p2p_tag)]
+        works = self._run("recv", tag, _nbytes(recv), lambda: dist.batch_isend_irecv(ops),
+                          peers=[dst, src])
+        return [_Work(w, lambda: f"send/recv of {tag!r} on axis {self.axis!r}, rank "
+                                 f"{self.ranks[self.rank]} sending to global rank {dst}, receiving "
+                                 f"from global rank {src}") for w in works]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def wait_all(works) -> None:
