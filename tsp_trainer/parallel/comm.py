@@ -53,14 +53,15 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks})"
 
-    def _run(self, op: str, tag: str, nbytes: int, call, *, peers=None, async_op: bool = False):
+    def _run(self, op: str, tag: str, nbytes: int, call, *, peers=None, async_op: bool = False,
+             role: str = ""):
         """Record the op, issue it, and attach context to any failure."""
         self.ledger.record(op, axis=self.axis, tag=tag, group_size=self.size, nbytes=nbytes)
 
         def describe() -> str:
-            who = f"global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
+            who = f"group global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
             return (f"{op} of {tag!r} ({nbytes} bytes) on axis {self.axis!r}, rank "
-                    f"{self.ranks[self.rank]} with {who}")
+                    f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
         try:
             result = call()
         except Exception as err:
@@ -75,7 +76,7 @@ class Comm:
             return _Done() if async_op else None
         return self._run("broadcast", tag, _nbytes(tensor), lambda: dist.broadcast(
             tensor, src=self.ranks[src], group=self.group, async_op=async_op),
-            peers=[self.ranks[src]], async_op=async_op)
+            async_op=async_op, role=f"source global rank {self.ranks[src]}")
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """out: [D * inp.shape[0], ...] (rank-major concatenation)."""
@@ -100,7 +101,7 @@ class Comm:
             return _Done() if async_op else None
         return self._run("reduce", tag, _nbytes(tensor), lambda: dist.reduce(
             tensor, dst=self.ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            peers=[self.ranks[dst]], async_op=async_op)
+            async_op=async_op, role=f"destination global rank {self.ranks[dst]}")
 
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if self.size == 1:
@@ -118,7 +119,7 @@ class Comm:
             return obj
         box = [obj]
         self._run("broadcast_object", "control", 0, lambda: dist.broadcast_object_list(
-            box, src=self.ranks[src], group=self.group), peers=[self.ranks[src]])
+            box, src=self.ranks[src], group=self.group), role=f"source global rank {self.ranks[src]}")
         return box[0]
 
     def all_gather_object(self, obj) -> list:
