@@ -1,0 +1,112 @@
+"""Tokenisers behind one small interface (encode, decode, eos_id, vocab_size).
+
+A local tokenizer.json (or a folder holding one) loads with `tokenizers` alone; any other folder or a
+Hugging Face Hub name goes through `transformers.AutoTokenizer` (imported lazily: it takes seconds).
+Imports nothing of ours but `tsp_trainer.data.streaming`'s path helper; never torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from tsp_trainer.data.streaming import looks_like_local_path
+
+# Tried in order when a tokenizer.json comes without a tokenizer_config.json naming its EOS token.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """What the data pipeline needs from a tokeniser. No special tokens are added by `encode`:
+    the packer puts `eos_id` after every document itself."""
+
+    name: str
+    eos_id: int
+    vocab_size: int  # max token id + 1, added tokens included (what the embedding must cover)
+    _encode: Callable[[str], list[int]] = field(repr=False)
+    _decode: Callable[[list[int]], str] = field(repr=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
+
+def load_tokenizer(path_or_name: str | Path | TextTokenizer) -> TextTokenizer:
+    """Load a tokenizer.json file, a folder (tokenizer.json or anything AutoTokenizer reads),
+    or a Hub name. A path that looks local but does not exist is a ValueError naming it."""
+    if isinstance(path_or_name, TextTokenizer):
+        return path_or_name
+    source = str(path_or_name)
+    path = Path(source).expanduser()
+    if path.is_file():
+        return _from_tokenizer_json(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return _from_tokenizer_json(path / "tokenizer.json")
+    if path.is_dir():
+        return _from_transformers(str(path))
+    if looks_like_local_path(source):
+        raise ValueError(f"tokenizer path {source!r} does not exist (resolved to {path.resolve()}); "
+                         "pass a tokenizer.json, a folder holding one, or a Hub name")
+    return _from_transformers(source)
+
+
+def check_tokenizer_fits(tokenizer: TextTokenizer, model_vocab_size: int) -> None:
+    """Every token id must index a row of the model's embedding table."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer.name!r} has vocab_size={tokenizer.vocab_size} but "
+            f"model.vocab_size={model_vocab_size}; ids up to {tokenizer.vocab_size - 1} would index "
+            f"past the embedding table. Use model.vocab_size >= {tokenizer.vocab_size} or a smaller "
+            "tokenizer")
+
+
+def _from_tokenizer_json(path: Path) -> TextTokenizer:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ValueError(f"could not read tokenizer file {str(path)!r}: {exc}") from exc
+    vocab = tok.get_vocab(with_added_tokens=True)
+    eos_token = _eos_token_from_config(path.parent / "tokenizer_config.json")
+    candidates = (eos_token,) if eos_token else EOS_CANDIDATES
+    eos_id = next((vocab[t] for t in candidates if t in vocab), None)
+    if eos_id is None:
+        raise ValueError(f"tokenizer {str(path)!r} has no end-of-text token: looked for "
+                         f"{list(candidates)}; name one as eos_token in tokenizer_config.json")
+    return TextTokenizer(
+        name=str(path), eos_id=eos_id, vocab_size=max(vocab.values()) + 1,
+        _encode=lambda text: tok.encode(text, add_special_tokens=False).ids,
+        _decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+
+
+def _eos_token_from_config(config_path: Path) -> str | None:
+    if not config_path.is_file():
+        return None
+    token = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
+    # transformers writes either "<eos>" or {"content": "<eos>", ...} (AddedToken).
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _from_transformers(name: str) -> TextTokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # OSError offline, HTTP errors, missing files: one message for all
+        raise ValueError(f"could not load tokenizer {name!r} with transformers.AutoTokenizer "
+                         f"(not a local file or folder either): {exc}") from exc
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer {name!r} defines no eos_token; the packer needs one to mark "
+                         "document boundaries")
+    # The packer feeds whole documents; silence the 'longer than model_max_length' warning.
+    tok.model_max_length = 1 << 62
+    return TextTokenizer(
+        name=name, eos_id=int(tok.eos_token_id), vocab_size=len(tok),
+        _encode=lambda text: tok.encode(text, add_special_tokens=False),
+        _decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
