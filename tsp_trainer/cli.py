@@ -107,19 +107,19 @@ def demo_main(argv: list[str] | None = None) -> None:
 def bench_main(argv: list[str] | None = None) -> None:
     from tsp_trainer.bench.cli import main
 
-    main(argv)
+    raise SystemExit(main(argv))
 
 
 def plan_main(argv: list[str] | None = None) -> None:
     from tsp_trainer.plan.cli import main
 
-    main(argv)
+    raise SystemExit(main(argv))
 
 
 def export_main(argv: list[str] | None = None) -> None:
     from tsp_trainer.checkpoint.export_cli import main
 
-    main(argv)
+    raise SystemExit(main(argv))
 
 
 COMMANDS = {"train": train_main, "demo": demo_main, "bench": bench_main, "plan": plan_main,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.config import ModelConfig
 
@@ -68,14 +69,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+# Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
+# the float copy SDPA makes of it) is [block, keys], so blocking bounds it at block * S elements
+# instead of (S / D) * S.
+CPU_MASK_QUERY_BLOCK = 512
+
+
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
     position j). Returns [B, Tq, Hq * d].
 
     q_positions=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise query i
-    sees keys 0..q_positions[i]; the queries are processed per contiguous run of positions with a
-    bottom-right aligned causal mask over the key prefix they need (zigzag chunks are such runs).
+    sees keys 0..q_positions[i]; the queries are processed per contiguous run of positions (zigzag
+    chunks are such runs) against the key prefix they need, with a bottom-right aligned causal mask:
+    torch's lower-right CausalBias on GPU (fused kernels, no mask in memory), a boolean mask per
+    block of CPU_MASK_QUERY_BLOCK queries on CPU.
     """
     b, tq, hq, d = q.shape
     gqa = hq != k.shape[2]
@@ -83,16 +92,25 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q_positions is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(b, tq, hq * d)
+    step = tq if q.is_cuda else CPU_MASK_QUERY_BLOCK
     outs = []
     for start, stop in _contiguous_runs(q_positions):
         first = int(q_positions[start])
-        n_q, n_k = stop - start, first + (stop - start)
-        # query i (global position first+i) may see keys 0..first+i
-        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=first)
-        outs.append(F.scaled_dot_product_attention(qt[:, :, start:stop], kt[:, :, :n_k],
-                                                   vt[:, :, :n_k], attn_mask=mask, enable_gqa=gqa))
+        for s in range(start, stop, step):
+            e = min(stop, s + step)
+            n_q, n_k = e - s, first + (e - start)      # keys 0 .. position of the block's last query
+            outs.append(F.scaled_dot_product_attention(qt[:, :, s:e], kt[:, :, :n_k], vt[:, :, :n_k],
+                                                       attn_mask=_lower_right(n_q, n_k, q.device),
+                                                       enable_gqa=gqa))
     out = torch.cat(outs, dim=2)
     return out.transpose(1, 2).reshape(b, tq, hq * d)
+
+
+def _lower_right(n_q: int, n_k: int, device: torch.device):
+    """Query i (the i-th of the last n_q positions) sees keys 0 .. n_k - n_q + i."""
+    if device.type == "cuda":
+        return causal_lower_right(n_q, n_k)
+    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)
 
 
 def _contiguous_runs(positions: torch.Tensor) -> list[tuple[int, int]]:

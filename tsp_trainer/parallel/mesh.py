@@ -69,3 +69,38 @@ def build_mesh(tsp_degree: int, *, ledger: CommLedger | None = None) -> Mesh:
     dp = Comm(dp_groups[tsp_rank], dims.dp_group_ranks(tsp_rank), dp_rank, ledger, "dp")
     world_comm = Comm(dist.group.WORLD, list(range(world)), rank, ledger, "world")
     return Mesh(dims, rank, tsp, dp, world_comm, ledger)
+
+
+def axis_view(comm: Comm, axis: str) -> Comm:
+    """The same process group under another axis name (no new group): the baselines name the D
+    ranks of the inner axis "tp" or "sp" so the ledger and the ShardSpecs say which role they play."""
+    return Comm(comm.group, comm.ranks, comm.rank, comm.ledger, axis)
+
+
+def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int) -> tuple[Comm, Comm]:
+    """Split every tsp group (D = T x S consecutive ranks) into a tp and an sp sub-axis, tp innermost:
+    tsp rank t has tp_rank = t % T and sp_rank = t // T. Returns this rank's (tp, sp) Comms.
+
+    Collective: every rank must call it, with the same degrees, at the same point (each rank creates
+    every subgroup of every replica, in the same order). Size-1 subgroups get no process group (Comm
+    ops are local no-ops there)."""
+    d = mesh.dims.tsp
+    if tp_degree < 1 or sp_degree < 1 or tp_degree * sp_degree != d:
+        pairs = ", ".join(f"{t} x {d // t}" for t in range(1, d + 1) if d % t == 0)
+        raise ValueError(f"parallel.tp_degree x parallel.sp_degree = {tp_degree} x {sp_degree} is not "
+                         f"parallel.tsp_degree={d}; use T x S in {pairs}")
+    base = [mesh.dims.tsp_group_ranks(dp) for dp in range(mesh.dims.dp)]
+    tp_groups = [[ranks[s * tp_degree + i] for i in range(tp_degree)] for ranks in base for s in range(sp_degree)]
+    sp_groups = [[ranks[s * tp_degree + i] for s in range(sp_degree)] for ranks in base for i in range(tp_degree)]
+    tp = _member_comm(tp_groups, mesh, "tp")
+    sp = _member_comm(sp_groups, mesh, "sp")
+    return tp, sp
+
+
+def _member_comm(groups: list[list[int]], mesh: Mesh, axis: str) -> Comm:
+    """Create every group (same order on all ranks); return the Comm of the one holding this rank."""
+    handles = [dist.new_group(g) if len(g) > 1 else None for g in groups]
+    for ranks, handle in zip(groups, handles):
+        if mesh.rank in ranks:
+            return Comm(handle, ranks, ranks.index(mesh.rank), mesh.ledger, axis)
+    raise AssertionError(f"rank {mesh.rank} is in no {axis} group of {groups}")

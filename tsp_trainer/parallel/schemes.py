@@ -80,15 +80,12 @@ SCHEMES: dict[str, Callable[..., Parallelized]] = {"tsp": _tsp}
 def parallelize(model: Transformer, scheme: str, mesh: Mesh, *, seq_len: int | None = None,
                 head_buckets: int = 1, init_seed: int | None = None, **options) -> Parallelized:
     """Shard `model` in place for `scheme` on `mesh` (model-parallel degree = mesh.tsp.size)."""
-    _register_baselines()
     if scheme not in SCHEMES:
         raise ValueError(f"parallel.scheme={scheme!r} is not a known scheme; use one of {sorted(SCHEMES)}")
     return SCHEMES[scheme](model, mesh, seq_len=seq_len, head_buckets=head_buckets,
                            init_seed=init_seed, **options)
 
 
-def _register_baselines() -> None:
-    try:   # the baselines package adds its entries to SCHEMES on import
-        import tsp_trainer.parallel.baselines  # noqa: F401
-    except ImportError:
-        pass
+# The baselines import Parallelized and SCHEMES from this module and add their entries to SCHEMES,
+# so they are imported last (either import order works; an error in them is not swallowed).
+import tsp_trainer.parallel.baselines  # noqa: E402,F401

@@ -1,0 +1,122 @@
+"""Parity of the baselines (tp, tp_sp, sp, tp_x_sp) with one process, and their ledger bytes
+against the closed-form formula of parallel/baselines/comm_model.py. fp32, rtol 1e-5 / atol 1e-6
+(STYLE.md 7): the same math as the reference, summed in a different order over ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.distributed.tsp_cases import make_batch, reference
+from tests.helpers.dist import run_on_ranks
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model import Transformer
+from tsp_trainer.parallel.baselines.comm_model import bytes_by_op, expected_ledger_bytes
+from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.ledger import CommLedger
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import Mesh, ParallelDims, build_mesh
+from tsp_trainer.parallel.schemes import SCHEMES, parallelize
+
+pytestmark = pytest.mark.distributed
+
+SEED, BATCH, SEQ = 7, 2, 32
+CFGS = {
+    "mha": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                       intermediate_size=128, max_seq_len=64),
+    "gqa": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                       intermediate_size=128, max_seq_len=64),
+}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+CASES = [(scheme, world, cfg, {}) for world in (2, 4) for scheme in ("tp", "tp_sp", "sp")
+         for cfg in ("mha", "gqa")]
+CASES += [("tp_x_sp", 4, "mha", {"tp_degree": 2, "sp_degree": 2}),
+          ("tp_x_sp", 4, "gqa", {"tp_degree": 2, "sp_degree": 2}),
+          ("tp_x_sp", 4, "gqa", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}),
+          ("tp_x_sp", 2, "gqa", {"tp_degree": 1, "sp_degree": 2}),
+          ("tp_x_sp", 2, "mha", {"tp_degree": 2, "sp_degree": 1})]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(cfg_name: str):
+    cfg = CFGS[cfg_name]
+    ids, labels = make_batch(cfg, BATCH, SEQ)
+    return ids, labels, reference(cfg, SEED, ids, labels)
+
+
+def _baseline_rank(rank, world, cfg, scheme, options, ids, labels, ref_logits):
+    mesh = build_mesh(world)
+    model = Transformer(cfg)
+    model.init_weights(SEED)
+    par = parallelize(model, scheme, mesh, seq_len=ids.shape[1], **options)
+    local_ids, local_labels, pos = par.local_batch(ids, labels)
+
+    mesh.ledger.reset()
+    loss_sum, count = par.loss_sum(local_ids, local_labels, pos)
+    total = global_count(count, par.token_comms)
+    (loss_sum / total).backward()
+    ledger = {k: v["bytes"] for k, v in mesh.ledger.summary().items()}
+
+    # The layout slices any [B, S, ...] tensor along dim 1: the reference logits of our tokens.
+    expected_logits = par.local_batch(ref_logits, ref_logits)[0]
+    torch.testing.assert_close(par.model(local_ids, pos), expected_logits, **TOL)
+    return {"loss": reduce_loss_value(loss_sum, total, par.token_comms), "ledger": ledger,
+            "grads": par.gather_full_grads(), "info": par.info,
+            "param_numel": sum(p.numel() for p in model.parameters())}
+
+
+@pytest.mark.parametrize("scheme,world,cfg_name,options", CASES,
+                         ids=[f"{s}-d{w}-{c}" + ("-" + "x".join(str(v) for v in o.values()) if o else "")
+                              for s, w, c, o in CASES])
+def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
+    cfg = CFGS[cfg_name]
+    ids, labels, ref = _reference(cfg_name)
+    results = run_on_ranks(_baseline_rank, world, cfg, scheme, options, ids, labels, ref["logits"])
+    expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
+    t = results[0]["info"]["tp_degree"]
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    for rank, out in enumerate(results):
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"rank {rank} loss"
+        assert out["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert out["ledger"] == expected_comm, f"rank {rank}: ledger {out['ledger']} != formula {expected_comm}"
+        assert bytes_by_op(out["ledger"]) == bytes_by_op(expected_comm)
+        # Weights: 1/T of every matrix on each rank, norms replicated (SP: T = 1, everything).
+        assert out["param_numel"] == (cfg.num_params() - norms) // t + norms
+
+
+def test_registered():
+    assert {"tsp", "tp", "tp_sp", "sp", "tp_x_sp"} <= set(SCHEMES)
+
+
+def _fake_mesh(degree: int) -> Mesh:
+    """A mesh whose Comms have no process group: enough for the checks that run before any op."""
+    ledger = CommLedger()
+    tsp = Comm(None, list(range(degree)), 0, ledger, "tsp")
+    return Mesh(ParallelDims(degree, degree), 0, tsp, Comm(None, [0], 0, ledger, "dp"), tsp, ledger)
+
+
+@pytest.mark.parametrize("scheme,cfg,degree,options,match", [
+    ("tp", CFGS["gqa"].replace(num_kv_heads=2), 4, {}, r"parallel.tsp_degree=4 does not divide model.num_kv_heads=2"),
+    ("tp_sp", CFGS["mha"].replace(vocab_size=250), 4, {}, r"model.vocab_size=250"),
+    ("tp", CFGS["mha"].replace(intermediate_size=130), 4, {}, r"model.intermediate_size=130"),
+    ("sp", CFGS["mha"], 4, {"seq_len": 36}, r"data.seq_len=36 .* 8"),
+    ("tp_sp", CFGS["mha"], 4, {"seq_len": 34}, r"data.seq_len=34"),
+    ("tp_x_sp", CFGS["mha"], 4, {"tp_degree": 2, "sp_degree": 1}, r"tp_degree x parallel.sp_degree"),
+    ("tp_x_sp", CFGS["mha"], 4, {}, r"needs parallel.tp_degree and parallel.sp_degree"),
+    ("tp_x_sp", ModelConfig(vocab_size=240, hidden_size=48, num_heads=6, num_kv_heads=6,
+                            intermediate_size=96), 6,
+     {"tp_degree": 3, "sp_degree": 2, "seq_len": 44, "tp_sequence_parallel": True}, r"data.seq_len=44"),
+    ("tp", CFGS["mha"], 2, {"tp_degree": 2}, r"parallel.tp_degree=2 is only used by"),
+    ("sp", CFGS["mha"], 2, {"chunks": 3}, r"unknown option"),
+])
+def test_bad_shapes_raise_clear_errors(scheme, cfg, degree, options, match):
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    options = {"seq_len": 32, **options}
+    with pytest.raises(ValueError, match=match):
+        parallelize(model, scheme, _fake_mesh(degree), **options)

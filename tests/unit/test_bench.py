@@ -1,0 +1,126 @@
+"""tsp-bench pieces that need no process group: argument validation (one clear error before
+anything is launched), the memory tracker against torch's MemTracker, the HF name mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsp_trainer.bench import cli
+from tsp_trainer.bench.memory import LiveTensorMemory, state_bytes
+from tsp_trainer.bench.run import build_hf_llama, to_hf_state_dict
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model import Transformer
+
+# Degrees above the core count only warn (step times oversubscribed); not what these tests check.
+pytestmark = pytest.mark.filterwarnings("ignore:.*oversubscribed")
+
+
+def _spec(argv: str):
+    return cli.spec_from_args(cli.build_parser().parse_args(argv.split()))
+
+
+@pytest.mark.parametrize("argv,match", [
+    ("--schemes tsp,ring", r"unknown scheme 'ring'"),
+    ("--schemes ,", r"--schemes is empty"),
+    ("--model huge", r"--model='huge' is not a known size"),
+    ("--degree 0", r"--degree=0 must be >= 1"),
+    ("--steps -1", r"--steps=-1 must be >= 0"),
+    ("--warmup 0", r"--warmup=0 must be >= 1"),
+    ("--degree 3 --schemes tp", r"scheme tp with --degree=3: parallel.tsp_degree=3 does not divide"),
+    ("--degree 4 --kv-heads 2 --schemes tsp", r"model.num_kv_heads=2"),
+    ("--degree 2 --seq-len 30 --schemes sp", r"data.seq_len=30 is not divisible by 2 x"),
+    ("--degree 4 --schemes tp_x_sp --tp-degree 3", r"--tp-degree x --sp-degree = 3 x None is not --degree=4"),
+    ("--degree 4 --schemes tp_x_sp --tp-degree 2 --sp-degree 4", r"2 x 4 is not --degree=4"),
+    ("--degree 4 --schemes tsp --tp-degree 2", r"options of scheme tp_x_sp"),
+    ("--degree 2 --schemes tsp --head-buckets 2", r"parallel.head_buckets=2"),
+    ("--hidden 100 --heads 3", r"model.hidden_size=100 must be divisible by model.num_heads=3"),
+    ("--backend nccl", r"GPUs with --backend=nccl" if not torch.cuda.is_available() else r"^$"),
+])
+def test_bad_arguments_raise_one_clear_error(argv, match):
+    if match == r"^$":
+        pytest.skip("needs a machine without CUDA")
+    with pytest.raises(ValueError, match=match):
+        _spec(argv)
+
+
+def test_main_reports_error_and_exit_code(capsys, monkeypatch):
+    launched = []
+    monkeypatch.setattr(cli, "run", lambda *a, **k: launched.append(a))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--schemes", "tsp,nope"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "tsp-bench: error:" in err and "'nope'" in err
+    assert not launched
+
+
+def test_defaults_resolve_tp_x_sp_layout():
+    spec = _spec("--degree 2 --kv-heads 4 --seq-len 64")
+    assert (spec.tp_degree, spec.sp_degree) == (1, 2)
+    spec = _spec("--degree 4 --kv-heads 4 --seq-len 64 --threads 1")
+    assert (spec.tp_degree, spec.sp_degree) == (2, 2)
+    assert spec.schemes == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
+    assert spec.options("tp_x_sp") == {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": False}
+    assert _spec("--degree 4 --kv-heads 4 --seq-len 64 --sp-degree 4 --threads 1").tp_degree == 1
+
+
+def _tiny():
+    cfg = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128)
+    model = Transformer(cfg)
+    model.init_weights(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    return cfg, model, ids, ids.roll(-1, dims=1)
+
+
+def test_tracker_counts_allocations_and_frees():
+    tracker = LiveTensorMemory()
+    keep = torch.zeros(1)
+    tracker.ignore(keep)
+    with tracker:
+        a = torch.ones(1000)            # 4000 B
+        b = a * 2                       # 8000 B live
+        del a
+        c = torch.ones(250)             # 5000 B live
+        keep.add_(1)                    # in place on an ignored storage: not counted
+    assert (tracker.peak, tracker.live) == (8000, 5000)
+    del b, c
+    assert tracker.live == 0
+
+
+def test_tracker_matches_torch_memtracker_on_a_training_step():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    _, model, ids, labels = _tiny()
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+
+    def step():
+        total, count = model.loss_sum(ids, labels)
+        (total / count).backward()
+
+    ours = LiveTensorMemory()
+    ours.ignore(*params, *(p.grad for p in params), ids, labels)
+    with ours:
+        step()
+    ref = MemTracker()
+    ref.track_external(model, ids, labels)
+    with ref:
+        step()
+    peak = next(iter(ref.get_tracker_snapshot("peak").values()))["Total"]
+    outside = 2 * sum(p.numel() * p.element_size() for p in params) + 2 * ids.numel() * ids.element_size()
+    assert ours.peak == peak - outside
+    opt = torch.optim.AdamW(params)
+    opt.step()
+    sizes = state_bytes(model, opt)
+    assert sizes["param_bytes"] == sizes["grad_bytes"] == outside // 2 - ids.numel() * ids.element_size()
+    assert sizes["optim_bytes"] >= 2 * sizes["param_bytes"]
+
+
+def test_hf_llama_with_our_weights_gives_our_logits():
+    cfg, model, ids, _ = _tiny()
+    hf = build_hf_llama(cfg, ids.shape[1], to_hf_state_dict(model.state_dict()))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,164 @@
+"""tsp-bench: run TSP and the baselines side by side on the same model and measure, per rank,
+parameter/gradient/optimizer bytes, peak activation + transient bytes, communication bytes by op
+kind (ledger), step time and tokens/s; and time the single-process model against transformers'
+LlamaForCausalLM. Every check on the request runs before any process starts.
+
+    tsp-bench --model tiny --seq-len 4096 --degree 4 --schemes tsp,tp,tp_sp,sp,tp_x_sp \\
+              --tp-degree 2 --sp-degree 2 --steps 3 --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+
+import torch
+
+from tsp_trainer.bench import launch
+from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_single, write_json,
+                                      write_plot)
+from tsp_trainer.bench.run import scheme_rank, single_process
+from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
+
+_OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
+              "kv_heads": "num_kv_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tsp-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="named size (tiny, 125m, 1b, 7b, 7b_ffn4x)")
+    for flag in _OVERRIDES:
+        p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
+                       help=f"override model.{_OVERRIDES[flag]}")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--degree", type=int, default=2, help="D: model-parallel ranks (processes) per scheme")
+    p.add_argument("--schemes", default=",".join(ALL_SCHEMES))
+    p.add_argument("--tp-degree", type=int, default=None, help="tp_x_sp: T (default: factor of D near sqrt)")
+    p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp: S = D / T")
+    p.add_argument("--tp-sequence-parallel", action="store_true", help="tp_x_sp: Megatron SP inside tp")
+    p.add_argument("--head-buckets", type=int, default=1, help="tsp: K/V all-gather buckets")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (0: memory and bytes only)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps; the first measures memory")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl when CUDA is available, else gloo")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / D)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (all schemes)")
+    p.add_argument("--no-hf", action="store_true", help="skip the single-process comparison with transformers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG: memory, bytes and throughput per scheme")
+    return p
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    """Resolve defaults and validate; raises ValueError with the flag, value and a fix."""
+    schemes = parse_schemes(args.schemes)
+    model = resolve_model(args.model, {field: getattr(args, flag) for flag, field in _OVERRIDES.items()},
+                          args.seq_len)
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    tp, sp = _two_axes(args, schemes)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.degree))
+    spec = BenchSpec(model_name=args.model, model=model, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                     degree=args.degree, schemes=schemes, tp_degree=tp, sp_degree=sp,
+                     tp_sequence_parallel=args.tp_sequence_parallel, head_buckets=args.head_buckets,
+                     steps=args.steps, warmup=args.warmup, backend=backend, threads=threads,
+                     activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,
+                     seed=args.seed)
+    validate(spec, cuda_devices=cuda)
+    return spec
+
+
+def _two_axes(args, schemes) -> tuple[int | None, int | None]:
+    """tp_x_sp's T and S: as given, one derived from the other, or T = the factor of D nearest
+    sqrt(D) from below (2 x 2 for D = 4, 2 x 4 for D = 8)."""
+    tp, sp, d = args.tp_degree, args.sp_degree, args.degree
+    if "tp_x_sp" not in schemes or d < 1:
+        return tp, sp
+    if tp is None and sp is None:
+        tp = max(t for t in range(1, math.isqrt(d) + 1) if d % t == 0)
+    if tp is None and sp >= 1 and d % sp == 0:
+        tp = d // sp
+    if sp is None and tp >= 1 and d % tp == 0:
+        sp = d // tp
+    if tp is None or sp is None or tp * sp != d:
+        raise ValueError(f"--tp-degree x --sp-degree = {tp} x {sp} is not --degree={d}; use T x S in "
+                         + ", ".join(f"{t}x{d // t}" for t in range(1, d + 1) if d % t == 0))
+    return tp, sp
+
+
+def run(spec: BenchSpec, *, log=print) -> tuple[list[dict], dict | None, dict]:
+    """Launch every scheme (D processes each), then the single-process comparison."""
+    _prewarm(spec)
+    rows = []
+    for scheme in spec.schemes:
+        log(f"[tsp-bench] {scheme}: {spec.degree} ranks, seq {spec.seq_len} ...")
+        job = {"scheme": scheme, "options": spec.options(scheme), **_common(spec)}
+        try:
+            ranks = launch.run_on_ranks(scheme_rank, spec.degree, job, backend=spec.backend,
+                                        threads=spec.threads)
+        except RuntimeError as err:       # e.g. out of memory: report it, go on with the others
+            log(f"[tsp-bench] {scheme} failed: {str(err).splitlines()[0]}")
+            rows.append({"scheme": scheme, "error": str(err)})
+            continue
+        rows.append(summarize_scheme(spec, scheme, ranks))
+    single = None
+    if spec.compare_hf:
+        log("[tsp-bench] single process: ours vs transformers LlamaForCausalLM ...")
+        # As many threads as one rank: a shared or loaded machine punishes multi-threaded
+        # processes far more than single-threaded ones (measured: 15x at 2 threads under load).
+        out = launch.run_on_ranks(single_process, 1, _common(spec), backend=spec.backend,
+                                  threads=spec.threads)[0]
+        single = summarize_single(spec, out)
+        single["threads"] = spec.threads
+    env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
+           "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    return rows, single, env
+
+
+def _prewarm(spec: BenchSpec) -> None:
+    """Import in the parent what every forked rank would import on its own (seconds each):
+    torch._dynamo is pulled in by the first optimizer, transformers by the comparison."""
+    if spec.backend == "nccl":     # spawned ranks start from scratch: nothing to share
+        return
+    import torch._dynamo  # noqa: F401
+
+    if spec.compare_hf:
+        import transformers.models.llama.modeling_llama  # noqa: F401
+
+
+def _common(spec: BenchSpec) -> dict:
+    return {"model": spec.model, "seq_len": spec.seq_len, "micro_batch": spec.micro_batch,
+            "steps": spec.steps, "warmup": spec.warmup, "seed": spec.seed, "backend": spec.backend,
+            "activation_checkpointing": spec.activation_checkpointing}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Returns 0, or 1 when a scheme failed (its error is printed); bad arguments exit with 2
+    before anything is launched, as argparse does."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        spec = spec_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))            # usage + "tsp-bench: error: ...", SystemExit(2)
+    rows, single, env = run(spec)
+    ok = [r for r in rows if "error" not in r]
+    if args.json:                         # files first: a closed stdout must not lose the results
+        write_json(args.json, spec, rows, single, env)
+    if args.plot and ok:
+        write_plot(args.plot, spec, ok, single)
+    print(format_table(spec, ok, single))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['scheme']}: FAILED\n{r['error']}", file=sys.stderr)
+    return 0 if len(ok) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

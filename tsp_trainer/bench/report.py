@@ -1,0 +1,184 @@
+"""Turn per-rank measurements into one row per scheme, and rows into a terminal table, a JSON
+document and a PNG (matplotlib, Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from tsp_trainer.bench.spec import BenchSpec
+from tsp_trainer.parallel.baselines.comm_model import expected_ledger_bytes
+from tsp_trainer.parallel.tsp.comm_model import tsp_step_comm
+
+MIB = 2 ** 20
+
+
+def summarize_scheme(spec: BenchSpec, scheme: str, ranks: list[dict]) -> dict:
+    """One row: per-rank maxima of memory, per-rank bytes by op kind, step time (median over steps
+    of the slowest rank), tokens/s of the whole group (B x N per step)."""
+    state = max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks)
+    row = {"scheme": scheme, "layout": _layout(spec, scheme, ranks[0]["info"]),
+           "param_bytes": max(r["param_bytes"] for r in ranks),
+           "grad_bytes": max(r["grad_bytes"] for r in ranks),
+           "optim_bytes": max(r["optim_bytes"] for r in ranks),
+           "state_bytes": state,
+           "peak_act_bytes": max(r["peak_act_bytes"] for r in ranks),
+           "peak_total_bytes": max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] + r["peak_act_bytes"]
+                                   for r in ranks),
+           "first_loss": ranks[0]["first_loss"]}
+    row["comm_by_tag"] = _max_over_ranks([{k: v["bytes"] for k, v in r["comm"].items()} for r in ranks])
+    row["comm_by_op"] = _by_op(row["comm_by_tag"])
+    # Ledger payload with P2P counted once (at the receiver), and the estimated bytes on the wire.
+    row["comm_bytes"] = sum(v for k, v in row["comm_by_op"].items() if k != "send")
+    row["wire_bytes"] = max(r["wire_bytes"] for r in ranks)
+    # The formulas count one fwd + bwd; checkpointed blocks re-run their forward collectives.
+    row["comm_formula_match"] = (None if spec.activation_checkpointing
+                                 else _formula(spec, scheme) == row["comm_by_tag"])
+    steps = list(zip(*(r["step_times"] for r in ranks)))
+    row["step_time"] = statistics.median(max(s) for s in steps) if steps else None
+    row["tokens_per_s"] = (spec.micro_batch * spec.seq_len / row["step_time"]) if row["step_time"] else None
+    return row
+
+
+def summarize_single(spec: BenchSpec, single: dict) -> dict:
+    rows = {}
+    for name in ("ours", "hf"):
+        r = single[name]
+        t = r["step_time"]
+        rows[name] = {"state_bytes": r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"],
+                      "peak_act_bytes": r["peak_act_bytes"], "step_time": t, "first_loss": r["first_loss"],
+                      "peak_total_bytes": r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] + r["peak_act_bytes"],
+                      "tokens_per_s": spec.micro_batch * spec.seq_len / t if t else None}
+    ours, hf = rows["ours"]["step_time"], rows["hf"]["step_time"]
+    rows["ours_over_hf_speed"] = hf / ours if ours and hf else None
+    return rows
+
+
+def _formula(spec: BenchSpec, scheme: str) -> dict[str, int]:
+    """The closed-form ledger bytes per "op/tag" of one fwd + bwd (parallel/*/comm_model.py)."""
+    kw = dict(degree=spec.degree, batch=spec.micro_batch, seq_len=spec.seq_len)
+    if scheme == "tsp":
+        comm = tsp_step_comm(spec.model, head_buckets=spec.head_buckets, **kw)
+        return {f"{op}/{tag}": v["bytes"] for (op, tag), v in comm.items()}
+    return expected_ledger_bytes(spec.model, scheme, **kw, **(spec.options(scheme) if scheme == "tp_x_sp" else {}))
+
+
+def _layout(spec: BenchSpec, scheme: str, info: dict) -> str:
+    if scheme == "tsp":
+        return f"D={spec.degree}" + (f" b={spec.head_buckets}" if spec.head_buckets > 1 else "")
+    t, s = info.get("tp_degree", 1), info.get("sp_degree", 1)
+    return f"T{t}xS{s}" + ("+SP" if info.get("sequence_parallel") else "")
+
+
+def _max_over_ranks(per_rank: list[dict[str, int]]) -> dict[str, int]:
+    keys = sorted({k for d in per_rank for k in d})
+    return {k: max(d.get(k, 0) for d in per_rank) for k in keys}
+
+
+def _by_op(by_tag: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for key, nbytes in by_tag.items():
+        op = key.split("/")[0]
+        out[op] = out.get(op, 0) + nbytes
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
+    m = spec.model
+    head = (f"model {spec.model_name} (h={m.hidden_size}, L={m.num_layers}, heads={m.num_heads}/"
+            f"{m.num_kv_heads}, I={m.intermediate_size}, V={m.vocab_size}), seq {spec.seq_len} x "
+            f"batch {spec.micro_batch}, D={spec.degree}, backend {spec.backend}, {spec.threads} thread(s)/rank"
+            + (", activation checkpointing" if spec.activation_checkpointing else ""))
+    cols = ["scheme", "layout", "state MiB", "act+trans MiB", "peak MiB", "ledger MiB",
+            "AR / AG / RS / bc+red / p2p", "wire MiB", "step s", "tok/s", "loss@1"]
+    lines = [_row(cols, r) for r in rows]
+    if single:
+        for name, label in (("ours", "1 proc (ours)"), ("hf", "1 proc (HF)")):
+            s = single[name]
+            lines.append([label, "D=1", _mib(s["state_bytes"]), _mib(s["peak_act_bytes"]),
+                          _mib(s["peak_total_bytes"]), "-", "-", "-", _num(s["step_time"], 2),
+                          _num(s["tokens_per_s"], 0), f"{s['first_loss']:.6f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    out = [head, fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*map(str, line)) for line in lines]
+    if single and single.get("ours_over_hf_speed"):
+        out.append(f"single process: ours is {single['ours_over_hf_speed']:.2f}x the speed of "
+                   "transformers LlamaForCausalLM (same config, weights, batch; fwd+bwd+AdamW)")
+    bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
+    if bad:
+        out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")
+    return "\n".join(out)
+
+
+def _row(cols, r: dict) -> list[str]:
+    ops = r["comm_by_op"]
+    split = " / ".join(_mib(ops.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter"))
+    split += f" / {_mib(ops.get('broadcast', 0) + ops.get('reduce', 0))} / {_mib(ops.get('recv', 0))}"
+    return [r["scheme"], r["layout"], _mib(r["state_bytes"]), _mib(r["peak_act_bytes"]),
+            _mib(r["peak_total_bytes"]), _mib(r["comm_bytes"]), split, _mib(r["wire_bytes"]),
+            _num(r["step_time"], 2),
+            _num(r["tokens_per_s"], 0), f"{r['first_loss']:.6f}"]
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:.1f}"
+
+
+def _num(x, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def write_json(path: str, spec: BenchSpec, rows: list[dict], single: dict | None, env: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"spec": spec.to_json(), "env": env, "schemes": rows, "single_process": single},
+                  f, indent=2)
+
+
+def write_plot(path: str, spec: BenchSpec, rows: list[dict], single: dict | None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{r['scheme']}\n{r['layout']}" for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    state = [r["state_bytes"] / MIB for r in rows]
+    act = [r["peak_act_bytes"] / MIB for r in rows]
+    axes[0].bar(names, state, label="params + grads + AdamW")
+    axes[0].bar(names, act, bottom=state, label="peak activations + transients")
+    if single:
+        axes[0].axhline(single["ours"]["peak_total_bytes"] / MIB, color="k", ls="--", lw=1, label="1 process")
+    axes[0].set_ylabel("MiB per rank")
+    axes[0].set_title("per-rank peak memory")
+    axes[0].legend(fontsize=8)
+    bottom = [0.0] * len(rows)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "recv"):
+        vals = [r["comm_by_op"].get(op, 0) / MIB for r in rows]
+        if any(vals):
+            axes[1].bar(names, vals, bottom=bottom, label=op)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    axes[1].plot(names, [r["wire_bytes"] / MIB for r in rows], "k_", markersize=28, mew=2,
+                 label="received (ring estimate)")
+    axes[1].set_ylabel("MiB per rank per step (ledger; P2P = recv)")
+    axes[1].set_title("communication by op kind")
+    axes[1].legend(fontsize=8)
+    tput = [r["tokens_per_s"] or 0 for r in rows]
+    axes[2].bar(names, tput, color="tab:green")
+    if single and single["ours"]["tokens_per_s"]:
+        axes[2].axhline(single["ours"]["tokens_per_s"], color="k", ls="--", lw=1, label="1 process (ours)")
+        axes[2].axhline(single["hf"]["tokens_per_s"], color="tab:red", ls=":", lw=1, label="1 process (HF)")
+        axes[2].legend(fontsize=8)
+    axes[2].set_ylabel("tokens / s (group)")
+    axes[2].set_title("throughput (fwd + bwd + AdamW)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    m = spec.model
+    fig.suptitle(f"h={m.hidden_size} L={m.num_layers} heads={m.num_heads}/{m.num_kv_heads}, seq {spec.seq_len}, "
+                 f"D={spec.degree}, {spec.backend}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

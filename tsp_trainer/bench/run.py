@@ -1,0 +1,219 @@
+"""What each benchmark process runs: one rank of a scheme (`scheme_rank`), or the single-process
+model against transformers' LlamaForCausalLM (`single_process`). Both return plain dicts.
+
+One training step = forward + backward of the summed token loss over the global token count
+(parallel/loss.py) + AdamW. The first warm-up step doubles as the memory step: gradients are
+preallocated (zeros), so the tracked forward + backward sees only activations and transients;
+AdamW then creates its moments. The ledger is reset before every step and the last step's records
+are kept; timed steps run without the memory tracker.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tsp_trainer.bench.memory import LiveTensorMemory, state_bytes
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model import Transformer
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
+
+LR = 1e-4
+
+
+def make_batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int):
+    """Random tokens; labels are the inputs shifted by one (what the data pipeline hands over)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _checkpoint_block(block, x, rope):
+    return checkpoint(block, x, rope, use_reentrant=False)
+
+
+def scheme_rank(rank: int, world: int, job: dict) -> dict:
+    """One rank of `job["scheme"]` on a dp=1 mesh of `world` = D ranks."""
+    cfg, device = job["model"], _device(job["backend"], rank)
+    mesh = build_mesh(world)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    par = parallelize(model, job["scheme"], mesh, seq_len=job["seq_len"], init_seed=job["seed"],
+                      **job["options"])
+    model.to(device)
+    if job["activation_checkpointing"]:
+        model.block_wrapper = _checkpoint_block
+    ids, labels = make_batch(cfg, job["micro_batch"], job["seq_len"], job["seed"])
+    batch = [t.to(device) for t in par.local_batch(ids, labels)]
+
+    def fwd_bwd():
+        loss_sum, count = par.loss_sum(*batch)
+        total = global_count(count, par.token_comms)
+        (loss_sum / total).backward()
+        return loss_sum, total
+
+    out = _measure(model, fwd_bwd, batch, job, device, mesh.ledger)
+    out["first_loss"] = reduce_loss_value(out.pop("loss_sum"), out.pop("total"), par.token_comms)
+    out["info"] = dict(par.info)
+    return out
+
+
+def single_process(rank: int, world: int, job: dict) -> dict:
+    """Our plain model and transformers' LlamaForCausalLM, same config, weights and batch."""
+    cfg, device = job["model"], _device(job["backend"], rank)
+    ids, labels = make_batch(cfg, job["micro_batch"], job["seq_len"], job["seed"])
+    batch = [ids.to(device), labels.to(device)]
+    ours = Transformer(cfg)
+    ours.init_weights(job["seed"])
+    hf = build_hf_llama(cfg, job["seq_len"], to_hf_state_dict(ours.state_dict()))
+    ours.to(device), hf.to(device)
+    if job["activation_checkpointing"]:
+        ours.block_wrapper = _checkpoint_block
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def ours_step():
+        loss_sum, count = ours.loss_sum(*batch)
+        (loss_sum / count).backward()
+        return loss_sum, count.double()
+
+    def hf_step():
+        logits = hf(batch[0]).logits.float()
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), batch[1].flatten(), reduction="sum")
+        (loss_sum / batch[1].numel()).backward()
+        return loss_sum, torch.tensor(float(batch[1].numel()), dtype=torch.float64)
+
+    # Interleave the two models step by step, so that load from other processes on a shared
+    # machine hits both alike (the ratio is what this comparison is for).
+    runs = {"ours": _StepRunner(ours, ours_step, batch, device, None),
+            "hf": _StepRunner(hf, hf_step, batch, device, None)}
+    for run in runs.values():
+        run.memory_step()
+    for _ in range(job["warmup"] - 1):
+        for run in runs.values():
+            run.step()
+    for _ in range(job["steps"]):
+        for run in runs.values():
+            run.times.append(run.step())
+    result = {}
+    for name, run in runs.items():
+        r = run.result()
+        r["first_loss"] = float(r.pop("loss_sum") / r.pop("total"))
+        result[name] = r
+    return result
+
+
+def _measure(model, fwd_bwd, batch, job: dict, device: torch.device, ledger) -> dict:
+    run = _StepRunner(model, fwd_bwd, batch, device, ledger)
+    run.memory_step()
+    for _ in range(job["warmup"] - 1):
+        run.step()
+    run.times = [run.step() for _ in range(job["steps"])]
+    return run.result()
+
+
+class _StepRunner:
+    """Steps of one model: the first tracked for memory (fwd + bwd), the others timed."""
+
+    def __init__(self, model, fwd_bwd, batch, device: torch.device, ledger):
+        self.model, self.fwd_bwd, self.batch, self.device, self.ledger = model, fwd_bwd, batch, device, ledger
+        self.params = list(model.parameters())
+        for p in self.params:
+            p.grad = torch.zeros_like(p)            # preallocated: not counted as activations
+        self.opt = torch.optim.AdamW(self.params, lr=LR)
+        self.times: list[float] = []
+
+    def memory_step(self) -> None:
+        if self.ledger is not None:
+            self.ledger.reset()
+        self.peak, (self.loss_sum, self.total) = _tracked(self.fwd_bwd, self.params, self.batch, self.device)
+        self._update()
+
+    def step(self) -> float:
+        if self.ledger is not None:
+            self.ledger.reset()
+        t0 = _now(self.device)
+        self.fwd_bwd()
+        self._update()
+        return _now(self.device) - t0
+
+    def _update(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+    def result(self) -> dict:
+        out = {"peak_act_bytes": self.peak, **state_bytes(self.model, self.opt), "step_times": self.times,
+               "loss_sum": self.loss_sum.detach().double(), "total": self.total,
+               "step_time": statistics.median(self.times) if self.times else None}
+        out["comm"] = self.ledger.summary() if self.ledger is not None else {}
+        out["wire_bytes"] = wire_bytes(self.ledger.records) if self.ledger is not None else 0
+        return out
+
+
+# Bytes a rank receives per op, as a fraction of the ledger payload, for ring algorithms on a
+# group of g ranks (averaged over the ranks for the rooted ops; P2P counted once, at the receiver).
+_WIRE_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
+                "reduce_scatter": lambda g: (g - 1) / g, "broadcast": lambda g: (g - 1) / g,
+                "reduce": lambda g: (g - 1) / g, "recv": lambda g: 1.0, "send": lambda g: 0.0}
+
+
+def wire_bytes(records) -> int:
+    """Estimated bytes received per rank for the ledger records (see _WIRE_FACTOR)."""
+    return int(sum(r.nbytes * _WIRE_FACTOR[r.op](r.group_size) for r in records))
+
+
+def _tracked(fwd_bwd, params, batch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        result = fwd_bwd()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base, result
+    tracker = LiveTensorMemory()
+    tracker.ignore(*params, *(p.grad for p in params), *batch)
+    with tracker:
+        result = fwd_bwd()
+    return tracker.peak, result
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers comparison
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names are LlamaForCausalLM's minus the "model." prefix (lm_head.weight is top level)."""
+    return {(name if name == "lm_head.weight" else "model." + name): t for name, t in state.items()}
+
+
+def build_hf_llama(cfg: ModelConfig, seq_len: int, state: dict[str, torch.Tensor] | None = None):
+    """transformers.LlamaForCausalLM with the same shape (SDPA attention, no biases), optionally
+    loaded with our weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                         max_position_embeddings=max(seq_len, cfg.max_seq_len), rms_norm_eps=cfg.norm_eps,
+                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+                         attention_bias=False, mlp_bias=False)
+    hf_cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_cfg)
+    if state is not None:
+        model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    return model

@@ -1,0 +1,161 @@
+"""Apply a baseline scheme to the plain model and wrap it as a `Parallelized` (schemes.py).
+
+`apply_baseline(model, groups)` shards the weights with the same Megatron 1-D plan table as TSP
+(TSP_PLAN: heads / intermediate block / vocabulary rows), but over the tp sub-axis only, and swaps
+every block for its baseline module (layers.py), keeping parameter names. The scheme builders pick
+the sub-axes of the model-parallel group (size D = mesh.tsp.size):
+
+  tp       T = D, S = 1                         every rank holds the whole sequence
+  tp_sp    T = D, S = 1, Megatron SP             norm/residual regions hold S/D contiguous tokens
+  sp       T = 1, S = D                          zigzag tokens, weights replicated
+  tp_x_sp  T x S = D (tp inner, sp outer)        options tp_degree, sp_degree, tp_sequence_parallel
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tsp_trainer.config.validate import check_parallel_shapes
+from tsp_trainer.model.transformer import Transformer, init_parameter
+from tsp_trainer.parallel import zigzag
+from tsp_trainer.parallel.apply import TSP_PLAN, ShardSpec, mark_model_parallel, plan_specs
+from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, ParallelEmbedding,
+                                                   ParallelLMHead, ParallelMLP, ParallelRMSNorm)
+from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.mesh import Mesh, axis_view, build_tp_sp_comms
+from tsp_trainer.parallel.schemes import Parallelized
+
+# The Megatron 1-D weight split is the one TSP uses for its resting shards (parallel/apply.py).
+BASELINE_PLAN = TSP_PLAN
+
+
+def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None = None) -> dict[str, ShardSpec]:
+    """Shard `model` in place over groups.tp (T-way Megatron split; replicated when T = 1) and swap
+    in the baseline blocks. A meta-device model is initialised from `init_seed`, one full parameter
+    at a time (the values the plain model gets from init_weights)."""
+    cfg, t = model.cfg, groups.tp.size
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    specs = (plan_specs(names, BASELINE_PLAN, t, "tp") if t > 1
+             else {n: ShardSpec(None, 1, "sp") for n in names})
+    local = _Local(model, specs, groups.tp.rank, init_seed)
+    for i, block in enumerate(model.layers):
+        pre = f"layers.{i}."
+        block.self_attn = ParallelAttention(*(local(pre + f"self_attn.{n}_proj.weight") for n in "qkvo"),
+                                            head_dim=cfg.head_dim, groups=groups)
+        block.mlp = ParallelMLP(*(local(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
+                                groups=groups)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            setattr(block, norm, _norm(getattr(block, norm), local, pre + norm, groups))
+    model.norm = _norm(model.norm, local, "norm", groups)
+    vocab_start = groups.tp.rank * (cfg.vocab_size // t)
+    embed = nn.Parameter(local("embed_tokens.weight"))
+    head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
+    model.embed_tokens = ParallelEmbedding(embed, vocab_start=vocab_start, groups=groups)
+    model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups)
+    mark_model_parallel(model, specs)
+    return specs
+
+
+class _Local:
+    """name -> this rank's slice of the parameter (real weights, or initialised from the seed)."""
+
+    def __init__(self, model: nn.Module, specs: dict[str, ShardSpec], rank: int, seed: int | None):
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.specs, self.rank, self.seed, self.std = specs, rank, seed, model.cfg.init_std
+
+    def __call__(self, name: str) -> torch.Tensor:
+        p = self.params[name]
+        if p.is_meta:
+            if self.seed is None:
+                raise ValueError("a baseline scheme on a meta-device model needs init_seed")
+            full = init_parameter(name, tuple(p.shape), seed=self.seed, std=self.std)
+        else:
+            full = p.detach()
+        return self.specs[name].local(full, self.rank)
+
+
+def _norm(norm, local: _Local, prefix: str, groups: Groups) -> ParallelRMSNorm:
+    if norm.weight.is_meta:
+        norm.weight = nn.Parameter(local(prefix + ".weight"))
+    return ParallelRMSNorm(norm, comm=groups.norm_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheme builders (registered in schemes.SCHEMES by baselines/__init__.py)
+
+
+def build_tp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
+    """Megatron TP over the D ranks: all-reduce around the TP regions, full sequence everywhere."""
+    _check(model, "tp", mesh, kw)
+    groups = Groups(axis_view(mesh.tsp, "tp"), _single(mesh, "sp"), False, None)
+    return _wrap(model, mesh, "tp", groups, kw)
+
+
+def build_tp_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
+    """Megatron TP + sequence parallelism over the D ranks (all-gather / reduce-scatter)."""
+    _check(model, "tp_sp", mesh, kw)
+    tp = axis_view(mesh.tsp, "tp")
+    return _wrap(model, mesh, "tp_sp", Groups(tp, _single(mesh, "sp"), True, tp), kw)
+
+
+def build_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
+    """Context parallelism over the D ranks: replicated weights, zigzag tokens, K/V all-gather."""
+    _check(model, "sp", mesh, kw)
+    sp = axis_view(mesh.tsp, "sp")
+    return _wrap(model, mesh, "sp", Groups(_single(mesh, "tp"), sp, False, sp), kw)
+
+
+def build_tp_x_sp(model: Transformer, mesh: Mesh, *, tp_degree: int | None = None,
+                  sp_degree: int | None = None, tp_sequence_parallel: bool = False, **kw) -> Parallelized:
+    """TP over a T-way sub-axis (inner) x context parallelism over an S-way sub-axis (outer).
+    tp_sequence_parallel adds Megatron SP inside each tp group (tokens split S x T ways outside the
+    TP region)."""
+    _check(model, "tp_x_sp", mesh, kw, tp_degree=tp_degree, sp_degree=sp_degree)
+    seq_len = kw.get("seq_len")
+    if tp_sequence_parallel and seq_len is not None and (seq_len // sp_degree) % tp_degree:
+        raise ValueError(f"data.seq_len={seq_len} is not divisible by parallel.sp_degree x "
+                         f"parallel.tp_degree = {sp_degree} x {tp_degree} with tp_sequence_parallel "
+                         f"(each zigzag slice is split {tp_degree} ways); use a multiple of "
+                         f"{2 * sp_degree * tp_degree}")
+    tp, sp = build_tp_sp_comms(mesh, tp_degree, sp_degree)
+    # Norm inputs are split over sp, and over tp too under Megatron SP: then sum over all D ranks.
+    norm_grad = (axis_view(mesh.tsp, "tsp") if tp_sequence_parallel else sp) if mesh.tsp.size > 1 else None
+    groups = Groups(tp, sp, bool(tp_sequence_parallel), norm_grad)
+    return _wrap(model, mesh, "tp_x_sp", groups, kw)
+
+
+def _check(model: Transformer, scheme: str, mesh: Mesh, kw: dict, **two_axes) -> None:
+    """The shape rules of config/validate.py, before any process-group work. tp_degree/sp_degree
+    given to another scheme reach check_parallel_shapes, which explains they are tp_x_sp's."""
+    two_axes = {k: kw.get(k, two_axes.get(k)) for k in ("tp_degree", "sp_degree")}
+    unknown = set(kw) - {"seq_len", "head_buckets", "init_seed", "tp_degree", "sp_degree"}
+    if unknown:
+        extra = ", tp_degree, sp_degree, tp_sequence_parallel" if scheme == "tp_x_sp" else ""
+        raise ValueError(f"parallel scheme {scheme!r} got unknown option(s) {sorted(unknown)}; its "
+                         f"options are seq_len, init_seed{extra}")
+    check_parallel_shapes(model.cfg, scheme=scheme, degree=mesh.tsp.size, seq_len=kw.get("seq_len"),
+                          head_buckets=kw.get("head_buckets", 1), **two_axes)
+
+
+def _single(mesh: Mesh, axis: str) -> Comm:
+    """A size-1 Comm (an absent sub-axis): every op is a local no-op."""
+    return Comm(None, [mesh.rank], 0, mesh.ledger, axis)
+
+
+def _wrap(model: Transformer, mesh: Mesh, scheme: str, groups: Groups, kw: dict) -> Parallelized:
+    specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"))
+    sp = groups.sp
+
+    def layout(ids: torch.Tensor, labels: torch.Tensor):
+        # TP region ranks all see the same tokens (Megatron hands every TP rank the full batch);
+        # the sp sub-axis takes its zigzag slice, positions following the tokens.
+        if sp.size > 1:
+            return zigzag.shard_batch(ids, labels, sp.rank, sp.size)
+        return ids, labels, torch.arange(ids.shape[1], device=ids.device)
+
+    axis_comms = {c.axis: c for c in (groups.tp, groups.sp) if c.size > 1} or {"tp": groups.tp}
+    token_comms = [sp] if sp.size > 1 else []
+    info = {"tp_degree": groups.tp.size, "sp_degree": sp.size,
+            "sequence_parallel": groups.sequence_parallel}
+    return Parallelized(model, specs, scheme, mesh, token_comms, axis_comms, layout, info)

@@ -1,0 +1,164 @@
+"""Baseline blocks: one set of modules covers TP, TP+SP, SP and TP x SP, configured by `Groups`.
+
+A baseline on rank p is described by two sub-axes of the model-parallel group:
+  tp  (size T): weights split Megatron-style (q, k, v, gate, up column parallel; o, down row
+      parallel; embedding and LM head by vocabulary rows); tokens in the TP region are replicated
+      over tp, or split contiguously outside it when `sequence_parallel` (Megatron SP);
+  sp  (size S): tokens split zigzag (chunks p, 2S-1-p), weights replicated; K/V all-gathered.
+TP = (T=D, S=1), TP+SP = (T=D, S=1, sequence_parallel), SP = (T=1, S=D), TP x SP = (T, S).
+
+| Block     | Held on rank p                | Forward op                         | Backward op                     |
+|-----------|-------------------------------|------------------------------------|---------------------------------|
+| attention | heads p*n_h/T.. of q,k,v,o    | enter TP region; project; context  | transposes; dK/dV reduce-scatter|
+|           |                               | attention over sp; o_proj; leave   | over sp; weight grads summed    |
+|           |                               | TP region                          | over sp (all-reduce)            |
+| MLP       | intermediate block p (I/T)    | enter; gated MLP block; leave      | transposes; grads summed over sp|
+| norms     | full weight                   | local, token-wise                  | grad summed over the token-     |
+|           |                               |                                    | splitting groups (`norm_grad`)  |
+| embedding | vocab rows p*V/T..            | masked lookup; leave TP region     | local rows; summed over sp      |
+| LM head   | vocab rows p*V/T..            | enter; logits [.., V/T]; vocab-    | local (softmax - onehot)        |
+|           |                               | parallel cross-entropy             |                                 |
+"enter"/"leave" are copy_to_region / reduce_from_region (all-reduce), or with sequence_parallel
+gather_from_sequence / reduce_scatter_to_sequence (all-gather / reduce-scatter): megatron.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tsp_trainer.model.layers import RMSNorm, Rotary, apply_rope, gated_mlp
+from tsp_trainer.model.transformer import IGNORE_INDEX
+from tsp_trainer.parallel.baselines.context import context_attention
+from tsp_trainer.parallel.baselines.megatron import (copy_to_region, gather_from_sequence,
+                                                     reduce_from_region, reduce_scatter_to_sequence,
+                                                     vocab_parallel_cross_entropy,
+                                                     vocab_parallel_lookup)
+from tsp_trainer.parallel.comm import Comm
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The sub-axes a baseline block works on, seen from this rank."""
+
+    tp: Comm                    # weights column/row split (size 1: none)
+    sp: Comm                    # tokens zigzag split, K/V all-gathered, weights replicated (size 1: none)
+    sequence_parallel: bool     # Megatron SP: outside the TP region tokens are split over tp
+    norm_grad: Comm | None      # replicated norm weights: grads summed over this group (None: no sum)
+
+    def enter_tp(self, x: torch.Tensor, tag: str) -> torch.Tensor:
+        """Before the column-parallel matmuls: every tp rank needs all tokens of the region."""
+        if self.sequence_parallel:
+            return gather_from_sequence(x, self.tp, tag)
+        return copy_to_region(x, self.tp, tag)
+
+    def leave_tp(self, y: torch.Tensor, tag: str) -> torch.Tensor:
+        """After the row-parallel matmul: sum the partial outputs over tp."""
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(y, self.tp, tag)
+        return reduce_from_region(y, self.tp, tag)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A weight replicated over sp: its gradient is summed over sp inside autograd."""
+        return copy_to_region(w, self.sp, "wgrad")
+
+
+def _holder(w: torch.Tensor) -> nn.Module:
+    """A submodule with a `.weight` Parameter, so names match model.layers (q_proj.weight, ...)."""
+    m = nn.Module()
+    m.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w)
+    return m
+
+
+class ParallelAttention(nn.Module):
+    """q/k/v_proj.weight [n_h/T * d | n_kv/T * d, h] (column parallel), o_proj.weight
+    [h, n_h/T * d] (row parallel): the heads of group tp_rank, whole for T = 1."""
+
+    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_holder(w) for w in (q, k, v, o))
+        self.head_dim, self.groups = head_dim, groups
+
+    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        g, d = self.groups, self.head_dim
+        wq, wk, wv, wo = (g.weight(m.weight) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+        x = g.enter_tp(x, "attn.tp")                           # [B, T_region, h]
+        b, t, _ = x.shape
+        q = apply_rope(F.linear(x, wq).view(b, t, -1, d), rope.cos, rope.sin)
+        k = apply_rope(F.linear(x, wk).view(b, t, -1, d), rope.cos, rope.sin)
+        v = F.linear(x, wv).view(b, t, -1, d)
+        out = context_attention(q, k, v, rope.positions, g.sp)   # [B, T_region, n_h/T * d]
+        return g.leave_tp(F.linear(out, wo), "attn.tp")
+
+
+class ParallelMLP(nn.Module):
+    """gate/up_proj.weight [I/T, h] (column parallel), down_proj.weight [h, I/T] (row parallel)."""
+
+    def __init__(self, gate, up, down, *, groups: Groups):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (_holder(w) for w in (gate, up, down))
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.groups
+        ws = [g.weight(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
+        return g.leave_tp(gated_mlp(g.enter_tp(x, "mlp.tp"), *ws), "mlp.tp")
+
+
+class ParallelRMSNorm(RMSNorm):
+    """Replicated RMSNorm; the weight gradient is summed over `comm` (the groups that split the
+    tokens this norm sees), or left alone when every rank saw the same tokens (TP: comm=None)."""
+
+    def __init__(self, norm: RMSNorm, *, comm: Comm | None):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.weight, self.comm = norm.weight, comm
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight if self.comm is None else copy_to_region(self.weight, self.comm, "norm.grad")
+        return super().forward(x, w)
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocab-parallel embedding: weight [V/T, h] = rows vocab_start.. of the table."""
+
+    def __init__(self, weight, *, vocab_start: int, groups: Groups):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.vocab_start, self.groups = vocab_start, groups
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g = self.groups
+        part = vocab_parallel_lookup(ids, g.weight(self.weight), self.vocab_start)
+        return g.leave_tp(part, "embed.tp")
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel LM head: weight [V/T, h]; loss_sum uses the vocab-parallel cross-entropy,
+    so no rank holds more than [tokens, V/T] logits."""
+
+    def __init__(self, weight, *, vocab_start: int, groups: Groups):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        self.vocab_start, self.groups = vocab_start, groups
+
+    def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.groups
+        logits = F.linear(g.enter_tp(hidden, "head.tp"), g.weight(self.weight))   # [B, T, V/T]
+        losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
+        valid = labels != IGNORE_INDEX
+        return (losses * valid).sum(), valid.sum()
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, T_region, V] of the region's tokens (evaluation, parity tests)."""
+        g = self.groups
+        x = gather_from_sequence(hidden, g.tp, "head.tp") if g.sequence_parallel else hidden
+        logits = F.linear(x, self.weight)
+        if g.tp.size == 1:
+            return logits
+        parts = logits.new_empty((g.tp.size,) + tuple(logits.shape))
+        g.tp.all_gather(parts.view((-1,) + tuple(logits.shape[1:])), logits.contiguous(), tag="head.logits")
+        return torch.cat(list(parts.unbind(0)), dim=-1)

@@ -1,0 +1,173 @@
+"""Megatron-style autograd functions for the TP, TP+SP and TP x SP baselines: region entry/exit
+around the column/row parallel matmuls, sequence gather/scatter, and the vocab-parallel embedding
+and cross-entropy. In these schemes the weights stay with their owners and the activations move
+(the opposite of TSP, STYLE.md 5.1). All communication goes through `Comm` (ledger); nothing here
+imports parallel/tsp.
+
+| Function                    | Forward op                         | Backward op                      |
+|-----------------------------|------------------------------------|----------------------------------|
+| copy_to_region              | identity                           | all-reduce (sum) over the group  |
+| reduce_from_region          | all-reduce (sum) over the group    | identity                         |
+| gather_from_sequence        | all-gather along the sequence dim  | reduce-scatter along the sequence|
+| reduce_scatter_to_sequence  | reduce-scatter along the sequence  | all-gather along the sequence    |
+| vocab_parallel_cross_entropy| all-reduce max, target, sum-exp    | none (softmax - onehot, local)   |
+
+Activations are [B, T, h]; "sequence" is dim 1, split in contiguous blocks (block i on group rank i).
+On a group of size 1 every function is the identity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tsp_trainer.parallel.comm import Comm
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Enter a TP region (before column-parallel matmuls); also sums the gradient of a weight
+    replicated over a group. Forward: identity. Backward: all-reduce (sum) over `comm`."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        ctx.comm.all_reduce(grad, tag=ctx.tag)
+        return grad, None, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Leave a TP region (after row-parallel matmuls). Forward: all-reduce (sum) of the partial
+    outputs over `comm`. Backward: identity (every rank already holds the full gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, tag: str):
+        out = x.clone()
+        comm.all_reduce(out, tag=tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """Enter a TP region from a sequence-parallel one (Megatron SP). Forward: all-gather the
+    [B, T/D, h] blocks along the sequence -> [B, T, h]. Backward: reduce-scatter along the sequence
+    (each rank's partial dX of all tokens is summed and returned to the token owner)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return _all_gather_seq(x, comm, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.comm, ctx.tag), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Leave a TP region into a sequence-parallel one (Megatron SP). Forward: reduce-scatter the
+    partial [B, T, h] outputs along the sequence -> this rank's summed [B, T/D, h] block.
+    Backward: all-gather the gradient blocks along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return _reduce_scatter_seq(x, comm, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.comm, ctx.tag), None, None
+
+
+def copy_to_region(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm, tag)
+
+
+def reduce_from_region(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm, tag)
+
+
+def gather_from_sequence(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    return x if comm.size == 1 else _GatherFromSequence.apply(x, comm, tag)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceScatterToSequence.apply(x, comm, tag)
+
+
+def _all_gather_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    # Comm.all_gather concatenates along dim 0, so gather [T/D, B, h] and move the sequence back.
+    xt = x.transpose(0, 1).contiguous()                     # [T/D, B, h]; a view when B == 1
+    out = xt.new_empty((comm.size * xt.shape[0],) + xt.shape[1:])
+    comm.all_gather(out, xt, tag=tag)
+    return out.transpose(0, 1).contiguous()                 # [B, T, h]
+
+
+def _reduce_scatter_seq(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    xt = x.transpose(0, 1).contiguous()                     # [T, B, h]
+    if xt.shape[0] % comm.size:
+        raise ValueError(f"sequence of {xt.shape[0]} tokens does not split over the {comm.axis} "
+                         f"group of {comm.size} ranks (Megatron sequence parallelism)")
+    out = xt.new_empty((xt.shape[0] // comm.size,) + xt.shape[1:])
+    comm.reduce_scatter(out, xt, tag=tag)
+    return out.transpose(0, 1).contiguous()                 # [B, T/D, h]
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int) -> torch.Tensor:
+    """This rank's part of the embedding of `ids` [B, T] with the rows vocab_start.. it holds
+    ([V/D, h]): the row for ids in the shard, zeros elsewhere. The caller sums the parts over the
+    group (reduce_from_region or reduce_scatter_to_sequence). Backward: the rows' gradient, local."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Token losses from vocab-sharded logits [B, T, V/D] (Megatron). Forward: three all-reduces
+    over `comm` of [B, T] fp32 tensors: max (for stability), the target logit (held by one rank)
+    and the sum of exponentials; loss = log(sum_exp) - target. Backward: no communication; the
+    local block of (softmax - onehot) x dloss. The saved softmax is reused in place, so the graph
+    cannot be backpropagated twice (as in Megatron)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start: int, comm: Comm, tag: str):
+        # The logits are a temporary of the LM head: work on them in place (fp32), as Megatron does.
+        x = logits.float() if logits.dtype != torch.float32 else logits.detach()
+        row_max = x.max(dim=-1).values
+        comm.all_reduce(row_max, op=dist.ReduceOp.MAX, tag=tag)
+        x.sub_(row_max.unsqueeze(-1))
+        local = labels - vocab_start
+        hit = (local >= 0) & (local < x.shape[-1])
+        safe = local.masked_fill(~hit, 0)
+        target = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(~hit, 0.0)
+        comm.all_reduce(target, tag=tag)
+        x.exp_()
+        sum_exp = x.sum(dim=-1)
+        comm.all_reduce(sum_exp, tag=tag)
+        x.div_(sum_exp.unsqueeze(-1))                       # x is now the local softmax block
+        ctx.save_for_backward(x, safe, hit)
+        ctx.in_dtype = logits.dtype
+        return torch.log(sum_exp) - target
+
+    @staticmethod
+    def backward(ctx, dloss):
+        softmax, safe, hit = ctx.saved_tensors
+        grad = softmax                                      # reused in place (see docstring)
+        grad.scatter_add_(-1, safe.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(dloss.unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, vocab_start: int,
+                                 comm: Comm, tag: str = "head.ce") -> torch.Tensor:
+    """Per-token cross-entropy [B, T] (fp32) of vocab-sharded logits; ignored labels (outside
+    every shard, e.g. -100) get log(sum_exp): mask them in the caller."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, comm, tag)
