@@ -196,8 +196,10 @@ def test_zero_stage():
     message = raises("zero.stage=3 is not yet proven with TSP", validate_config, valid(zero__stage=3))
     assert "0, 1 or 2" in message
     raises("zero.stage=5 must be 0, 1 or 2", validate_config, valid(zero__stage=5))
-    for stage in (0, 1, 2):
+    for stage in (1, 2):
         validate_config(valid(zero__stage=stage))
+    validate_config(valid(zero__stage=0, train__nonfinite="stop"))
+    raises("train.nonfinite='skip' needs zero.stage 1 or 2", validate_config, valid(zero__stage=0))
 
 
 def test_model_errors_name_model_keys():

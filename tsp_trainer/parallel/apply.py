@@ -79,7 +79,7 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
     specs = tsp_specs(model, comm.size)
-    local = _LocalShards(model, specs, comm.rank, init_seed)
+    local = LocalShards(model, specs, comm.rank, init_seed)
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         block.self_attn = TSPAttention(*(local(pre + f"self_attn.{n}_proj.weight") for n in "qkvo"),
@@ -100,7 +100,7 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     return specs
 
 
-class _LocalShards:
+class LocalShards:
     """name -> this rank's shard, sliced from the real weight or initialised from the seed."""
 
     def __init__(self, model: nn.Module, specs: dict[str, ShardSpec], rank: int, seed: int | None):
@@ -111,25 +111,28 @@ class _LocalShards:
         p = self.params[name]
         if p.is_meta:
             if self.seed is None:
-                raise ValueError("apply_tsp on a meta-device model needs init_seed")
+                raise ValueError("parallelizing a meta-device model needs init_seed")
             full = init_parameter(name, tuple(p.shape), seed=self.seed, std=self.std)
         else:
             full = p.detach()
         return self.specs[name].local(full, self.rank)
 
 
-def _materialize(norm: nn.Module, local: _LocalShards, prefix: str) -> nn.Module:
+def _materialize(norm: nn.Module, local: LocalShards, prefix: str) -> nn.Module:
     if norm.weight.is_meta:
         norm.weight = nn.Parameter(local(prefix + ".weight"))
     return norm
 
 
-def mark_model_parallel(model: nn.Module, specs: dict[str, ShardSpec]) -> None:
+def mark_model_parallel(model: nn.Module, specs: dict[str, ShardSpec], *,
+                        counts_shards: bool = True) -> None:
     """Flag sharded parameters the way DeepSpeed (and Megatron) expect, so gradient-norm clipping
-    counts each shard once on every model-parallel rank and replicated weights once."""
+    counts each shard once on every model-parallel rank and replicated weights once (DeepSpeed
+    counts unflagged parameters on model-parallel rank 0 only). counts_shards=False on ranks whose
+    shards duplicate another rank's (tp x sp: the sp copies of a tp shard), so each is counted once."""
     for name, p in model.named_parameters():
         spec = specs[name]
-        p.tensor_model_parallel = spec.dim is not None
+        p.tensor_model_parallel = spec.dim is not None and counts_shards
         p.partition_dim = -1 if spec.dim is None else spec.dim
         p.partition_stride = 1
 

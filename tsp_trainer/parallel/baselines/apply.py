@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 from tsp_trainer.config.validate import check_parallel_shapes
-from tsp_trainer.model.transformer import Transformer, init_parameter
+from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
-from tsp_trainer.parallel.apply import TSP_PLAN, ShardSpec, mark_model_parallel, plan_specs
+from tsp_trainer.parallel.apply import (TSP_PLAN, ShardSpec, LocalShards, mark_model_parallel,
+                                        plan_specs)
 from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, ParallelEmbedding,
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
 from tsp_trainer.parallel.comm import Comm
@@ -38,7 +39,7 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     specs = (plan_specs(names, BASELINE_PLAN, t, "tp") if t > 1
              else {n: ShardSpec(None, 1, "sp") for n in names})
-    local = _Local(model, specs, groups.tp.rank, init_seed)
+    local = LocalShards(model, specs, groups.tp.rank, init_seed)
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         block.self_attn = ParallelAttention(*(local(pre + f"self_attn.{n}_proj.weight") for n in "qkvo"),
@@ -53,29 +54,12 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = ParallelEmbedding(embed, vocab_start=vocab_start, groups=groups)
     model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups)
-    mark_model_parallel(model, specs)
+    # DeepSpeed's model-parallel group is the whole D group: count each tp shard on sp rank 0 only.
+    mark_model_parallel(model, specs, counts_shards=groups.sp.rank == 0)
     return specs
 
 
-class _Local:
-    """name -> this rank's slice of the parameter (real weights, or initialised from the seed)."""
-
-    def __init__(self, model: nn.Module, specs: dict[str, ShardSpec], rank: int, seed: int | None):
-        self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.specs, self.rank, self.seed, self.std = specs, rank, seed, model.cfg.init_std
-
-    def __call__(self, name: str) -> torch.Tensor:
-        p = self.params[name]
-        if p.is_meta:
-            if self.seed is None:
-                raise ValueError("a baseline scheme on a meta-device model needs init_seed")
-            full = init_parameter(name, tuple(p.shape), seed=self.seed, std=self.std)
-        else:
-            full = p.detach()
-        return self.specs[name].local(full, self.rank)
-
-
-def _norm(norm, local: _Local, prefix: str, groups: Groups) -> ParallelRMSNorm:
+def _norm(norm, local: LocalShards, prefix: str, groups: Groups) -> ParallelRMSNorm:
     if norm.weight.is_meta:
         norm.weight = nn.Parameter(local(prefix + ".weight"))
     return ParallelRMSNorm(norm, comm=groups.norm_grad)
