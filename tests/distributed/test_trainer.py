@@ -13,18 +13,27 @@ from tests.helpers.dist import run_on_ranks
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_dp2_tsp2_matches_single_process(stage):
-    """5 steps of DP=2 x TSP=2 equal one process on the same global batches.
+@pytest.mark.parametrize("stage,scheme,layout", [
+    (1, "tsp", []), (2, "tsp", []),
+    (1, "tp", []), (1, "tp_sp", []), (1, "sp", []),
+    (2, "tp_x_sp", ["parallel.tsp_degree=4", "parallel.tp_degree=2", "parallel.sp_degree=2"]),
+])
+def test_dp2_tsp2_matches_single_process(stage, scheme, layout):
+    """5 steps of DP=2 x TSP=2 (and of each baseline scheme on 4 ranks) equal one process on the
+    same global batches, ZeRO-1 and ZeRO-2.
 
     Losses: rtol 1e-6 (measured 3e-7: fp32 summation order). Weights: AdamW divides by sqrt(v), so
     an element whose gradient is at the fp32 noise floor moves by up to lr in a noise-set
     direction (see tests/distributed/test_tsp_parity.py); bound lr / 30 = 1e-4 (measured 1.3e-5),
     and require 99.9% of all elements to agree to 1e-6, which a real error would break."""
-    overrides = ["train.steps=5", "checkpoint.enabled=false", f"zero.stage={stage}"]
-    ref_losses, ref_weights = reference_run(overrides, dp_degree=2)
+    overrides = ["train.steps=5", "checkpoint.enabled=false", f"zero.stage={stage}",
+                 f"parallel.scheme={scheme}"] + layout
+    dp = 1 if layout else 2
+    ref_losses, ref_weights, ref_norms = reference_run(overrides, dp_degree=dp)
     outs = run_on_ranks(train_rank, 4, overrides)
-    assert outs[0]["dp_world_size"] == 2                      # ZeRO sees dp only, via the mpu
+    assert outs[0]["dp_world_size"] == dp                     # ZeRO sees dp only, via the mpu
+    # the clipped norm counts each shard once (tensor_model_parallel flags): same as one process
+    assert outs[0]["grad_norms"] == pytest.approx(ref_norms, rel=1e-5)
     for o in outs:
         assert o["losses"] == pytest.approx(ref_losses, rel=1e-6)
     close, total = 0, 0

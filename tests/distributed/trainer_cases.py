@@ -45,17 +45,17 @@ def reference_run(overrides, *, dp_degree: int):
     loaders = [build_loader(cfg.data.source, tokenizer=tok, seq_len=cfg.data.seq_len,
                             micro_batch_size=cfg.data.micro_batch_size, dp_rank=r,
                             dp_degree=dp_degree, seed=cfg.train.seed) for r in range(dp_degree)]
-    losses = []
+    losses, norms = [], []
     for _ in range(cfg.train.steps):
         batches = [next(loader) for loader in loaders]
         ids = torch.cat([b["input_ids"] for b in batches])
         labels = torch.cat([b["labels"] for b in batches])
         loss = model.loss(ids, labels)
         loss.backward()
-        if cfg.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(
+            model.parameters(), cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))))
         opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
