@@ -1,4 +1,4 @@
-"""Command-line entry points: tsp-train, tsp-demo, tsp-bench, tsp-plan, tsp-export.
+"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export.
 
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
@@ -98,12 +98,6 @@ def train_main(argv: list[str] | None = None) -> None:
     _exit(code)
 
 
-def demo_main(argv: list[str] | None = None) -> None:
-    from tsp_trainer.demo import main
-
-    main(argv)
-
-
 def bench_main(argv: list[str] | None = None) -> None:
     from tsp_trainer.bench.cli import main
 
@@ -122,7 +116,7 @@ def export_main(argv: list[str] | None = None) -> None:
     raise SystemExit(main(argv))
 
 
-COMMANDS = {"train": train_main, "demo": demo_main, "bench": bench_main, "plan": plan_main,
+COMMANDS = {"train": train_main, "bench": bench_main, "plan": plan_main,
             "export": export_main}
 
 
