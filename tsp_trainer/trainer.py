@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.checkpoint.shards import shard_file_name, write_shard
 from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
 from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
 from tsp_trainer.engine import deepspeed as ds_engine
@@ -224,22 +224,18 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self):
-        step, mesh = self.state.step, self.mesh
+        step = self.state.step
         tmp = self.ckpt.begin(step)
         self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
-        if mesh.dp_rank == 0:       # one copy of each distinct model shard, self-describing
-            write_shard(tmp / "model" / shard_file_name(mesh.tsp_rank, mesh.dims.tsp),
-                        dict(self.par.model.state_dict()), self.par.specs,
-                        {a: comm.rank for a, comm in self.par.axis_comms.items()})
+        reshard.write_layout_free_state(tmp, self.par, self.optimizer)     # model/ + optim/
         self.ckpt.write_rank_state(tmp, self._rank_state())
         return self.ckpt.publish(tmp, step, self._meta())
 
     def _meta(self) -> dict:
-        c, dims = self.cfg, self.mesh.dims
+        c = self.cfg
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.state.skipped_steps,
-                "layout": {"scheme": c.parallel.scheme, "tsp_degree": dims.tsp, "dp_degree": dims.dp,
-                           "world_size": dims.world_size},
+                "layout": self._layout(),
                 "model": self.model_cfg.__dict__, "config_yaml": config_to_yaml(c)}
 
     def _rank_state(self) -> dict:
@@ -253,29 +249,39 @@ class Trainer:
         if path is None:
             return
         meta = self.ckpt.verify(path)
-        self._check_compatible(meta, path)
-        self.engine.load_checkpoint(str(path), tag="deepspeed", load_lr_scheduler_states=False)
-        rank_state = self.ckpt.read_rank_state(path)
+        saved = meta["layout"]
+        if self._check_compatible(meta, path):
+            self.engine.load_checkpoint(str(path), tag="deepspeed", load_lr_scheduler_states=False)
+            rank_state = self.ckpt.read_rank_state(path)
+        else:       # another layout: DeepSpeed's files don't fit, read the layout-free shards
+            reshard.load_layout_free_state(path, self.par, self.optimizer)
+            rank_state = self.ckpt.read_rank_state(
+                path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
+            self.log.info(f"resharded {path}: {saved} -> {self._layout()}")
         self.loader.load_state_dict(rank_state["loader"],
                                     on_layout_change=_LAYOUT_POLICY[self.cfg.data.on_layout_change])
         self.scheduler.load_state_dict(rank_state["scheduler"])
+        reshard.apply_scheduler_lr(self.optimizer, self.scheduler)
         _set_rng(rank_state["rng"])
         self.state = TrainState(meta["step"], meta["tokens_seen"], meta.get("skipped_steps", 0))
         self.log.info(f"resumed from {path} at step {self.state.step}")
 
-    def _check_compatible(self, meta: dict, path) -> None:
+    def _layout(self) -> dict:
+        c, dims = self.cfg, self.mesh.dims
+        return {"scheme": c.parallel.scheme, "tsp_degree": dims.tsp, "dp_degree": dims.dp,
+                "world_size": dims.world_size, "zero_stage": c.zero.stage}
+
+    def _check_compatible(self, meta: dict, path) -> bool:
+        """Raises for another model shape or a refused layout change; True if the layout is the
+        saved one (DeepSpeed's own files load as they are)."""
         if meta["model"] != self.model_cfg.__dict__:
             diff = {k: (v, self.model_cfg.__dict__.get(k)) for k, v in meta["model"].items()
                     if self.model_cfg.__dict__.get(k) != v}
             raise ValueError(f"checkpoint {path} is of another model shape: "
                              + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint" for k, (a, b) in diff.items()))
-        saved = meta["layout"]
-        if (saved["tsp_degree"], saved["dp_degree"], saved["scheme"]) != \
-                (self.mesh.dims.tsp, self.mesh.dims.dp, self.cfg.parallel.scheme):
-            raise ValueError(f"checkpoint {path} was saved with scheme={saved['scheme']} "
-                             f"tsp_degree={saved['tsp_degree']} dp_degree={saved['dp_degree']}; this run "
-                             f"has scheme={self.cfg.parallel.scheme} tsp_degree={self.mesh.dims.tsp} "
-                             f"dp_degree={self.mesh.dims.dp}: use `tsp-reshard` (docs) to change layout")
+        reshard.check_layout_change(meta["layout"], self._layout(),
+                                    policy=self.cfg.data.on_layout_change, path=path)
+        return not reshard.layout_changed(meta["layout"], self._layout())
 
 
 def _checkpointed_block(block, x, rope):

@@ -5,6 +5,7 @@ Layout of one checkpoint (all ranks write into a temporary folder on a shared fi
     <root>/step_00000020/
         deepspeed/...                     DeepSpeed model + ZeRO optimizer states (per rank)
         model/model-tspXXX-of-YYY.safetensors   self-describing model shards (checkpoint/shards.py)
+        optim/optim-tspXXX-of-YYY.safetensors   self-describing optimizer state (checkpoint/reshard.py)
         ranks/rank_XXXXX.pt               per-rank state: data loader, RNG, scheduler, counters
         meta.json                         step, tokens seen, layout, model config, resolved config
         manifest.json                     every file with its size and sha256 (written last)
@@ -50,7 +51,7 @@ class CheckpointManager:
         if self.world.rank == 0:
             for stale in self.root.glob(".step_*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
-            for sub in ("deepspeed", "model", "ranks"):
+            for sub in ("deepspeed", "model", "optim", "ranks"):
                 (tmp / sub).mkdir(parents=True, exist_ok=True)
         self.world.barrier()
         return tmp
@@ -114,8 +115,28 @@ class CheckpointManager:
             raise ValueError(error)
         return json.loads((path / META).read_text())
 
-    def read_rank_state(self, path: Path) -> dict:
-        return torch.load(path / "ranks" / f"rank_{self.world.rank:05d}.pt", weights_only=False)
+    def read_rank_state(self, path: Path, rank: int | None = None) -> dict:
+        """This rank's state, or saved rank `rank`'s (a resume under another layout)."""
+        rank = self.world.rank if rank is None else rank
+        return torch.load(path / "ranks" / f"rank_{rank:05d}.pt", weights_only=False)
+
+
+def read_verified_meta(folder: Path) -> dict:
+    """One process, no group: meta.json of a checkpoint whose manifest checks out, or ValueError."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder (expected a checkpoint step_* folder)")
+    try:
+        error = verify_manifest(folder)
+    except (ValueError, KeyError, TypeError) as err:        # json.JSONDecodeError is a ValueError
+        error = f"checkpoint {folder} has an unreadable {MANIFEST} ({err!r})"
+    if error:
+        raise ValueError(error)
+    try:
+        return json.loads((folder / META).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{folder} has a manifest but no readable {META}: not a tsp_trainer "
+                         f"checkpoint ({err})") from err
 
 
 def build_manifest(folder: Path) -> dict:

@@ -1,7 +1,10 @@
 """Self-describing model shards: each rank that owns a distinct shard (dp_rank 0 of each tsp rank)
 writes its local tensors to one safetensors file whose metadata records, per tensor, the full
 shape and how it is split (ShardSpec). Reading every file back gives the full state dict whatever
-layout wrote it, which is what resharding and export need (STYLE.md section 5.8)."""
+layout wrote it, which is what resharding and export need (STYLE.md section 5.8).
+
+The same format holds the layout-free optimizer state (checkpoint/reshard.py): files
+`optim-tspXXX-of-YYY.safetensors`, tensors named "<state key>/<parameter name>"."""
 
 from __future__ import annotations
 
@@ -15,27 +18,36 @@ from safetensors.torch import save_file
 from tsp_trainer.parallel.apply import ShardSpec
 
 META_KEY = "tsp_trainer.shards"
+EXTRA_KEY = "tsp_trainer.extra"
 
 
-def shard_file_name(tsp_rank: int, degree: int) -> str:
-    return f"model-tsp{tsp_rank:03d}-of-{degree:03d}.safetensors"
+def shard_file_name(tsp_rank: int, degree: int, prefix: str = "model") -> str:
+    return f"{prefix}-tsp{tsp_rank:03d}-of-{degree:03d}.safetensors"
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec],
-                axis_ranks: dict[str, int]) -> None:
-    """Write this rank's tensors with, for each, (dim, degree, axis, this rank's index on it)."""
+                axis_ranks: dict[str, int], *, extra: dict | None = None) -> None:
+    """Write this rank's tensors with, for each, (dim, degree, axis, this rank's index on it).
+    `extra`: JSON-able facts stored beside the layout (e.g. the optimizer's step count)."""
     layout = {name: {"dim": specs[name].dim, "degree": specs[name].degree, "axis": specs[name].axis,
                      "index": axis_ranks.get(specs[name].axis, 0)} for name in tensors}
     # safetensors refuses shared storage (tied weights): store contiguous copies.
     data = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
-    save_file(data, str(path), metadata={META_KEY: json.dumps(layout)})
+    metadata = {META_KEY: json.dumps(layout)}
+    if extra is not None:
+        metadata[EXTRA_KEY] = json.dumps(extra)
+    save_file(data, str(path), metadata=metadata)
 
 
-def read_full_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+def read_extra(folder: Path, prefix: str = "model") -> dict:
+    """The `extra` dict of the first shard file (every file of one save carries the same)."""
+    with safe_open(str(_shard_files(folder, prefix)[0]), framework="pt") as handle:
+        return json.loads((handle.metadata() or {}).get(EXTRA_KEY, "{}"))
+
+
+def read_full_state_dict(folder: Path, prefix: str = "model") -> dict[str, torch.Tensor]:
     """Assemble full tensors from every shard file in `folder`."""
-    files = sorted(folder.glob("model-*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder} holds no model-*.safetensors shard files")
+    files = _shard_files(folder, prefix)
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     layouts: dict[str, dict] = {}
     for f in files:
@@ -55,3 +67,71 @@ def _assemble(name: str, layout: dict, parts: dict[int, torch.Tensor]) -> torch.
         raise ValueError(f"checkpoint is missing shards {missing} of {name!r} "
                          f"(split {layout['degree']} ways along dim {layout['dim']})")
     return torch.cat([parts[i] for i in range(layout["degree"])], dim=layout["dim"])
+
+
+def read_local_state_dict(folder: Path, specs: dict[str, ShardSpec], rank_of_axis: dict[str, int],
+                          names: list[str], prefix: str = "model") -> dict[str, torch.Tensor]:
+    """This rank's slice (under `specs`, the new layout) of each tensor in `names`, reading only the
+    stored pieces that overlap it: no rank holds a full tensor when old and new layouts split the
+    same dim (resharding D -> D'). `specs` is keyed by parameter name; a stored name may carry a
+    "<state key>/" prefix (optimizer shards)."""
+    index = _index(folder, prefix)
+    out = {}
+    for name in names:
+        if name not in index:
+            raise ValueError(f"{folder} has no tensor {name!r} in its {prefix}-*.safetensors shards")
+        layout, parts = index[name]
+        new = specs[name.rsplit("/", 1)[-1]]
+        rank = rank_of_axis.get(new.axis, 0)
+        if layout["dim"] is None:       # replicated: every copy is the same, read one
+            out[name] = new.local(_get(parts[min(parts)], name), rank)
+        elif new.dim == layout["dim"]:
+            out[name] = _read_overlap(name, layout, parts, new.degree, rank)
+        else:                           # split along another dim: go through the full tensor
+            full = _assemble(name, layout, {i: _get(f, name) for i, f in parts.items()})
+            out[name] = new.local(full, rank)
+    return out
+
+
+def _shard_files(folder: Path, prefix: str) -> list[Path]:
+    files = sorted(Path(folder).glob(f"{prefix}-*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no {prefix}-*.safetensors shard files")
+    return files
+
+
+def _index(folder: Path, prefix: str) -> dict[str, tuple[dict, dict[int, Path]]]:
+    """name -> (layout, {index on its axis: file})."""
+    index: dict[str, tuple[dict, dict[int, Path]]] = {}
+    for f in _shard_files(folder, prefix):
+        with safe_open(str(f), framework="pt") as handle:
+            layout = json.loads(handle.metadata()[META_KEY])
+            for name in handle.keys():
+                index.setdefault(name, (layout[name], {}))[1][layout[name]["index"]] = f
+    return index
+
+
+def _get(path: Path, name: str) -> torch.Tensor:
+    with safe_open(str(path), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
+def _read_overlap(name: str, layout: dict, parts: dict[int, Path], degree: int, rank: int) -> torch.Tensor:
+    """Block `rank` of `degree` along layout["dim"], cut from the stored blocks that overlap it."""
+    dim, old_degree = layout["dim"], layout["degree"]
+    missing = sorted(set(range(old_degree)) - set(parts))
+    if missing:
+        raise ValueError(f"checkpoint is missing shards {missing} of {name!r} "
+                         f"(split {old_degree} ways along dim {dim})")
+    with safe_open(str(parts[0]), framework="pt") as handle:
+        old_len = handle.get_slice(name).get_shape()[dim]
+    full_len = old_len * old_degree
+    if full_len % degree:
+        raise ValueError(f"{name!r} has {full_len} rows along dim {dim}, not divisible into {degree} shards")
+    start, stop = rank * full_len // degree, (rank + 1) * full_len // degree
+    pieces = []
+    for i in range(start // old_len, (stop - 1) // old_len + 1):
+        lo, hi = max(start, i * old_len) - i * old_len, min(stop, (i + 1) * old_len) - i * old_len
+        with safe_open(str(parts[i]), framework="pt") as handle:
+            pieces.append(handle.get_slice(name)[(slice(None),) * dim + (slice(lo, hi),)])
+    return torch.cat(pieces, dim=dim)

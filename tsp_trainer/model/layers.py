@@ -64,8 +64,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, d]; cos/sin: [T, d]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    """x: [B, T, heads, d]; cos/sin: [T, d] (fp32 tables, applied in x's dtype as HF does)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
 
 

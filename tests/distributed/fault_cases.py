@@ -1,0 +1,61 @@
+"""Rank functions that inject faults into a real Trainer (a SIGKILL mid-ring or mid-save, a NaN
+loss on one rank) by wrapping one of its methods on the victim rank only."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from tests.distributed.trainer_cases import config
+
+
+def _kill_self():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def faulty_train_rank(rank, world, overrides, fault):
+    """fault = (kind, at_step, victim_rank); kind in {"ring", "save", "nan"}."""
+    from tsp_trainer.trainer import NonFiniteError, Trainer
+
+    trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+    kind, at_step, victim = fault
+    if rank == victim:
+        _inject(trainer, kind, at_step)
+    try:
+        history = trainer.fit()
+    except NonFiniteError as err:
+        return {"stopped": str(err), "step": trainer.state.step}
+    weights = trainer.par.gather_full_state_dict()          # a collective: every rank joins
+    return {"losses": [h["loss"] for h in history], "skipped": [h["skipped"] for h in history],
+            "weights": weights if rank == 0 else None,
+            "step": trainer.state.step}
+
+
+def _inject(trainer, kind, at_step):
+    def due():
+        return trainer.state.step + 1 == at_step
+
+    if kind == "ring":                       # die inside the MLP ring of the last layer's forward
+        mlp = trainer.par.model.layers[-1].mlp
+        forward = mlp.forward
+        mlp.forward = lambda x: _kill_self() if due() else forward(x)
+    elif kind == "save":                     # die after DeepSpeed wrote its files, before publish
+        write = trainer.ckpt.write_rank_state
+        trainer.ckpt.write_rank_state = lambda tmp, st: (
+            _kill_self() if trainer.state.step == at_step else write(tmp, st))
+    elif kind == "nan":                      # one rank's loss turns NaN
+        module = trainer.engine.module
+        loss_sum = module.loss_sum
+
+        def poisoned(*args, **kwargs):
+            total, count = loss_sum(*args, **kwargs)
+            return (total + float("nan") if due() else total), count
+        module.loss_sum = poisoned
+    else:
+        raise ValueError(kind)
+
+
+def weights_equal(a, b) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,57 @@
+"""Fault injection on 4 CPU processes (DP=2 x TSP=2): a rank SIGKILLed in the middle of a step
+(inside the MLP ring) or of a checkpoint save, and a NaN loss on one rank only."""
+
+import pytest
+
+from tests.distributed.fault_cases import faulty_train_rank, weights_equal
+from tests.distributed.trainer_cases import train_rank
+from tests.helpers.dist import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+STEADY = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=10"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    return run_on_ranks(train_rank, 4, STEADY + [f"train.output_dir={out}"])[0]
+
+
+@pytest.mark.parametrize("kind,at_step,resumes_from", [("ring", 6, 4), ("save", 6, 4)])
+def test_sigkill_then_auto_resume_matches(tmp_path, uninterrupted, kind, at_step, resumes_from):
+    overrides = STEADY + [f"train.output_dir={tmp_path}", "train.resume=auto"]
+    with pytest.raises(RuntimeError, match="distributed run failed"):
+        run_on_ranks(faulty_train_rank, 4, overrides, (kind, at_step, 1), pg_timeout_s=20)
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == f"step_{resumes_from:08d}"
+    assert not (ckpts / f"step_{at_step:08d}").exists()        # a partial save is never published
+
+    resumed = run_on_ranks(train_rank, 4, overrides)[0]         # the relaunch
+    assert resumed["losses"] == uninterrupted["losses"][resumes_from:]
+    assert weights_equal(resumed["weights"], uninterrupted["weights"])
+    assert not list(ckpts.glob(".step_*.tmp"))                 # stale temporaries cleaned up
+
+
+CONSTANT_LR = ["optim.warmup_steps=0", "optim.min_lr=3e-3", "checkpoint.every=2",
+               "checkpoint.keep_last=10"]
+
+
+def test_nan_on_one_rank_is_skipped_everywhere(tmp_path):
+    """Step 3's loss is NaN on rank 1 only. Every rank skips that update (counted), so with a
+    constant learning rate the weights after 3 steps equal those after 2 clean steps."""
+    out = run_on_ranks(faulty_train_rank, 4, CONSTANT_LR + ["train.steps=3", "train.nonfinite=skip",
+                                                            f"train.output_dir={tmp_path}/a"], ("nan", 3, 1))
+    for o in out:
+        assert o["skipped"] == [0, 0, 1]
+    clean = run_on_ranks(train_rank, 4, CONSTANT_LR + ["train.steps=2", f"train.output_dir={tmp_path}/b"])
+    assert weights_equal(out[0]["weights"], clean[0]["weights"])
+
+
+def test_nan_with_stop_policy_stops_before_update_and_never_checkpoints(tmp_path):
+    out = run_on_ranks(faulty_train_rank, 4, CONSTANT_LR + ["train.steps=4", "train.nonfinite=stop",
+                                                            f"train.output_dir={tmp_path}"], ("nan", 3, 1))
+    for o in out:
+        assert "non-finite" in o["stopped"] and "step 3" in o["stopped"]
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002"]
