@@ -37,6 +37,10 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient with train.nonfinite=stop (raised before the update)."""
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; the previous complete one stays `latest`."""
+
+
 @dataclass
 class TrainState:
     step: int = 0                # optimizer steps taken
@@ -226,9 +230,15 @@ class Trainer:
     def save(self):
         step = self.state.step
         tmp = self.ckpt.begin(step)
-        self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
-        reshard.write_layout_free_state(tmp, self.par, self.optimizer)     # model/ + optim/
-        self.ckpt.write_rank_state(tmp, self._rank_state())
+        try:
+            self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
+            reshard.write_layout_free_state(tmp, self.par, self.optimizer)     # model/ + optim/
+            self.ckpt.write_rank_state(tmp, self._rank_state())
+        except OSError as err:        # disk full, quota, I/O error: never publish a partial save
+            self.ckpt.abort(tmp)
+            raise CheckpointSaveError(f"saving the step-{step} checkpoint failed on rank "
+                                      f"{self.mesh.rank}: {err}; {self.ckpt.latest()} is still the "
+                                      "latest complete checkpoint") from err
         return self.ckpt.publish(tmp, step, self._meta())
 
     def _meta(self) -> dict:

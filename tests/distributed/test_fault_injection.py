@@ -55,3 +55,53 @@ def test_nan_with_stop_policy_stops_before_update_and_never_checkpoints(tmp_path
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000002"]
+
+
+def _disk_full_rank(rank, world, overrides):
+    import errno
+
+    import tsp_trainer.checkpoint.manager as manager
+    from tsp_trainer.trainer import CheckpointSaveError, Trainer
+
+    from tests.distributed.trainer_cases import config
+    trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+    real = manager.atomic_torch_save
+
+    def full_at_step_4(obj, path):
+        if trainer.state.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(obj, path)
+    manager.atomic_torch_save = full_at_step_4
+    try:
+        trainer.fit()
+    except CheckpointSaveError as err:
+        return str(err)
+    return "no error"
+
+
+def test_disk_full_during_save_keeps_latest(tmp_path):
+    message = run_on_ranks(_disk_full_rank, 1, ["parallel.tsp_degree=1", "train.steps=6",
+                                                "checkpoint.every=2", f"train.output_dir={tmp_path}"])[0]
+    assert "step-4 checkpoint failed" in message and "No space left on device" in message
+    assert "step_00000002" in message                       # names what is still the latest
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]   # nothing half-written
+
+
+def _shape_rank(rank, world, overrides):
+    from tsp_trainer.trainer import Trainer
+
+    from tests.distributed.trainer_cases import config
+    try:
+        Trainer(config(overrides), world_size=world, global_rank=rank)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_resume_of_another_model_shape_is_refused(tmp_path):
+    common = ["parallel.tsp_degree=1", f"train.output_dir={tmp_path}", "train.steps=2"]
+    run_on_ranks(train_rank, 1, common, False)
+    message = run_on_ranks(_shape_rank, 1, common + ["model.hidden_size=32", "train.resume=auto"])[0]
+    assert "another model shape" in message and "model.hidden_size=32" in message and "64" in message

@@ -56,6 +56,10 @@ class CheckpointManager:
         self.world.barrier()
         return tmp
 
+    def abort(self, tmp: Path) -> None:
+        """Remove a temporary folder whose save failed (any rank may; the next begin() also would)."""
+        shutil.rmtree(tmp, ignore_errors=True)
+
     def write_rank_state(self, tmp: Path, state: dict) -> None:
         atomic_torch_save(state, tmp / "ranks" / f"rank_{self.world.rank:05d}.pt")
 
