@@ -1,2 +1,3 @@
-"""Checkpoints: atomic, self-describing, verified on load (manager); layout-free model shards
-(shards); Hugging Face export/import (hf)."""
+"""Checkpoints: atomic, self-describing, verified on load (manager); layout-free model and optimizer
+shards (shards, reshard: resume under another D x DP); Hugging Face import and export (hf,
+export_cli: tsp-export)."""
