@@ -1,0 +1,83 @@
+"""The dependency rules of DESIGN.md section 6, checked on every module's imports (ast)."""
+
+import ast
+import pathlib
+
+import tsp_trainer
+
+ROOT = pathlib.Path(tsp_trainer.__file__).parent
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    return names
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), _imports(path)
+
+
+def _uses(names: set[str], package: str) -> bool:
+    return any(n == package or n.startswith(package + ".") for n in names)
+
+
+def test_model_knows_nothing_of_distribution_or_our_other_packages():
+    for rel, names in _modules():
+        if rel.startswith("model/"):
+            assert not _uses(names, "torch.distributed"), rel
+            ours = {n for n in names if n.startswith("tsp_trainer.")}
+            assert all(n.startswith(("tsp_trainer.model", "tsp_trainer.config")) for n in ours), rel
+
+
+def test_accelerate_and_deepspeed_only_in_engine():
+    for rel, names in _modules():
+        if _uses(names, "accelerate") or _uses(names, "deepspeed"):
+            assert rel.startswith("engine/"), rel
+
+
+def test_omegaconf_only_in_config_load_and_wandb_only_in_its_sink():
+    for rel, names in _modules():
+        if _uses(names, "omegaconf"):
+            assert rel == "config/load.py", rel
+        if _uses(names, "wandb"):
+            assert rel == "observability/wandb_sink.py", rel
+
+
+def test_config_imports_no_runtime_code():
+    for rel, names in _modules():
+        if rel.startswith("config/"):
+            ours = {n for n in names if n.startswith("tsp_trainer.")}
+            assert all(n.startswith("tsp_trainer.config") for n in ours), rel
+            assert not _uses(names, "torch"), rel
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
+               "reduce", "isend", "irecv", "send", "recv", "batch_isend_irecv", "all_to_all",
+               "all_to_all_single", "barrier", "broadcast_object_list", "all_gather_object"}
+
+
+def _distributed_calls(path: pathlib.Path) -> list[str]:
+    """Calls like dist.all_reduce(...) or torch.distributed.broadcast(...)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            if node.func.attr in COLLECTIVES and owner in ("dist", "torch.distributed"):
+                found.append(f"{owner}.{node.func.attr}")
+    return found
+
+
+def test_collectives_only_through_comm():
+    """Every collective and P2P op is issued by parallel/comm.py (Comm, so the ledger sees it);
+    outside it only process-group start-up and tear-down (launchers, the CLI) appear."""
+    allowed = {"cli.py": {"dist.barrier"}, "bench/launch.py": {"dist.barrier"}}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "parallel/comm.py":      # the one place ops are issued (and recorded)
+            continue
+        calls = set(_distributed_calls(path)) - allowed.get(rel, set())
+        assert not calls, (rel, calls)
