@@ -23,22 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tsp_trainer.parallel.comm import Comm
-
-
-class _CopyToRegion(torch.autograd.Function):
-    """Enter a TP region (before column-parallel matmuls); also sums the gradient of a weight
-    replicated over a group. Forward: identity. Backward: all-reduce (sum) over `comm`."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Comm, tag: str):
-        ctx.comm, ctx.tag = comm, tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        ctx.comm.all_reduce(grad, tag=ctx.tag)
-        return grad, None, None
+from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -87,7 +72,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 def copy_to_region(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
-    return x if comm.size == 1 else _CopyToRegion.apply(x, comm, tag)
+    return x if comm.size == 1 else SumGradOverGroup.apply(x, comm, tag)
 
 
 def reduce_from_region(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:

@@ -5,25 +5,10 @@ backward (DeepSpeed's reduction hooks included) sees the full gradient."""
 
 from __future__ import annotations
 
-import torch
 
 from tsp_trainer.model.layers import RMSNorm
 from tsp_trainer.parallel.comm import Comm
-
-
-class SumGradOverGroup(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce (sum) the gradient over `comm`."""
-
-    @staticmethod
-    def forward(ctx, w, comm: Comm, tag: str):
-        ctx.comm, ctx.tag = comm, tag
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        ctx.comm.all_reduce(g, tag=ctx.tag)
-        return g, None, None
+from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 
 
 class TSPRMSNorm(RMSNorm):
