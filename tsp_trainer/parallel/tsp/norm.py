@@ -5,6 +5,7 @@ backward (DeepSpeed's reduction hooks included) sees the full gradient."""
 
 from __future__ import annotations
 
+import torch
 
 from tsp_trainer.model.layers import RMSNorm
 from tsp_trainer.parallel.comm import Comm
