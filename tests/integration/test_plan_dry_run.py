@@ -1,0 +1,65 @@
+"""`tsp-plan --dry-run`: the real model and TSP / TP / TP+SP schedules for the 7B recipe at world
+1,024 (DP 128 x D 8) on fake tensors and the fake process group, in one process (a subprocess here,
+so the fake default process group never touches the pytest process).
+
+The ledger of one step must equal the analytic communication model exactly; saved activations
+must agree to 1% and the peak to 10% (plan/analytic.py, device="cpu": the fake tensors take the
+CPU attention path)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tsp_trainer.config.model import model_config
+
+
+def _dry_run(tmp_path, *args: str, timeout: int) -> dict:
+    out = tmp_path / "dry.json"
+    proc = subprocess.run([sys.executable, "-m", "tsp_trainer", "plan", "--dry-run", "--json", str(out),
+                           *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "equals the analytic model exactly: True" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def _check(report: dict, schemes=("tsp", "tp", "tp_sp")) -> None:
+    cfg = model_config("7b")
+    assert (report["world_size"], report["degree"], report["dp"]) == (1024, 8, 128)
+    assert set(report["schemes"]) == set(schemes)
+    for scheme, r in report["schemes"].items():
+        assert r["comm_equals_model"], (scheme, r["comm_diff"])
+        assert r["param_count"] == r["param_count_model"]
+        shapes = r["param_shapes"]
+        # Megatron 1-D split of every matrix over the 8 ranks (TSP and TP alike), norms replicated
+        assert shapes["layers.0.self_attn.q_proj.weight"] == [cfg.hidden_size // 8, cfg.hidden_size]
+        assert shapes["layers.0.mlp.down_proj.weight"] == [cfg.hidden_size, cfg.intermediate_size // 8]
+        assert shapes["embed_tokens.weight"] == [cfg.vocab_size // 8, cfg.hidden_size]
+        assert shapes["norm.weight"] == [cfg.hidden_size]
+        assert r["activations_stored"] == pytest.approx(r["activations_stored_model"], rel=0.01)
+        assert r["activations_peak"] == pytest.approx(r["activations_peak_model"], rel=0.10)
+    tsp, tp = report["schemes"]["tsp"], report["schemes"]["tp"]
+    assert tsp["activations_stored"] * 4 < tp["activations_stored"]     # TSP shards the sequence
+    assert tsp["comm"]["all_gather/attn.kv"]["count"] > 0 and "all_reduce/attn.tp" not in tsp["comm"]
+
+
+def test_dry_run_7b_16k_world_1024(tmp_path):
+    """The same code paths at 16K tokens and one head bucket: ~20 s."""
+    report = _dry_run(tmp_path, "--seq-len", "16384", "--head-buckets", "1", timeout=600)
+    assert report["seq_len"] == 16384 and report["activation_checkpointing"] is True
+    _check(report)
+
+
+@pytest.mark.slow
+def test_dry_run_7b_128k_recipe_world_1024(tmp_path):
+    """The recipe (recipes/7b_128k_1024gpu.yaml): 128K tokens, 4 head buckets, AC: ~70 s."""
+    report = _dry_run(tmp_path, timeout=1200)
+    assert report["seq_len"] == 131072
+    assert report["schemes"]["tsp"]["info"]["head_buckets"] == 4
+    _check(report)
+    # TSP at 128K: weights move ~(D-1)/D of a layer per broadcast; K/V bytes dominate
+    comm = report["schemes"]["tsp"]["comm"]
+    assert comm["all_gather/attn.kv"]["bytes"] > 5 * comm["broadcast/attn.weights"]["bytes"]

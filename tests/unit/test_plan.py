@@ -1,0 +1,228 @@
+"""The planner without any process group: closed forms on small configs, the CLI (tables, JSON,
+PNG, error messages and exit codes), and ranking sanity at the paper's scale."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import model_config
+from tsp_trainer.model import Transformer
+from tsp_trainer.observability.flops import flops_per_token
+from tsp_trainer.observability.metrics import DEVICE_PEAK_FLOPS
+from tsp_trainer.parallel.tsp.comm_model import tsp_step_comm
+from tsp_trainer.plan import cli
+from tsp_trainer.plan.analytic import (BF16, FP32, Assumptions, Layout, activation_memory,
+                                       data_parallel_comm, hardware_flops_per_token,
+                                       model_parallel_comm, param_count, predict, state_bytes,
+                                       wire_bytes)
+from tsp_trainer.plan.hardware import PROFILES, get_profile
+from tsp_trainer.plan.search import PlanError, candidate_layouts, plan
+
+SMALL = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                    intermediate_size=128, max_seq_len=4096)
+GIB = 2 ** 30
+
+
+# -- hardware ---------------------------------------------------------------------------------
+
+def test_profiles_take_peaks_from_observability():
+    for name, profile in PROFILES.items():
+        assert profile.peak_flops == DEVICE_PEAK_FLOPS[name]
+        assert profile.gpus_per_node == 8
+    assert PROFILES["h200"].hbm_bytes > PROFILES["h100"].hbm_bytes
+    assert PROFILES["mi300x"].p2p_bw < PROFILES["mi300x"].intra_node_bw   # one xGMI link per peer
+    assert get_profile("H100", gpus_per_node=4).gpus_per_node == 4
+    with pytest.raises(ValueError, match="--gpu='a100' is not a known profile"):
+        get_profile("a100")
+
+
+# -- parameters and optimizer state --------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme,degree,t", [("tsp", 2, 2), ("tp", 2, 2), ("sp", 2, 1), ("tsp", 1, 1)])
+def test_param_count_matches_the_model(scheme, degree, t):
+    full = sum(p.numel() for p in Transformer(SMALL).parameters())
+    assert param_count(SMALL, Layout(scheme, degree)) == (full - 5 * 64) // t + 5 * 64   # norms replicated
+    assert param_count(SMALL, Layout("tsp", 1)) == SMALL.num_params() == full
+
+
+def test_state_bytes_bf16_zero_stages():
+    n = param_count(SMALL, Layout("tsp", 2))
+    z0 = state_bytes(SMALL, Layout("tsp", 2, dp=4, zero_stage=0), BF16)
+    z1 = state_bytes(SMALL, Layout("tsp", 2, dp=4, zero_stage=1), BF16)
+    z2 = state_bytes(SMALL, Layout("tsp", 2, dp=4, zero_stage=2), BF16)
+    assert (z0["params"], z0["grads"], z0["optimizer"]) == (2 * n, 2 * n, 12 * n)   # 16 B / param
+    assert (z1["grads"], z1["optimizer"]) == (2 * n, 3 * n)
+    assert (z2["grads"], z2["optimizer"]) == (n // 2, 3 * n)
+    fp32 = state_bytes(SMALL, Layout("tsp", 2, zero_stage=0), FP32)
+    assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * n, 4 * n, 8 * n)   # no master
+
+
+# -- activations ----------------------------------------------------------------------------------
+
+def test_tsp_saved_activations_closed_form():
+    """TSP saves only what its norms and X_p need: per layer 2 x (4 + 2e) x (N/D) x h bytes (fp32
+    norm input, normalised input, the norm output = X_p) + rsqrt; with AC the block input."""
+    b, s, d, h, e = 1, 1024, 2, 64, 2
+    n = b * s // d
+    a = activation_memory(SMALL, Layout("tsp", d), s, BF16)
+    assert a.stored_per_layer == 2 * ((4 + 2 * e) * n * h + 4 * n)
+    ac = activation_memory(SMALL, Layout("tsp", d, activation_checkpointing=True), s, BF16)
+    assert ac.stored_per_layer == e * n * h
+    assert ac.stored < a.stored and ac.peak < a.peak
+
+
+def test_activation_memory_orders_schemes_like_the_paper():
+    """At long context TSP stores ~1/D of TP's activations; TP keeps the full sequence."""
+    cfg = model_config("7b")
+    s = 131072
+    tsp = activation_memory(cfg, Layout("tsp", 8, activation_checkpointing=True), s, BF16)
+    tp = activation_memory(cfg, Layout("tp", 8, activation_checkpointing=True), s, BF16)
+    assert tp.stored_per_layer == 8 * tsp.stored_per_layer                  # N h e vs N/D h e
+    assert 5 * GIB < tsp.peak < 12 * GIB < 40 * GIB < tp.peak
+
+
+def test_head_buckets_shrink_the_transient_kv_buffer():
+    cfg = model_config("7b")
+    one = activation_memory(cfg, Layout("tsp", 8, head_buckets=1), 131072, BF16)
+    four = activation_memory(cfg, Layout("tsp", 8, head_buckets=4), 131072, BF16)
+    assert four.terms["transient_kv_bucket"] * 4 == one.terms["transient_kv_bucket"]
+    assert four.peak <= one.peak
+
+
+# -- communication ----------------------------------------------------------------------------------
+
+def test_tsp_comm_is_tsp_step_comm_plus_ac_replay():
+    lay = Layout("tsp", 4, head_buckets=1)
+    base = tsp_step_comm(SMALL, degree=4, batch=1, seq_len=512, weight_bytes=2, act_bytes=2, norm_bytes=2)
+    got = model_parallel_comm(SMALL, lay, 512, BF16)
+    as_keys = {tuple(k.split("/", 1)): {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items()}
+    assert as_keys == base
+    ac = model_parallel_comm(SMALL, Layout("tsp", 4, activation_checkpointing=True), 512, BF16)
+    # AC replays the forward: one more round of weight broadcasts, K/V gathers, MLP ring hops
+    assert ac["broadcast/attn.weights"]["count"] == got["broadcast/attn.weights"]["count"] * 3 // 2
+    assert ac["recv/mlp.weights"]["count"] == got["recv/mlp.weights"]["count"] * 3 // 2
+    assert ac["reduce/attn.wgrad"] == got["reduce/attn.wgrad"]
+
+
+def test_tsp_weight_traffic_is_independent_of_sequence_length():
+    w = [model_parallel_comm(SMALL, Layout("tsp", 2), s, BF16)["broadcast/attn.weights"]["bytes"]
+         for s in (256, 1024)]
+    kv = [model_parallel_comm(SMALL, Layout("tsp", 2), s, BF16)["all_gather/attn.kv"]["bytes"]
+          for s in (256, 1024)]
+    assert w[0] == w[1] and kv[1] == 4 * kv[0]
+
+
+def test_dp_comm_and_wire_bytes():
+    lay = Layout("tsp", 2, dp=4, zero_stage=1, grad_accum=2)
+    dp = data_parallel_comm(SMALL, lay, BF16)
+    n = param_count(SMALL, lay)
+    assert dp["reduce_scatter/dp.grads"]["bytes"] == 2 * n
+    assert dp["all_gather/dp.params"]["bytes"] == 2 * n
+    assert "all_reduce/dp.grads" in data_parallel_comm(SMALL, Layout("tsp", 2, dp=4, zero_stage=0), BF16)
+    assert data_parallel_comm(SMALL, Layout("tsp", 2), BF16) == {}
+    wire = wire_bytes(dp)
+    assert wire["reduce_scatter/dp.grads"] == pytest.approx(2 * n * 3 / 4)
+
+
+# -- compute and time -------------------------------------------------------------------------------
+
+def test_hardware_flops_count_recompute():
+    s = 1024
+    model = flops_per_token(SMALL, s)
+    assert hardware_flops_per_token(SMALL, Layout("tp", 2), s) == {"model": model, "hardware": model}
+    tsp = hardware_flops_per_token(SMALL, Layout("tsp", 2), s)["hardware"]
+    assert tsp == flops_per_token(SMALL, s, recompute=True)          # TSP recomputes its blocks
+    tsp_ac = hardware_flops_per_token(SMALL, Layout("tsp", 2, activation_checkpointing=True), s)["hardware"]
+    assert tsp_ac > tsp
+
+
+def test_prediction_time_model():
+    hw = get_profile("h100")
+    cfg = model_config("7b")
+    lay = Layout("tsp", 8, dp=2, zero_stage=1, micro_batch=1, grad_accum=2)
+    fast = predict(cfg, lay, 32768, hw)
+    slow = predict(cfg, lay, 32768, hw, assumptions=Assumptions(compute_efficiency=0.2))
+    assert slow.step_time > fast.step_time
+    assert fast.tokens_per_s == pytest.approx(2 * 2 * 32768 / fast.step_time)
+    assert fast.tokens_per_s_per_gpu == pytest.approx(fast.tokens_per_s / 16)
+    assert 0 < fast.mfu < fast.hfu < 0.45
+    assert fast.times["micro_step"] >= fast.times["compute_per_micro"]
+    # the same layout across nodes (D = 16 > 8 GPUs per node) moves its K/V over the NIC
+    wide = predict(cfg, Layout("tsp", 16, dp=1, grad_accum=4), 32768, hw)
+    narrow = predict(cfg, Layout("tsp", 8, dp=2, grad_accum=2), 32768, hw)
+    assert wide.times["exposed_comm_per_micro"] / wide.times["compute_per_micro"] > \
+        narrow.times["exposed_comm_per_micro"] / narrow.times["compute_per_micro"]
+
+
+# -- search and ranking -------------------------------------------------------------------------------
+
+def test_candidates_respect_shapes_and_batch():
+    rejected = {}
+    lays = candidate_layouts(model_config("7b"), seq_len=131072, global_batch=8, world=8, rejected=rejected)
+    assert lays and all(l.world == 8 and l.micro_batch * l.grad_accum * l.dp == 8 for l in lays)
+    assert {l.scheme for l in lays} == {"tsp", "tp", "tp_sp", "sp", "tp_x_sp"}
+    assert all(l.zero_stage == 0 for l in lays if l.dp == 1)
+
+
+def test_at_128k_on_one_h100_node_tsp_fits_where_sp_does_not():
+    """One replica on 8 GPUs (global batch 1 -> DP = 1, D = 8, the paper's single-node setting):
+    SP replicates the whole model state (16 B/param), TSP holds 1/8 of it."""
+    result = plan(model_config("7b"), seq_len=131072, global_batch=1, hw=get_profile("h100"), nodes=1)
+    best = result.best_per_scheme()
+    assert {p.layout.degree for p in result.candidates} == {8}
+    assert best["tsp"].fits and not best["sp"].fits
+    assert best["sp"].memory["params"] == 2 * model_config("7b").num_params()   # a full bf16 replica
+    tsp8 = [p for p in result.fitting if p.layout.scheme == "tsp" and p.layout.degree == 8]
+    tp8 = [p for p in result.candidates if p.layout.scheme == "tp" and p.layout.degree == 8]
+    assert min(p.memory["total"] for p in tsp8) < min(p.memory["total"] for p in tp8) / 2
+    ranked = [p.tokens_per_s for p in result.fitting]
+    assert ranked == sorted(ranked, reverse=True)
+
+
+def test_plan_errors():
+    with pytest.raises(PlanError, match=r"nothing fits: the smallest layout.*needs"):
+        plan(model_config("7b"), seq_len=4194304, global_batch=1, hw=get_profile("h100"), nodes=1)
+    with pytest.raises(PlanError, match=r"--global-batch=3 .*multiple of the data-parallel degree"):
+        plan(model_config("7b"), seq_len=4096, global_batch=3, hw=get_profile("h100"), nodes=4,
+             max_degree=8)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code = cli.main(["--model", "7b", "--seq-len", "131072", "--global-batch", "1", "--gpu", "h100",
+                     "--nodes", "1", "--json", str(out_json), "--plot", str(out_png), "--top", "5"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "tok/s/GPU" in text and "best layout per scheme" in text and "NO    sp" in text
+    doc = json.loads(out_json.read_text())
+    assert doc["request"]["world_size"] == 8 and len(doc["ranked"]) == 5
+    assert doc["ranked"][0]["tokens_per_s"] >= doc["ranked"][-1]["tokens_per_s"]
+    assert doc["best_per_scheme"]["sp"]["fits"] is False
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--global-batch", "1", "--seq-len", "4194304", "--gpu", "h100"], r"nothing fits"),
+    (["--global-batch", "3", "--seq-len", "4096", "--nodes", "4", "--max-degree", "8"],
+     r"--global-batch=3 sequences.*multiple of the data-parallel degree"),
+    (["--seq-len", "4096"], r"--global-batch .* is required"),
+    (["--global-batch", "8", "--gpu", "a100"], r"--gpu='a100' is not a known profile"),
+    (["--global-batch", "8", "--model", "70b"], r"--model='70b' is not a known size"),
+    (["--global-batch", "8", "--schemes", "tsp,ring"], r"--schemes='tsp,ring'"),
+    (["--global-batch", "8", "--efficiency", "1.5"], r"--efficiency=1.5 must be in \(0, 1\]"),
+    (["--global-batch", "8", "--nodes", "0"], r"--nodes=0 must be >= 1"),
+    (["--dry-run", "--nodes", "1", "--degree", "3"], r"--degree=3 must divide the world size 8"),
+    (["--dry-run", "--degree", "8", "--head-buckets", "3"], r"tsp: parallel.head_buckets=3"),
+])
+def test_cli_errors_exit_2_with_a_clear_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "tsp-plan: error:" in err
+    assert __import__("re").search(match, err), err

@@ -1,0 +1,194 @@
+"""tsp-plan: which layouts of a model fit on a cluster, and how fast each would train.
+
+    tsp-plan --model 7b --seq-len 131072 --global-batch 128 --gpu mi300x --nodes 128 \\
+             --json plan.json --plot plan.png
+    tsp-plan --dry-run            # the 7B 128K recipe at world 1,024 on fake tensors (one process)
+
+The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, head buckets,
+micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted tokens/s
+(plan/analytic.py; docs/planner.md). Impossible requests (nothing fits, a global batch no layout can
+split) exit with code 2 and say why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+
+from tsp_trainer.plan.analytic import PRECISIONS, SCHEMES, Assumptions
+
+_DEFAULT_ASSUMPTIONS = Assumptions()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tsp-plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="7b", help="named size: tiny, 125m, 1b, 7b, 7b_ffn4x (default 7b)")
+    p.add_argument("--seq-len", type=int, default=131072, help="tokens per sequence (default 131072)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (required unless --dry-run)")
+    p.add_argument("--gpu", default="mi300x", help="hardware profile: mi300x, h100, h200")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default 1; --dry-run: 128)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--schemes", default=None,
+                   help=f"comma-separated subset of {','.join(SCHEMES)} (default: all; --dry-run: "
+                        "tsp,tp,tp_sp)")
+    p.add_argument("--max-degree", type=int, default=64, help="largest model-parallel degree D tried")
+    p.add_argument("--micro-batch", default=None,
+                   help="comma-separated micro-batch sizes to try (default: all)")
+    p.add_argument("--dtype", choices=sorted(PRECISIONS), default="bf16")
+    p.add_argument("--efficiency", type=float, default=_DEFAULT_ASSUMPTIONS.compute_efficiency,
+                   help="achieved fraction of peak FLOP/s (default %(default)s)")
+    p.add_argument("--comm-efficiency", type=float, default=_DEFAULT_ASSUMPTIONS.comm_efficiency,
+                   help="achieved fraction of link bandwidth (default %(default)s)")
+    p.add_argument("--hbm-usable", type=float, default=_DEFAULT_ASSUMPTIONS.hbm_usable,
+                   help="fraction of HBM available to tensors (default %(default)s)")
+    p.add_argument("--top", type=int, default=15, help="rows of the ranking to print")
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
+    g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
+    g.add_argument("--dry-run", action="store_true")
+    g.add_argument("--degree", type=int, default=8, help="D for the dry run (default 8)")
+    g.add_argument("--head-buckets", type=int, default=4, help="TSP head buckets (default 4, the recipe's)")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="dry run micro-batch (default 1)")
+    g.add_argument("--no-activation-checkpointing", action="store_true",
+                   help="dry run without activation checkpointing (the recipe has it on)")
+    g.add_argument("--rank", type=int, default=0, help="global rank to simulate (default 0)")
+    g.add_argument("--full-depth", action="store_true",
+                   help="run all layers instead of extrapolating from 1 and 2 (slower)")
+    return p
+
+
+def _fail(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.print_usage(sys.stderr)
+    print(f"tsp-plan: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _model(parser, name: str, seq_len: int):
+    from tsp_trainer.config.model import MODEL_SIZES, model_config
+
+    if name not in MODEL_SIZES:
+        _fail(parser, f"--model={name!r} is not a known size; use one of {', '.join(sorted(MODEL_SIZES))}")
+    if seq_len < 1:
+        _fail(parser, f"--seq-len={seq_len} must be a positive number of tokens")
+    return model_config(name, max_seq_len=max(seq_len, MODEL_SIZES[name].max_seq_len))
+
+
+def _schemes(parser, text: str | None, default) -> tuple[str, ...]:
+    if text is None:
+        return tuple(default)
+    names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [s for s in names if s not in SCHEMES]
+    if bad or not names:
+        _fail(parser, f"--schemes={text!r}: use a comma-separated subset of {','.join(SCHEMES)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = _model(parser, args.model, args.seq_len)
+    if args.gpus_per_node < 1:
+        _fail(parser, f"--gpus-per-node={args.gpus_per_node} must be >= 1")
+    if args.dry_run:
+        return _dry_run(parser, args, cfg)
+    return _plan(parser, args, cfg)
+
+
+def _plan(parser, args, cfg) -> int:
+    from tsp_trainer.plan.hardware import get_profile
+    from tsp_trainer.plan.report import format_table, write_json, write_plot
+    from tsp_trainer.plan.search import PlanError, plan
+
+    if args.global_batch is None:
+        _fail(parser, "--global-batch (sequences per optimizer step) is required to plan a job")
+    nodes = 1 if args.nodes is None else args.nodes
+    if nodes < 1:
+        _fail(parser, f"--nodes={nodes} must be >= 1")
+    try:
+        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node)
+    except ValueError as err:
+        _fail(parser, str(err))
+    for flag, value in (("--efficiency", args.efficiency), ("--comm-efficiency", args.comm_efficiency),
+                        ("--hbm-usable", args.hbm_usable)):
+        if not 0 < value <= 1:
+            _fail(parser, f"{flag}={value} must be in (0, 1]")
+    micro = None
+    if args.micro_batch:
+        try:
+            micro = tuple(int(x) for x in args.micro_batch.split(","))
+        except ValueError:
+            _fail(parser, f"--micro-batch={args.micro_batch!r} must be comma-separated integers")
+    assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
+                              hbm_usable=args.hbm_usable)
+    schemes = _schemes(parser, args.schemes, SCHEMES)
+    try:
+        result = plan(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw, nodes=nodes,
+                      schemes=schemes, prec=PRECISIONS[args.dtype], assumptions=assumptions,
+                      max_degree=args.max_degree, micro_batches=micro)
+    except PlanError as err:
+        print(f"tsp-plan: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    world = nodes * hw.gpus_per_node
+    capacity = hw.hbm_bytes * assumptions.hbm_usable
+    header = (f"{args.model} at {args.seq_len} tokens, global batch {args.global_batch} sequences "
+              f"({args.global_batch * args.seq_len:,} tokens/step) on {world} x {hw.name} "
+              f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, AdamW; assumed "
+              f"{assumptions.compute_efficiency:.0%} of peak FLOP/s and "
+              f"{assumptions.comm_efficiency:.0%} of link bandwidth; "
+              f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
+    print(format_table(result, header=header, top=args.top, capacity=capacity))
+    request = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
+               "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
+               "assumptions": asdict(assumptions), "schemes": list(schemes)}
+    if args.json:
+        write_json(args.json, request, result, top=args.top)
+    if args.plot:
+        write_plot(args.plot, result, title=header.split(";")[0], top=args.top, capacity=capacity)
+    return 0
+
+
+def _dry_run(parser, args, cfg) -> int:
+    import json
+
+    from tsp_trainer.plan.dry_run import dry_run, format_dry_run
+
+    nodes = 128 if args.nodes is None else args.nodes
+    world = nodes * args.gpus_per_node
+    if args.degree < 1 or world % args.degree:
+        _fail(parser, f"--degree={args.degree} must divide the world size {world} "
+                      f"(--nodes {nodes} x --gpus-per-node {args.gpus_per_node})")
+    if not 0 <= args.rank < world:
+        _fail(parser, f"--rank={args.rank} must be in [0, {world})")
+    schemes = _schemes(parser, args.schemes, ("tsp", "tp", "tp_sp"))
+    if "tp_x_sp" in schemes:
+        _fail(parser, "--dry-run runs tsp, tp, tp_sp and sp; tp_x_sp needs its two degrees (not a "
+                      "flag of the dry run yet)")
+    from tsp_trainer.config.validate import check_parallel_shapes
+
+    for scheme in schemes:
+        try:
+            check_parallel_shapes(cfg, scheme=scheme, degree=args.degree, seq_len=args.seq_len,
+                                  head_buckets=args.head_buckets if scheme == "tsp" else 1)
+        except ValueError as err:
+            _fail(parser, f"{scheme}: {err}")
+    report = dry_run(cfg, seq_len=args.seq_len, world_size=world, degree=args.degree, schemes=schemes,
+                     head_buckets=args.head_buckets, micro_batch=args.micro_batch_size,
+                     activation_checkpointing=not args.no_activation_checkpointing, rank=args.rank,
+                     full_depth=args.full_depth,
+                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_dry_run(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if not all(r["comm_equals_model"] for r in report["schemes"].values()):
+        print("tsp-plan: the ledger differs from the analytic communication model (see DIFF lines)",
+              file=sys.stderr)
+        raise SystemExit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

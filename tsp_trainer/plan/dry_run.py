@@ -1,0 +1,382 @@
+"""Dry run of the real code at full scale in one CPU process: FakeTensorMode (no real weights or
+activations) + the fake process group (`torch.testing._internal.distributed.fake_pg`, backend
+"fake") at any world size, e.g. the 7B 128K recipe at world 1,024 (D = 8, DP = 128).
+
+What runs is the project's own code, unchanged: `Transformer`, `build_mesh`, `parallelize` (TSP and
+the baselines), the TSP broadcast / ring / K-V schedules, the loss of `parallel/loss.py`. One
+training micro-step (forward + backward of the summed token loss over the global token count) is
+executed on fake tensors for one chosen rank. Out come, for that rank:
+
+* the per-rank parameter shapes (after sharding) and their bytes;
+* the communication ledger (every collective and P2P op the rank issues), which for TSP must equal
+  `tsp_step_comm` exactly, and for the baselines `expected_ledger_bytes`;
+* the activation memory: bytes alive at the end of the forward (what autograd keeps for the
+  backward) and the peak of live bytes over forward + backward (saved activations + transient
+  buffers), measured by `LiveBytes`, a TorchDispatchMode that tracks the storages ops create.
+
+Two local adjustments make the real code run on fake tensors; none changes the parallel package:
+
+1. Data-dependent reads. The code reads token positions as Python ints (`attention_core`:
+   `positions.tolist()`, `int(q_positions[i])`) and indexes with boolean masks of the labels / ids
+   (`TSPEmbedding`, `TSPLMHead`). A fake tensor has no values, so the batch (ids, labels,
+   positions, a few hundred KB) is built as *real* tensors outside fake mode, and `RealPassthrough`
+   runs every op whose tensor inputs are all real for real (positions, labels, masks), and
+   replaces a real boolean index of a fake tensor by the equivalent integer indices
+   (`mask.nonzero().unbind(1)`, same semantics). Ops that create tensors from nothing (zeros,
+   empty, ones) stay fake.
+2. Layers. A forward + backward of one 7B layer at 128K on fake tensors dispatches ~10^4 ops
+   (~15 s on a loaded 2-core machine for TSP, D = 8, 4 head buckets). `simulate(..., layers=None)`
+   runs the model with 1 and with 2 layers and extrapolates linearly to L layers:
+   X(L) = X(1) + (L - 1) * (X(2) - X(1)). This is exact for the ledger (every layer issues the same
+   ops) and for the bytes alive after the forward (every layer saves the same tensors); for the
+   peak it holds as long as the peak falls in the same phase (the last layer's backward or the
+   loss), which tests check against full-depth runs of small models.
+
+The fake tensors live on the CPU device, so `attention_core` takes its CPU path (a boolean causal
+mask per block of `CPU_MASK_QUERY_BLOCK` queries, which SDPA turns into an additive mask); on a GPU
+it passes a lower-right CausalBias and keeps no mask. The dry run is therefore compared with the
+analytic model's device="cpu" variant; the planner predicts device="cuda".
+
+Not modelled by fake tensors: allocator rounding / fragmentation, communication-library scratch
+buffers, kernel workspaces that are not tensors (e.g. FlashAttention's tiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tsp_trainer.config import ModelConfig
+
+_INDEX_OPS = None   # filled lazily (torch.ops lookups)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake-mode helpers
+
+
+class RealPassthrough(TorchDispatchMode):
+    """Under FakeTensorMode: run ops whose tensor inputs are all real for real, and turn a real
+    boolean index of a fake tensor into integer indices. See the module docstring, item 1."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+        kwargs = kwargs or {}
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func in _index_ops():
+            indices = []
+            for index in args[1]:
+                if (index is not None and not isinstance(index, FakeTensor)
+                        and index.dtype == torch.bool):
+                    with unset_fake_temporarily():
+                        indices.extend(index.nonzero().unbind(1))
+                else:
+                    indices.append(index)
+            args = (args[0], indices) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _index_ops():
+    global _INDEX_OPS
+    if _INDEX_OPS is None:
+        aten = torch.ops.aten
+        _INDEX_OPS = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+                      aten._index_put_impl_.default)
+    return _INDEX_OPS
+
+
+class LiveBytes(TorchDispatchMode):
+    """High-water mark of the bytes of storages created inside the mode and still alive (works on
+    fake tensors: their storages have the real sizes). Storages that exist before (parameters,
+    preallocated gradients, the batch) are passed to `ignore`. `mark(name)` records the bytes
+    alive at a point (e.g. the end of the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.marks: dict[str, int] = {}
+        self._seen = WeakIdKeyDictionary()
+
+    def ignore(self, *tensors) -> None:
+        for t in tensors:
+            if t is not None:
+                self._seen[t.untyped_storage()] = (0, None)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        if storage in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen[storage] = (nbytes, weakref.ref(storage, partial(self._free, nbytes)))
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, nbytes: int, _ref) -> None:
+        self.live -= nbytes
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """The fake process group of `world_size` ranks seen from `rank`, torn down on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore   # registers backend "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a default process group "
+                           "(it creates a fake one of the requested world size)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# one simulated step
+
+
+@dataclass
+class StepResult:
+    """What one fake-mode step of one rank shows (bytes per rank; see the module docstring)."""
+
+    scheme: str
+    layers_run: int
+    param_shapes: dict[str, list[int]]            # name -> local shape (layers.0 stands for all)
+    param_bytes: int                              # this rank's parameters (all layers)
+    param_count: int
+    comm: dict[str, dict[str, int]]               # "op/tag" -> {"count", "bytes"}
+    stored_bytes: int                             # alive at the end of the forward
+    peak_bytes: int                               # peak alive over forward + backward
+    seconds: float
+    info: dict = field(default_factory=dict)
+
+    def comm_by_key(self) -> dict[tuple[str, str], dict[str, int]]:
+        return {tuple(k.split("/", 1)): v for k, v in self.comm.items()}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _scheme_options(scheme: str, head_buckets: int, tp_degree, sp_degree, tp_sequence_parallel) -> dict:
+    if scheme == "tsp":
+        return {"head_buckets": head_buckets}
+    if scheme == "tp_x_sp":
+        return {"tp_degree": tp_degree, "sp_degree": sp_degree,
+                "tp_sequence_parallel": tp_sequence_parallel}
+    return {}
+
+
+def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq_len: int,
+             micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, head_buckets: int = 1,
+             activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
+             sp_degree: int | None = None, tp_sequence_parallel: bool = False,
+             seed: int = 0) -> StepResult:
+    """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.parallel.loss import global_count
+    from tsp_trainer.parallel.mesh import build_mesh
+    from tsp_trainer.parallel.schemes import parallelize
+    from tsp_trainer.parallel.tsp.comm_model import ledger_totals
+
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen)
+    ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    options = _scheme_options(scheme, head_buckets, tp_degree, sp_degree, tp_sequence_parallel)
+    with fake_world(world_size, rank):
+        mesh = build_mesh(degree)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        default = torch.get_default_dtype()
+        with mode:
+            torch.set_default_dtype(dtype)
+            try:
+                model = Transformer(cfg)
+            finally:
+                torch.set_default_dtype(default)
+            par = parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+            params = list(model.parameters())
+            for p in params:
+                p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does
+        if activation_checkpointing:
+            model.block_wrapper = _checkpointed
+        batch = par.local_batch(ids, labels)      # real tensors (see the module docstring)
+        mesh.ledger.reset()
+        tracker = LiveBytes()
+        tracker.ignore(*params, *(p.grad for p in params), *batch)
+        with mode, RealPassthrough(), tracker:
+            loss_sum, count = par.loss_sum(*batch)
+            tracker.mark("forward")
+            total = global_count(count, par.token_comms)
+            (loss_sum / total).backward()
+        comm = {f"{op}/{tag}": v for (op, tag), v in ledger_totals(mesh.ledger.records).items()}
+        shapes = {}
+        for name, p in model.named_parameters():
+            if name.startswith("layers.") and not name.startswith("layers.0."):
+                continue
+            shapes[name] = list(p.shape)
+        param_bytes = sum(p.numel() * p.element_size() for p in params)
+        param_count = sum(p.numel() for p in params)
+        info = dict(par.info, world_size=world_size, degree=degree, dp=world_size // degree,
+                    rank=rank, tsp_rank=mesh.tsp_rank, dp_rank=mesh.dp_rank, dtype=str(dtype),
+                    activation_checkpointing=activation_checkpointing)
+        del model, par, params
+    return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
+                      param_bytes=param_bytes, param_count=param_count,
+                      comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
+                      seconds=time.perf_counter() - start, info=info)
+
+
+def _checkpointed(block, x, rope):
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(block, x, rope, use_reentrant=False)
+
+
+def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwargs) -> StepResult:
+    """`run_step` at full depth (layers = cfg.num_layers), or extrapolated from runs with 1 and 2
+    layers (layers=None, the default; module docstring item 3). Parameter counts and bytes are
+    extrapolated the same way; the shapes are those of the run."""
+    if layers is not None and layers >= cfg.num_layers:
+        return run_step(cfg, scheme, **kwargs)
+    if layers is not None:
+        raise ValueError(f"layers={layers}: run the full model (None or >= {cfg.num_layers}) or "
+                         "let simulate extrapolate from 1 and 2 layers (layers=None)")
+    if cfg.num_layers <= 2:
+        return run_step(cfg, scheme, **kwargs)
+    one = run_step(cfg.replace(num_layers=1), scheme, **kwargs)
+    two = run_step(cfg.replace(num_layers=2), scheme, **kwargs)
+    extra = cfg.num_layers - 1
+
+    def lin(a: int, b: int) -> int:
+        return a + extra * (b - a)
+
+    comm = {}
+    for key in sorted(set(one.comm) | set(two.comm)):
+        a = one.comm.get(key, {"count": 0, "bytes": 0})
+        b = two.comm.get(key, {"count": 0, "bytes": 0})
+        comm[key] = {"count": lin(a["count"], b["count"]), "bytes": lin(a["bytes"], b["bytes"])}
+    info = dict(two.info, extrapolated_from_layers=[1, 2])
+    return StepResult(scheme=scheme, layers_run=2, param_shapes=two.param_shapes,
+                      param_bytes=lin(one.param_bytes, two.param_bytes),
+                      param_count=lin(one.param_count, two.param_count), comm=comm,
+                      stored_bytes=lin(one.stored_bytes, two.stored_bytes),
+                      peak_bytes=lin(one.peak_bytes, two.peak_bytes),
+                      seconds=one.seconds + two.seconds, info=info)
+
+
+# ---------------------------------------------------------------------------------------------
+# the full-scale dry run (tsp-plan --dry-run)
+
+
+def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
+            schemes=("tsp", "tp", "tp_sp"), head_buckets: int = 1, micro_batch: int = 1,
+            activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
+            full_depth: bool = False, log=None) -> dict:
+    """Run every scheme's training step on fake tensors at full scale and set the results beside
+    the analytic model (plan/analytic.py): the ledger must equal it exactly; memory within a few %.
+    Returns a JSON-friendly report."""
+    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, model_parallel_comm,
+                                           state_bytes)
+
+    prec = BF16
+    dp = world_size // degree
+    report = {"model": asdict(cfg), "seq_len": seq_len, "world_size": world_size, "degree": degree,
+              "dp": dp, "rank": rank, "micro_batch": micro_batch, "zero_stage": zero_stage,
+              "activation_checkpointing": activation_checkpointing, "dtype": "bf16",
+              "layers": "all" if full_depth else "extrapolated from 1 and 2 layers", "schemes": {}}
+    for scheme in schemes:
+        if log:
+            log(f"[dry-run] {scheme}: world {world_size} (D={degree}, DP={dp}), rank {rank}, "
+                f"seq {seq_len} ...")
+        nb = head_buckets if scheme == "tsp" else 1
+        res = simulate(cfg, scheme, layers=cfg.num_layers if full_depth else None,
+                       world_size=world_size, degree=degree, seq_len=seq_len,
+                       micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
+                       activation_checkpointing=activation_checkpointing, rank=rank)
+        layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
+                        activation_checkpointing=activation_checkpointing, head_buckets=nb,
+                        micro_batch=micro_batch)
+        act = activation_memory(cfg, layout, seq_len, prec, device="cpu")
+        model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
+                      for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
+        st = state_bytes(cfg, layout, prec)
+        # optimizer state and gradients from the measured parameter count (ZeRO over DP)
+        measured_state = {"params": res.param_bytes,
+                          "grads": res.param_count * prec.grad // (dp if zero_stage >= 2 else 1),
+                          "optimizer": -(-res.param_count * prec.optimizer // (dp if zero_stage >= 1 else 1))}
+        report["schemes"][scheme] = {
+            "param_shapes": res.param_shapes, "param_count": res.param_count,
+            "param_count_model": st["param_count"],
+            "state_bytes": measured_state,
+            "comm": res.comm, "comm_total_bytes": sum(v["bytes"] for k, v in res.comm.items()
+                                                      if not k.startswith("send/")),
+            "comm_equals_model": res.comm == model_comm,
+            "comm_diff": {k: {"ledger": res.comm.get(k), "model": model_comm.get(k)}
+                          for k in sorted(set(res.comm) | set(model_comm))
+                          if res.comm.get(k) != model_comm.get(k)},
+            "activations_stored": res.stored_bytes, "activations_stored_model": act.stored,
+            "activations_peak": res.peak_bytes, "activations_peak_model": act.peak,
+            "peak_phase_model": act.peak_phase,
+            "total_peak": sum(measured_state.values()) + res.peak_bytes,
+            "seconds": res.seconds, "info": res.info}
+    return report
+
+
+def format_dry_run(report: dict) -> str:
+    gib = 2 ** 30
+    m = report["model"]
+    out = [f"dry run: {m['num_layers']} layers, h={m['hidden_size']}, I={m['intermediate_size']}, "
+           f"V={m['vocab_size']}, seq {report['seq_len']} x micro-batch {report['micro_batch']}, "
+           f"world {report['world_size']} = DP {report['dp']} x D {report['degree']} (fake process "
+           f"group, FakeTensorMode), rank {report['rank']}, bf16, ZeRO-{report['zero_stage']}, "
+           f"activation checkpointing {'on' if report['activation_checkpointing'] else 'off'}; "
+           f"layers {report['layers']}"]
+    for scheme, r in report["schemes"].items():
+        st = r["state_bytes"]
+        out.append("")
+        out.append(f"== {scheme}  ({r['seconds']:.1f} s)")
+        out.append("  per-rank parameter shapes (layers.0 stands for every layer):")
+        for name, shape in r["param_shapes"].items():
+            out.append(f"    {name:40s} {tuple(shape)}")
+        out.append(f"  parameters {r['param_count'] / 1e6:,.1f} M per rank (model: "
+                   f"{r['param_count_model'] / 1e6:,.1f} M): params {st['params'] / gib:.2f} GiB, "
+                   f"grads {st['grads'] / gib:.2f} GiB, AdamW (fp32 master + 2 moments, ZeRO over "
+                   f"DP) {st['optimizer'] / gib:.2f} GiB")
+        out.append(f"  communication per micro-step (ledger payload, P2P counted at the receiver): "
+                   f"{r['comm_total_bytes'] / gib:.2f} GiB; equals the analytic model exactly: "
+                   f"{r['comm_equals_model']}")
+        for key, v in sorted(r["comm"].items()):
+            if not key.startswith("send/"):
+                out.append(f"    {key:28s} {v['count']:6d} ops {v['bytes'] / gib:9.3f} GiB")
+        for key, diff in r["comm_diff"].items():
+            out.append(f"    DIFF {key}: ledger {diff['ledger']} model {diff['model']}")
+        out.append(f"  activations saved for backward {r['activations_stored'] / gib:.2f} GiB "
+                   f"(model {r['activations_stored_model'] / gib:.2f}); peak activations + transients "
+                   f"{r['activations_peak'] / gib:.2f} GiB (model {r['activations_peak_model'] / gib:.2f}, "
+                   f"in its {r['peak_phase_model']} phase)")
+        out.append(f"  peak per rank: {r['total_peak'] / gib:.2f} GiB = state + peak activations")
+    return "\n".join(out)

@@ -1,0 +1,149 @@
+"""Enumerate the layouts of a job (scheme, D, DP, ZeRO stage, activation checkpointing, head
+buckets, micro-batch, grad accumulation), predict each one, keep those that fit in memory and rank
+them by predicted tokens/s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.validate import check_parallel_shapes
+from tsp_trainer.plan.analytic import (BF16, SCHEMES, Assumptions, Layout, Precision, Prediction,
+                                       predict)
+from tsp_trainer.plan.hardware import HardwareProfile
+
+
+class PlanError(ValueError):
+    """A request no layout can serve (the CLI prints it and exits with code 2)."""
+
+
+@dataclass
+class PlanResult:
+    candidates: list[Prediction]            # every valid layout, ranked (fitting ones first)
+    fitting: list[Prediction]
+    rejected: dict[str, str] = field(default_factory=dict)   # "scheme D=..": why it was skipped
+
+    def best_per_scheme(self) -> dict[str, Prediction]:
+        """Per scheme (tp_x_sp per T x S): the fastest layout that fits, or, when none fits, the
+        one that needs the least memory."""
+        out: dict[str, Prediction] = {}
+        for p in self.candidates:
+            name = _family(p.layout)
+            if name not in out or _best_key(p) < _best_key(out[name]):
+                out[name] = p
+        return out
+
+
+def _family(layout: Layout) -> str:
+    if layout.scheme != "tp_x_sp":
+        return layout.scheme
+    return f"tp{layout.tp}xsp{layout.sp}" + ("+seqpar" if layout.tp_sequence_parallel else "")
+
+
+def _best_key(p: Prediction):
+    return (0, -p.tokens_per_s, p.memory["total"]) if p.fits else (1, p.memory["total"], 0)
+
+
+def _key(p: Prediction):
+    """Ranking: fitting layouts first, then higher tokens/s, then less memory."""
+    return (not p.fits, -p.tokens_per_s, p.memory["total"])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, world: int,
+                      schemes=SCHEMES, max_degree: int = 64, zero_stages=(0, 1, 2),
+                      micro_batches: tuple[int, ...] | None = None,
+                      rejected: dict[str, str] | None = None) -> list[Layout]:
+    """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
+    degree divides the global batch (in sequences)."""
+    rejected = rejected if rejected is not None else {}
+    out: list[Layout] = []
+    for scheme in schemes:
+        for d in _divisors(world):
+            if d > max_degree or (d == 1 and scheme != "tsp"):
+                continue                                   # D = 1 is listed once, as plain DP
+            dp = world // d
+            if global_batch % dp:
+                rejected[f"{scheme} D={d}"] = (f"DP={dp} does not divide the global batch of "
+                                               f"{global_batch} sequences")
+                continue
+            for axes in _axes(scheme, d):
+                try:
+                    check_parallel_shapes(cfg, scheme=scheme, degree=d, seq_len=seq_len, **axes)
+                except ValueError as err:
+                    rejected[f"{scheme} D={d} {axes or ''}".strip()] = str(err)
+                    continue
+                buckets = _buckets(cfg, d) if scheme == "tsp" else [1]
+                per_replica = global_batch // dp
+                mbs = [m for m in _divisors(per_replica) if micro_batches is None or m in micro_batches]
+                for nb in buckets:
+                    for extra in _layout_axes(scheme, axes):
+                        for mb in mbs:
+                            for zero in (zero_stages if dp > 1 else (0,)):
+                                for ac in (False, True):
+                                    out.append(Layout(scheme, d, dp=dp, zero_stage=zero,
+                                                      activation_checkpointing=ac, head_buckets=nb,
+                                                      micro_batch=mb, grad_accum=per_replica // mb,
+                                                      **extra))
+    return out
+
+
+def _axes(scheme: str, d: int) -> list[dict]:
+    if scheme != "tp_x_sp":
+        return [{}]
+    return [{"tp_degree": t, "sp_degree": d // t} for t in _divisors(d) if 1 < t < d]
+
+
+def _layout_axes(scheme: str, axes: dict) -> list[dict]:
+    """tp_x_sp comes with and without Megatron SP inside its tp sub-axis."""
+    if scheme != "tp_x_sp":
+        return [{}]
+    return [{"tp": axes["tp_degree"], "sp": axes["sp_degree"], "tp_sequence_parallel": seqpar}
+            for seqpar in (False, True)]
+
+
+def _buckets(cfg: ModelConfig, d: int) -> list[int]:
+    per_shard = cfg.num_kv_heads // d
+    return _divisors(per_shard) if per_shard else [1]
+
+
+def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfile, nodes: int,
+         schemes=SCHEMES, prec: Precision = BF16, assumptions: Assumptions = Assumptions(),
+         max_degree: int = 64, micro_batches: tuple[int, ...] | None = None) -> PlanResult:
+    """Predict every candidate layout; raise PlanError when none exists or none fits."""
+    world = nodes * hw.gpus_per_node
+    if global_batch < 1:
+        raise PlanError(f"--global-batch={global_batch} must be >= 1 (sequences per optimizer step)")
+    rejected: dict[str, str] = {}
+    layouts = candidate_layouts(cfg, seq_len=seq_len, global_batch=global_batch, world=world,
+                                schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
+                                rejected=rejected)
+    if not layouts:
+        dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
+        raise PlanError(
+            f"no layout of {world} GPUs ({nodes} nodes x {hw.gpus_per_node}) can take --global-batch="
+            f"{global_batch} sequences: the batch must be a multiple of the data-parallel degree "
+            f"DP = GPUs / D of some valid layout (possible DP: {', '.join(map(str, dps))}; D is "
+            f"limited by the model's heads, KV heads, intermediate size and vocabulary, and by "
+            f"--seq-len={seq_len}); use e.g. --global-batch={_suggest(global_batch, dps)}")
+    preds = [predict(cfg, lay, seq_len, hw, global_batch=global_batch, prec=prec, assumptions=assumptions)
+             for lay in layouts]
+    preds.sort(key=_key)
+    fitting = [p for p in preds if p.fits]
+    result = PlanResult(candidates=preds, fitting=fitting, rejected=rejected)
+    if not fitting:
+        best = min(preds, key=lambda p: p.memory["total"])
+        raise PlanError(
+            f"nothing fits: the smallest layout, {best.layout.label()}, needs "
+            f"{best.memory['total'] / 1e9:.1f} GB per GPU, more than the {best.capacity / 1e9:.1f} GB "
+            f"usable on a {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB HBM x {assumptions.hbm_usable:.2f}); "
+            "use more GPUs, a shorter --seq-len, a larger GPU, or a smaller model")
+    return result
+
+
+def _suggest(global_batch: int, dps: list[int]) -> int:
+    """The smallest multiple of a possible DP degree that is >= the requested batch."""
+    return min(((global_batch + dp - 1) // dp) * dp for dp in dps)
