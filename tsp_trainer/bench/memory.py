@@ -31,6 +31,7 @@ class LiveTensorMemory(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.marks: dict[str, int] = {}       # bytes alive at named points (e.g. end of forward)
         self._seen = WeakIdKeyDictionary()    # storage -> (nbytes, weakref with free callback)
 
     def ignore(self, *tensors: torch.Tensor | None) -> None:
@@ -38,6 +39,9 @@ class LiveTensorMemory(TorchDispatchMode):
         for t in tensors:
             if t is not None:
                 self._seen[t.untyped_storage()] = (0, None)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -12,7 +12,8 @@ executed on fake tensors for one chosen rank. Out come, for that rank:
   `tsp_step_comm` exactly, and for the baselines `expected_ledger_bytes`;
 * the activation memory: bytes alive at the end of the forward (what autograd keeps for the
   backward) and the peak of live bytes over forward + backward (saved activations + transient
-  buffers), measured by `LiveBytes`, a TorchDispatchMode that tracks the storages ops create.
+  buffers), measured by `LiveTensorMemory` (bench/memory.py), a TorchDispatchMode that tracks
+  the storages ops create.
 
 Two local adjustments make the real code run on fake tensors; none changes the parallel package:
 
@@ -45,16 +46,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
+from tsp_trainer.bench.memory import LiveTensorMemory
 from tsp_trainer.config import ModelConfig
 
 _INDEX_OPS = None   # filled lazily (torch.ops lookups)
@@ -96,46 +95,6 @@ def _index_ops():
         _INDEX_OPS = (aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
                       aten._index_put_impl_.default)
     return _INDEX_OPS
-
-
-class LiveBytes(TorchDispatchMode):
-    """High-water mark of the bytes of storages created inside the mode and still alive (works on
-    fake tensors: their storages have the real sizes). Storages that exist before (parameters,
-    preallocated gradients, the batch) are passed to `ignore`. `mark(name)` records the bytes
-    alive at a point (e.g. the end of the forward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self.marks: dict[str, int] = {}
-        self._seen = WeakIdKeyDictionary()
-
-    def ignore(self, *tensors) -> None:
-        for t in tensors:
-            if t is not None:
-                self._seen[t.untyped_storage()] = (0, None)
-
-    def mark(self, name: str) -> None:
-        self.marks[name] = self.live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._track(t.untyped_storage())
-        return out
-
-    def _track(self, storage) -> None:
-        if storage in self._seen:
-            return
-        nbytes = storage.nbytes()
-        self._seen[storage] = (nbytes, weakref.ref(storage, partial(self._free, nbytes)))
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-
-    def _free(self, nbytes: int, _ref) -> None:
-        self.live -= nbytes
 
 
 @contextlib.contextmanager
@@ -225,7 +184,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
             model.block_wrapper = _checkpointed
         batch = par.local_batch(ids, labels)      # real tensors (see the module docstring)
         mesh.ledger.reset()
-        tracker = LiveBytes()
+        tracker = LiveTensorMemory()
         tracker.ignore(*params, *(p.grad for p in params), *batch)
         with mode, RealPassthrough(), tracker:
             loss_sum, count = par.loss_sum(*batch)
