@@ -72,6 +72,7 @@ class Trainer:
         self.state = TrainState()
         self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
         self._poisoned = False
+        self._saved_step = -1                # step of the newest checkpoint this run wrote or loaded
         self._watch_gradients()
         self._resume()
         if self.mesh.rank == 0:
@@ -221,8 +222,8 @@ class Trainer:
                 history.append(metrics)
                 if c.checkpoint.enabled and c.checkpoint.every and step % c.checkpoint.every == 0:
                     self.save()
-        if c.checkpoint.enabled and (not c.checkpoint.every or self.state.step % c.checkpoint.every):
-            self.save()
+        if c.checkpoint.enabled and self.state.step != self._saved_step:
+            self.save()          # the final state, unless that exact checkpoint already exists
         self.sinks.close()
         return history
 
@@ -239,7 +240,9 @@ class Trainer:
             raise CheckpointSaveError(f"saving the step-{step} checkpoint failed on rank "
                                       f"{self.mesh.rank}: {err}; {self.ckpt.latest()} is still the "
                                       "latest complete checkpoint") from err
-        return self.ckpt.publish(tmp, step, self._meta())
+        path = self.ckpt.publish(tmp, step, self._meta())
+        self._saved_step = step
+        return path
 
     def _meta(self) -> dict:
         c = self.cfg
@@ -274,6 +277,7 @@ class Trainer:
         reshard.apply_scheduler_lr(self.optimizer, self.scheduler)
         _set_rng(rank_state["rng"])
         self.state = TrainState(meta["step"], meta["tokens_seen"], meta.get("skipped_steps", 0))
+        self._saved_step = meta["step"]
         self.log.info(f"resumed from {path} at step {self.state.step}")
 
     def _layout(self) -> dict:

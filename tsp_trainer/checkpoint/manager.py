@@ -72,9 +72,13 @@ class CheckpointManager:
             atomic_write_text(tmp / META, json.dumps(meta, indent=2, sort_keys=True))
             atomic_write_text(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1, sort_keys=True))
             _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
+            old = final.with_name(f".{final.name}.replaced") if final.exists() else None
+            if old is not None:           # re-saving a step: swap folders, never delete first
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
             os.rename(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
             _fsync_dir(self.root)
             atomic_write_text(self.root / LATEST, final.name + "\n")
             self._prune()
