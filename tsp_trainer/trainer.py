@@ -62,6 +62,7 @@ class Trainer:
                                                       timeout_s=cfg.train.collective_timeout_s)
         self.mesh = build_mesh(cfg.parallel.tsp_degree)
         self.par = self._build_model()
+        self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
         self.optimizer = build_optimizer(self.par.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
@@ -134,10 +135,7 @@ class Trainer:
             t = time.perf_counter()
             batch = next(self.loader)
             data_wait += time.perf_counter() - t
-            ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
-                                                    batch["labels"].to(self.device))
-            loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
-            total = global_count(count, self.par.token_comms + [mesh.dp])
+            loss_sum, total = self._batch_loss(batch)
             loss = loss_sum * mesh.dims.dp / total
             if not bool(torch.isfinite(loss_sum)):
                 # A non-finite loss must poison every gradient it touches (an additive NaN would
@@ -147,11 +145,18 @@ class Trainer:
             if self.engine.is_gradient_accumulation_boundary():
                 self._check_finite(local_bad)
             self.engine.step()
-            loss_value += reduce_loss_value(loss_sum, total, self.par.token_comms + [mesh.dp]) / c.train.grad_accum
+            loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
             tokens += int(total)
         skipped = self._after_update(skipped_before)
         metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped)
         return {**metrics, "lr": lr}
+
+    def _batch_loss(self, batch: dict):
+        """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
+        ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
+                                                batch["labels"].to(self.device))
+        loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
+        return loss_sum, global_count(count, self._loss_comms)
 
     def _check_finite(self, local_bad: bool) -> None:
         """All ranks agree, before the update, whether this step is poisoned."""
@@ -197,11 +202,8 @@ class Trainer:
                                           num_batches=c.train.eval_batches, split=c.data.eval_split,
                                           text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
                                           dp_degree=self.mesh.dims.dp):
-            ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
-                                                    batch["labels"].to(self.device))
-            s, n = self.engine.module.loss_sum(ids, labels, pos)
-            total = global_count(n, self.par.token_comms + [self.mesh.dp])
-            total_loss += reduce_loss_value(s, total, self.par.token_comms + [self.mesh.dp]) * float(total)
+            s, total = self._batch_loss(batch)
+            total_loss += reduce_loss_value(s, total, self._loss_comms) * float(total)
             total_tokens += float(total)
         return total_loss / max(total_tokens, 1.0)
 

@@ -6,9 +6,9 @@ import torch
 
 from tsp_trainer.model import Transformer
 from tsp_trainer.parallel import zigzag
-from tsp_trainer.parallel.apply import apply_tsp, gather_full_grads, gather_full_state_dict
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
 
 
 def make_batch(cfg, batch: int, seq_len: int, seed: int = 123):
@@ -49,16 +49,15 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
              optim="adamw"):
     mesh = build_mesh(world)
-    d = mesh.dims.tsp
     if meta:
         with torch.device("meta"):
             model = Transformer(cfg)
-        specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=ids.shape[1], init_seed=seed)
     else:
         model = Transformer(cfg)
         model.init_weights(seed)
-        specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=ids.shape[1])
-    local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, d)
+    par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
+                      init_seed=seed if meta else None)
+    local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, mesh.dims.tsp)
 
     mesh.ledger.reset()
     loss_sum, count = model.loss_sum(local_ids, local_labels, pos)
@@ -66,7 +65,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
     (loss_sum / total).backward()
     ledger = list(mesh.ledger.records)
     loss = reduce_loss_value(loss_sum, total, [mesh.tsp])
-    grads = gather_full_grads(model, specs, mesh.tsp)
+    grads = par.gather_full_grads()
     out = {"loss": loss, "grads": grads, "ledger": ledger,
            "logits_local": model(local_ids, pos).detach(),
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
@@ -78,5 +77,5 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
             (s / global_count(c, [mesh.tsp])).backward()
             opt.step()
             opt.zero_grad()
-        out["weights"] = gather_full_state_dict(model, specs, mesh.tsp)
+        out["weights"] = par.gather_full_state_dict()
     return out

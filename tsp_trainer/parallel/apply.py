@@ -86,12 +86,12 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
                                        head_dim=cfg.head_dim, comm=comm, head_buckets=head_buckets)
         block.mlp = TSPGatedMLP(*(local(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
                                 comm=comm)
-        block.input_layernorm = TSPRMSNorm(_materialize(block.input_layernorm, local,
+        block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
                                                         pre + "input_layernorm"), comm=comm)
         block.post_attention_layernorm = TSPRMSNorm(
-            _materialize(block.post_attention_layernorm, local, pre + "post_attention_layernorm"),
+            materialize_norm(block.post_attention_layernorm, local, pre + "post_attention_layernorm"),
             comm=comm)
-    model.norm = TSPRMSNorm(_materialize(model.norm, local, "norm"), comm=comm)
+    model.norm = TSPRMSNorm(materialize_norm(model.norm, local, "norm"), comm=comm)
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size)
@@ -118,7 +118,8 @@ class LocalShards:
         return self.specs[name].local(full, self.rank)
 
 
-def _materialize(norm: nn.Module, local: LocalShards, prefix: str) -> nn.Module:
+def materialize_norm(norm: nn.Module, local: LocalShards, prefix: str) -> nn.Module:
+    """A norm left on the meta device gets its (replicated) initial weight."""
     if norm.weight.is_meta:
         norm.weight = nn.Parameter(local(prefix + ".weight"))
     return norm
@@ -151,15 +152,6 @@ def gather_full(tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec], c
                         tag="state.gather")
         out[name] = torch.cat(list(parts.unbind(0)), dim=spec.dim)
     return out
-
-
-def gather_full_state_dict(model: nn.Module, specs: dict[str, ShardSpec], comm: Comm) -> dict[str, torch.Tensor]:
-    return gather_full(model.state_dict(), specs, comm)
-
-
-def gather_full_grads(model: nn.Module, specs: dict[str, ShardSpec], comm: Comm) -> dict[str, torch.Tensor]:
-    """Gradients gathered to full shape (parity tests compare them with one process)."""
-    return gather_full({n: p.grad for n, p in model.named_parameters()}, specs, comm)
 
 
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], specs: dict[str, ShardSpec],

@@ -19,7 +19,8 @@ import torch.nn as nn
 from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
-from tsp_trainer.parallel.apply import (TSP_PLAN, ShardSpec, LocalShards, mark_model_parallel,
+from tsp_trainer.parallel.apply import (TSP_PLAN, LocalShards, ShardSpec, mark_model_parallel,
+                                        materialize_norm,
                                         plan_specs)
 from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, ParallelEmbedding,
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
@@ -60,9 +61,7 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
 
 
 def _norm(norm, local: LocalShards, prefix: str, groups: Groups) -> ParallelRMSNorm:
-    if norm.weight.is_meta:
-        norm.weight = nn.Parameter(local(prefix + ".weight"))
-    return ParallelRMSNorm(norm, comm=groups.norm_grad)
+    return ParallelRMSNorm(materialize_norm(norm, local, prefix), comm=groups.norm_grad)
 
 
 # ---------------------------------------------------------------------------------------------
