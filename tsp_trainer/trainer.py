@@ -19,15 +19,18 @@ import torch
 from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
+from tsp_trainer.config.validate import check_precision
 from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.attention_route import check_cuda_attention
 from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
                                        model_and_hardware_flops_per_token, peak_memory_bytes)
 from tsp_trainer.optim import build_optimizer, build_scheduler
-from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.loss import global_count, reduce_loss_sum, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
+from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 
 _LAYOUT_POLICY = {"refuse": "error", "restart": "restart", "resplit": "resplit"}
@@ -57,10 +60,11 @@ class Trainer:
         self.log = get_logger(__name__, rank=global_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
+        self._check_device_support()                     # still before any process group
         dp = world_size // cfg.parallel.tsp_degree
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
-        self.mesh = build_mesh(cfg.parallel.tsp_degree)
+        self.mesh = build_mesh(cfg.parallel.tsp_degree, device=self.device)
         self.par = self._build_model()
         self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
         self.optimizer = build_optimizer(self.par.model, cfg.optim)
@@ -71,10 +75,10 @@ class Trainer:
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
         self.state = TrainState()
-        self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
+        self.nonfinite = NonFiniteFlags(self.mesh.world)     # device flag, agreed once per step
+        self.nonfinite.watch(self.par.model.parameters())
         self._poisoned = False
         self._saved_step = -1                # step of the newest checkpoint this run wrote or loaded
-        self._watch_gradients()
         self._resume()
         if self.mesh.rank == 0:
             save_resolved_config(cfg, f"{cfg.train.output_dir}/config.yaml")
@@ -86,6 +90,14 @@ class Trainer:
             self.model_cfg, cfg.data.seq_len, recompute=cfg.train.activation_checkpointing)
 
     # -- building ---------------------------------------------------------------------------------
+    def _check_device_support(self) -> None:
+        """What this device and dtype cannot run is refused here, naming shape and dtype."""
+        check_precision(zero_stage=self.cfg.zero.stage, bf16=self.bf16)
+        if self.device.type == "cuda":
+            m = self.model_cfg
+            check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                                 head_dim=m.head_dim, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+
     def _ds_config(self, dp: int) -> dict:
         c = self.cfg
         return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
@@ -114,55 +126,47 @@ class Trainer:
                             dp_degree=self.mesh.dims.dp, seed=self.cfg.train.seed,
                             shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer)
 
-    def _watch_gradients(self) -> None:
-        """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
-        def hook(grad):
-            if not torch.isfinite(grad).all():
-                self._nonfinite_grad.fill_(True)
-            return grad
-        for p in self.par.model.parameters():
-            p.register_hook(hook)
-
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         c, mesh = self.cfg, self.mesh
-        t0, data_wait, loss_value, tokens = time.perf_counter(), 0.0, 0.0, 0
+        t0, data_wait = time.perf_counter(), 0.0
         lr = self.optimizer.param_groups[0]["lr"]          # the rate this step's update uses
         mesh.ledger.reset()
-        self._nonfinite_grad.fill_(False)
-        local_bad, skipped_before = False, self.engine.skipped_steps
+        self.nonfinite.reset()
+        skipped_before = self.engine.skipped_steps
+        # Loss and token sums stay on the device until the step ends: no host sync per micro-step.
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)   # [mean loss, tokens]
         for _ in range(c.train.grad_accum):
             t = time.perf_counter()
             batch = next(self.loader)
             data_wait += time.perf_counter() - t
             loss_sum, total = self._batch_loss(batch)
-            loss = loss_sum * mesh.dims.dp / total
-            if not bool(torch.isfinite(loss_sum)):
-                # A non-finite loss must poison every gradient it touches (an additive NaN would
-                # not), so DeepSpeed's overflow check, agreed over dp and tsp, skips the update.
-                local_bad, loss = True, loss * float("nan")
+            # A non-finite loss poisons every gradient (NaN scale), so DeepSpeed's overflow check,
+            # agreed over dp and tsp, skips the update.
+            loss = self.nonfinite.poison_if_nonfinite(loss_sum, loss_sum * mesh.dims.dp / total)
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary():
-                self._check_finite(local_bad)
+                self._check_finite()
             self.engine.step()
-            loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
-            tokens += int(total)
+            sums[0] += reduce_loss_sum(loss_sum, self._loss_comms) / total.clamp(min=1) / c.train.grad_accum
+            sums[1] += total
+        loss_value, tokens = sums.tolist()                  # the step's one read of its sums
+        tokens = int(tokens)
         skipped = self._after_update(skipped_before)
         metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped)
         return {**metrics, "lr": lr}
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
-        ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
-                                                batch["labels"].to(self.device))
+        # non_blocking: a host-to-device copy that does not wait for the GPU's queue (no sync)
+        ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device, non_blocking=True),
+                                                batch["labels"].to(self.device, non_blocking=True))
         loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
         return loss_sum, global_count(count, self._loss_comms)
 
-    def _check_finite(self, local_bad: bool) -> None:
+    def _check_finite(self) -> None:
         """All ranks agree, before the update, whether this step is poisoned."""
-        flag = torch.tensor(float(local_bad or bool(self._nonfinite_grad)))
-        self.mesh.world.all_reduce(flag, tag="nonfinite.flag", op=torch.distributed.ReduceOp.MAX)
-        self._poisoned = bool(flag)
+        self._poisoned = self.nonfinite.agree()
         if self._poisoned and self.cfg.train.nonfinite == "stop":
             raise NonFiniteError(f"non-finite loss or gradient at step {self.state.step + 1} "
                                  "(train.nonfinite=stop): stopped before the optimizer update")
@@ -257,7 +261,8 @@ class Trainer:
         return {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                         "numpy": np.random.get_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+                        # this process's device only: a resume may see fewer GPUs (one per task)
+                        "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
 
     def _resume(self) -> None:
         path = self.ckpt.resolve(self.cfg.train.resume)
@@ -310,6 +315,19 @@ def _set_rng(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    cuda = cuda_rng_state_for_this_device(rng.get("cuda"), torch.cuda.current_device()
+                                          if torch.cuda.is_available() else None)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def cuda_rng_state_for_this_device(saved, device_index: int | None):
+    """The saved CUDA generator state this process restores into its current device: the single
+    state a checkpoint holds, or (checkpoints that saved every visible GPU) this device's entry.
+    None when there is nothing to restore or no CUDA device here."""
+    if saved is None or device_index is None:
+        return None
+    if isinstance(saved, (list, tuple)):
+        return saved[device_index] if device_index < len(saved) else None
+    return saved
 

@@ -50,7 +50,8 @@ def scheme_rank(rank: int, world: int, job: dict) -> dict:
     if job["activation_checkpointing"]:
         model.block_wrapper = _checkpoint_block
     ids, labels = make_batch(cfg, job["micro_batch"], job["seq_len"], job["seed"])
-    batch = [t.to(device) for t in par.local_batch(ids, labels)]
+    local_ids, local_labels, positions = par.local_batch(ids.to(device), labels.to(device))
+    batch = [local_ids, local_labels, positions]
 
     def fwd_bwd():
         loss_sum, count = par.loss_sum(*batch)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.attention_route import CPU_MASK_QUERY_BLOCK, SdpaRoute, sdpa_route  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -33,19 +34,67 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * w
 
 
+@dataclass(frozen=True)
+class PositionRuns:
+    """Global positions of the tokens in hand as runs of consecutive positions, in token order:
+    ((first position, length), ...); e.g. rank p's two zigzag chunks. Host integers, fixed once per
+    batch layout, so attention never reads positions back from the device (a host sync per call)."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def contiguous(cls, length: int, first: int = 0) -> "PositionRuns":
+        return cls(((first, length),))
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> "PositionRuns":
+        """Runs of a positions tensor [T] (reads it: one host sync if it lives on a GPU)."""
+        runs, pos = [], positions.tolist()
+        for i, p in enumerate(pos):
+            if runs and p == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+        return cls(tuple((first, n) for first, n in runs))
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    def tensor(self, device=None) -> torch.Tensor:
+        """Positions [T] built on `device` from the runs (no host-to-device copy)."""
+        return torch.cat([torch.arange(first, first + n, device=device) for first, n in self.runs])
+
+    def query_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, stop, first position) of each run, as token-index ranges."""
+        out, start = [], 0
+        for first, n in self.runs:
+            out.append((start, start + n, first))
+            start += n
+        return tuple(out)
+
+
 @dataclass
 class Rotary:
-    """Global positions [T] of the tokens in hand and their RoPE tables cos, sin [T, head_dim].
-    A sequence-parallel caller passes the positions of its own slice (e.g. two zigzag chunks)."""
+    """Global positions [T] of the tokens in hand, their RoPE tables cos, sin [T, head_dim], and
+    the positions as runs (host ints, for attention's causal structure). A sequence-parallel caller
+    passes the positions of its own slice (e.g. two zigzag chunks)."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...] = ()     # (start, stop, first position) per run
 
     @classmethod
-    def build(cls, positions: torch.Tensor, head_dim: int, theta: float) -> "Rotary":
-        cos, sin = rope_cos_sin(positions, head_dim, theta)
-        return cls(positions, cos, sin)
+    def build(cls, positions: "PositionRuns | torch.Tensor", head_dim: int, theta: float,
+              device=None) -> "Rotary":
+        """From runs (no host sync; the tables are built on `device`) or a positions tensor."""
+        if isinstance(positions, torch.Tensor):
+            runs = PositionRuns.of(positions)
+            tensor = positions if device is None else positions.to(device)
+        else:
+            runs, tensor = positions, positions.tensor(device)
+        cos, sin = rope_cos_sin(tensor, head_dim, theta)
+        return cls(tensor, cos, sin, runs.query_runs())
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -69,59 +118,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-# Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
-# the float copy SDPA makes of it) is [block, keys], so blocking bounds it at block * S elements
-# instead of (S / D) * S.
-CPU_MASK_QUERY_BLOCK = 512
-
-
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   q_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   q_runs: tuple[tuple[int, int, int], ...] | None = None,
+                   route: SdpaRoute | None = None) -> torch.Tensor:
     """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
     position j). Returns [B, Tq, Hq * d].
 
-    q_positions=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise query i
-    sees keys 0..q_positions[i]; the queries are processed per contiguous run of positions (zigzag
-    chunks are such runs) against the key prefix they need, with a bottom-right aligned causal mask:
-    torch's lower-right CausalBias on GPU (fused kernels, no mask in memory), a boolean mask per
-    block of CPU_MASK_QUERY_BLOCK queries on CPU.
+    q_runs=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise q_runs
+    holds (start, stop, first position) of each contiguous run of query positions (zigzag chunks,
+    host ints from Rotary.runs; a positions tensor [Tq] is accepted and read once); the queries of a run see keys 0..first+(i-start) and are attended
+    against that key prefix with a bottom-right aligned causal mask. `route` (default: decided from
+    the inputs by `sdpa_route`) picks the kernel: a fused kernel with torch's lower-right
+    CausalBias on CUDA (no mask in memory), a boolean mask per block of queries on CPU.
     """
+    if isinstance(q_runs, torch.Tensor):              # positions [Tq]: read once (a host sync)
+        q_runs = PositionRuns.of(q_runs).query_runs()
     b, tq, hq, d = q.shape
     gqa = hq != k.shape[2]
+    route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, d]
-    if q_positions is None:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(b, tq, hq * d)
-    step = tq if q.is_cuda else CPU_MASK_QUERY_BLOCK
-    outs = []
-    for start, stop in _contiguous_runs(q_positions):
-        first = int(q_positions[start])
-        for s in range(start, stop, step):
-            e = min(stop, s + step)
-            n_q, n_k = e - s, first + (e - start)      # keys 0 .. position of the block's last query
-            outs.append(F.scaled_dot_product_attention(qt[:, :, s:e], kt[:, :, :n_k], vt[:, :, :n_k],
-                                                       attn_mask=_lower_right(n_q, n_k, q.device),
-                                                       enable_gqa=gqa))
-    out = torch.cat(outs, dim=2)
+    if route.expand_kv and gqa:          # [B, Hkv, T, d] -> [B, Hq, T, d]: the kernel takes no GQA
+        kt, vt = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (kt, vt))
+        gqa = False
+    with route.kernels(q.device.type):
+        if q_runs is None:
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+        else:
+            out = torch.cat([_prefix_attention(qt[:, :, start:stop], kt, vt, first, route, gqa)
+                             for start, stop, first in q_runs], dim=2)
     return out.transpose(1, 2).reshape(b, tq, hq * d)
 
 
-def _lower_right(n_q: int, n_k: int, device: torch.device):
-    """Query i (the i-th of the last n_q positions) sees keys 0 .. n_k - n_q + i."""
-    if device.type == "cuda":
-        return causal_lower_right(n_q, n_k)
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)
-
-
-def _contiguous_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """[(start, stop)] index ranges over which positions increase by exactly one."""
-    pos = positions.tolist()
-    runs, start = [], 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            runs.append((start, i))
-            start = i
-    return runs
+def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
+                      route: SdpaRoute, gqa: bool) -> torch.Tensor:
+    """Queries [B, H, n, d] at positions first..first+n-1 against keys 0..first+n-1."""
+    n = q.shape[2]
+    if route.lower_right_bias:
+        n_k = first + n
+        return F.scaled_dot_product_attention(q, k[:, :, :n_k], v[:, :, :n_k],
+                                              attn_mask=causal_lower_right(n, n_k), enable_gqa=gqa)
+    outs = []
+    for s in range(0, n, route.query_block):
+        e = min(n, s + route.query_block)
+        n_k = first + e                    # keys 0 .. position of the block's last query
+        mask = torch.ones(e - s, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - (e - s))
+        outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :n_k], v[:, :, :n_k],
+                                                   attn_mask=mask, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)
 
 
 class Attention(nn.Module):

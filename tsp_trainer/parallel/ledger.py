@@ -23,6 +23,7 @@ class CommRecord:
     tag: str          # what moved, e.g. "attn.weights", "attn.kv", "mlp.ring"
     group_size: int
     nbytes: int
+    dtype: str = ""   # element type of the payload, e.g. "float32" ("" for control messages)
 
 
 class CommLedger:
@@ -32,9 +33,17 @@ class CommLedger:
         self.enabled = enabled
         self.records: list[CommRecord] = []
 
-    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int) -> None:
+    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int,
+               dtype: str = "") -> None:
         if self.enabled:
-            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes)))
+            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes), dtype))
+
+    def dtypes_by_tag(self) -> dict[str, set[str]]:
+        """tag -> element types its payloads had (tests assert e.g. fp32 gradient reductions)."""
+        out: dict[str, set[str]] = collections.defaultdict(set)
+        for r in self.records:
+            out[r.tag].add(r.dtype)
+        return dict(out)
 
     def reset(self) -> None:
         self.records.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from tsp_trainer.parallel.comm import Comm
@@ -49,6 +50,7 @@ class Mesh:
     def __init__(self, dims: ParallelDims, rank: int, tsp: Comm, dp: Comm, world: Comm,
                  ledger: CommLedger):
         self.dims, self.rank, self.ledger = dims, rank, ledger
+        self.device = tsp.device                  # the run's compute device (all Comms share it)
         self.dp_rank, self.tsp_rank = dims.coords(rank)
         self.tsp, self.dp, self.world = tsp, dp, world
 
@@ -56,25 +58,38 @@ class Mesh:
         return f"Mesh(rank={self.rank}, dp={self.dims.dp}, tsp={self.dims.tsp})"
 
 
-def build_mesh(tsp_degree: int, *, ledger: CommLedger | None = None) -> Mesh:
-    """Create the dp and tsp groups of the already-initialised default process group."""
+def compute_device() -> torch.device:
+    """The device the default process group serves: CUDA (this process's current device) under
+    NCCL, the CPU otherwise (gloo, the dry run's fake group)."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_mesh(tsp_degree: int, *, ledger: CommLedger | None = None,
+               device: torch.device | str | None = None) -> Mesh:
+    """Create the dp and tsp groups of the already-initialised default process group. `device` is
+    the run's compute device, which every Comm op checks its tensors against (default: the one
+    the default group serves, `compute_device()`)."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = compute_device() if device is None else torch.device(device)
     dims = ParallelDims(world, tsp_degree)
     ledger = ledger if ledger is not None else CommLedger()
     dp_rank, tsp_rank = dims.coords(rank)
     # Every rank must call new_group for every group, in the same order.
     tsp_groups = [dist.new_group(dims.tsp_group_ranks(d)) for d in range(dims.dp)]
     dp_groups = [dist.new_group(dims.dp_group_ranks(t)) for t in range(dims.tsp)]
-    tsp = Comm(tsp_groups[dp_rank], dims.tsp_group_ranks(dp_rank), tsp_rank, ledger, "tsp")
-    dp = Comm(dp_groups[tsp_rank], dims.dp_group_ranks(tsp_rank), dp_rank, ledger, "dp")
-    world_comm = Comm(dist.group.WORLD, list(range(world)), rank, ledger, "world")
+    tsp = Comm(tsp_groups[dp_rank], dims.tsp_group_ranks(dp_rank), tsp_rank, ledger, "tsp",
+               device=device)
+    dp = Comm(dp_groups[tsp_rank], dims.dp_group_ranks(tsp_rank), dp_rank, ledger, "dp", device=device)
+    world_comm = Comm(dist.group.WORLD, list(range(world)), rank, ledger, "world", device=device)
     return Mesh(dims, rank, tsp, dp, world_comm, ledger)
 
 
 def axis_view(comm: Comm, axis: str) -> Comm:
     """The same process group under another axis name (no new group): the baselines name the D
     ranks of the inner axis "tp" or "sp" so the ledger and the ShardSpecs say which role they play."""
-    return Comm(comm.group, comm.ranks, comm.rank, comm.ledger, axis)
+    return Comm(comm.group, comm.ranks, comm.rank, comm.ledger, axis, device=comm.device)
 
 
 def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int) -> tuple[Comm, Comm]:
@@ -102,5 +117,6 @@ def _member_comm(groups: list[list[int]], mesh: Mesh, axis: str) -> Comm:
     handles = [dist.new_group(g) if len(g) > 1 else None for g in groups]
     for ranks, handle in zip(groups, handles):
         if mesh.rank in ranks:
-            return Comm(handle, ranks, ranks.index(mesh.rank), mesh.ledger, axis)
+            return Comm(handle, ranks, ranks.index(mesh.rank), mesh.ledger, axis,
+                        device=mesh.tsp.device)
     raise AssertionError(f"rank {mesh.rank} is in no {axis} group of {groups}")

@@ -393,8 +393,7 @@ def model_parallel_comm(cfg: ModelConfig, layout: Layout, seq_len: int,
 
     if layout.scheme == "tsp":
         base = tsp_step_comm(cfg, degree=layout.degree, batch=b, seq_len=seq_len,
-                             head_buckets=layout.head_buckets, weight_bytes=ew, act_bytes=e,
-                             norm_bytes=ew)
+                             head_buckets=layout.head_buckets, weight_bytes=ew, act_bytes=e)
         for (op, tag), v in base.items():
             add(f"{op}/{tag}", v["count"], v["bytes"], layout.degree)
         if layout.activation_checkpointing and layout.degree > 1:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tsp_trainer.bench.host_sync import HostSyncCounter
 from tsp_trainer.bench.memory import LiveTensorMemory
 from tsp_trainer.config import ModelConfig
 
@@ -130,6 +131,7 @@ class StepResult:
     peak_bytes: int                               # peak alive over forward + backward
     seconds: float
     info: dict = field(default_factory=dict)
+    host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (bench/host_sync.py)
 
     def comm_by_key(self) -> dict[tuple[str, str], dict[str, int]]:
         return {tuple(k.split("/", 1)): v for k, v in self.comm.items()}
@@ -186,7 +188,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         mesh.ledger.reset()
         tracker = LiveTensorMemory()
         tracker.ignore(*params, *(p.grad for p in params), *batch)
-        with mode, RealPassthrough(), tracker:
+        syncs = HostSyncCounter(mesh.device)
+        with mode, RealPassthrough(), tracker, syncs:
             loss_sum, count = par.loss_sum(*batch)
             tracker.mark("forward")
             total = global_count(count, par.token_comms)
@@ -206,7 +209,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
                       param_bytes=param_bytes, param_count=param_count,
                       comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
-                      seconds=time.perf_counter() - start, info=info)
+                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind))
 
 
 def _checkpointed(block, x, rope):
@@ -239,12 +242,15 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
         b = two.comm.get(key, {"count": 0, "bytes": 0})
         comm[key] = {"count": lin(a["count"], b["count"]), "bytes": lin(a["bytes"], b["bytes"])}
     info = dict(two.info, extrapolated_from_layers=[1, 2])
+    syncs = {k: lin(one.host_syncs.get(k, 0), two.host_syncs.get(k, 0))
+             for k in sorted(set(one.host_syncs) | set(two.host_syncs))}
     return StepResult(scheme=scheme, layers_run=2, param_shapes=two.param_shapes,
                       param_bytes=lin(one.param_bytes, two.param_bytes),
                       param_count=lin(one.param_count, two.param_count), comm=comm,
                       stored_bytes=lin(one.stored_bytes, two.stored_bytes),
                       peak_bytes=lin(one.peak_bytes, two.peak_bytes),
-                      seconds=one.seconds + two.seconds, info=info)
+                      seconds=one.seconds + two.seconds, info=info,
+                      host_syncs={k: v for k, v in syncs.items() if v})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +307,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             "activations_peak": res.peak_bytes, "activations_peak_model": act.peak,
             "peak_phase_model": act.peak_phase,
             "total_peak": sum(measured_state.values()) + res.peak_bytes,
-            "seconds": res.seconds, "info": res.info}
+            "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info}
     return report
 
 
@@ -338,4 +344,7 @@ def format_dry_run(report: dict) -> str:
                    f"{r['activations_peak'] / gib:.2f} GiB (model {r['activations_peak_model'] / gib:.2f}, "
                    f"in its {r['peak_phase_model']} phase)")
         out.append(f"  peak per rank: {r['total_peak'] / gib:.2f} GiB = state + peak activations")
+        syncs = r.get("host_syncs", {})
+        out.append(f"  host syncs per micro-step (model forward + backward): {sum(syncs.values())}"
+                   + (f" ({', '.join(f'{k} {v}' for k, v in sorted(syncs.items()))})" if syncs else ""))
     return "\n".join(out)

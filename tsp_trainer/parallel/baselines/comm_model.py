@@ -14,10 +14,11 @@ n = B N / S tokens are in a TP region on each rank; a = n h e is one such activa
   both:            all-reduce  head.ce: 3 n x 4 B (fp32 max, target logit, sum-exp)
   SP (S > 1):      all-gather  attn.kv: 2 L x B N 2 (h_kv / T) e (forward + backward re-gather)
                    reduce-scatter attn.dkv: L x B N 2 (h_kv / T) e
-                   all-reduce  wgrad: (L (2h^2 + 2 h h_kv + 3 h I) + 2 V h) / T x e
-                               (every non-norm weight once; a tied table twice: once per use)
+                   all-reduce  wgrad: (L (2h^2 + 2 h h_kv + 3 h I) + 2 V h) / T x 4
+                               (every non-norm weight once, in fp32; a tied table twice: once
+                               per use)
                    all-reduce  loss.count: 8 B (fp64 token count)
-  norms:           all-reduce  norm.grad: (2L + 1) h e when the norm inputs are split over ranks
+  norms:           all-reduce  norm.grad: (2L + 1) h 4 (fp32) when the norm inputs are split over ranks
                                (TP+SP: over tp; SP: over sp; TP x SP: over sp, or over all D
                                ranks with tp_sequence_parallel)
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 import collections
 
 from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.parallel.grad_sync import GRAD_BYTES
 
 
 def scheme_axes(scheme: str, degree: int, tp_degree: int | None = None, sp_degree: int | None = None,
@@ -75,11 +77,11 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
         out["all_gather/attn.kv"] += 2 * layers * kv
         out["reduce_scatter/attn.dkv"] += layers * kv
         per_layer = 2 * h * h + 2 * h * cfg.kv_hidden_size + 3 * h * cfg.intermediate_size
-        out["all_reduce/wgrad"] += (layers * per_layer + 2 * cfg.vocab_size * h) // t * e
+        out["all_reduce/wgrad"] += (layers * per_layer + 2 * cfg.vocab_size * h) // t * GRAD_BYTES
         out["all_reduce/loss.count"] += 8
     norms_split = (s > 1) or (seq_par and t > 1)
     if norms_split:
-        out["all_reduce/norm.grad"] += (2 * layers + 1) * h * e
+        out["all_reduce/norm.grad"] += (2 * layers + 1) * h * GRAD_BYTES
     return dict(out)
 
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from tsp_trainer.model.layers import RMSNorm, Rotary, apply_rope, gated_mlp
 from tsp_trainer.model.transformer import IGNORE_INDEX
 from tsp_trainer.parallel.baselines.context import context_attention
-from tsp_trainer.parallel.baselines.megatron import (copy_to_region, gather_from_sequence,
+from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight_to_region,
+                                                     gather_from_sequence,
                                                      reduce_from_region, reduce_scatter_to_sequence,
                                                      vocab_parallel_cross_entropy,
                                                      vocab_parallel_lookup)
@@ -62,8 +63,8 @@ class Groups:
         return reduce_from_region(y, self.tp, tag)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
-        """A weight replicated over sp: its gradient is summed over sp inside autograd."""
-        return copy_to_region(w, self.sp, "wgrad")
+        """A weight replicated over sp: its gradient is summed over sp (fp32) inside autograd."""
+        return copy_weight_to_region(w, self.sp, "wgrad")
 
 
 def _holder(w: torch.Tensor) -> nn.Module:
@@ -90,7 +91,7 @@ class ParallelAttention(nn.Module):
         q = apply_rope(F.linear(x, wq).view(b, t, -1, d), rope.cos, rope.sin)
         k = apply_rope(F.linear(x, wk).view(b, t, -1, d), rope.cos, rope.sin)
         v = F.linear(x, wv).view(b, t, -1, d)
-        out = context_attention(q, k, v, rope.positions, g.sp)   # [B, T_region, n_h/T * d]
+        out = context_attention(q, k, v, rope.runs, g.sp)        # [B, T_region, n_h/T * d]
         return g.leave_tp(F.linear(out, wo), "attn.tp")
 
 
@@ -117,7 +118,7 @@ class ParallelRMSNorm(RMSNorm):
         self.weight, self.comm = norm.weight, comm
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weight if self.comm is None else copy_to_region(self.weight, self.comm, "norm.grad")
+        w = self.weight if self.comm is None else copy_weight_to_region(self.weight, self.comm, "norm.grad")
         return super().forward(x, w)
 
 

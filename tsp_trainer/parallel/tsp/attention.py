@@ -9,7 +9,8 @@ The sum over heads completes locally: no all-reduce.
 
 Backward re-broadcasts shard r, recomputes the local projections and the bucket's attention,
 reduce-scatters dK, dV back to the ranks that own those tokens, and reduces this rank's partial
-weight gradients (from its own tokens) to owner r. Saved between forward and backward: X_p only.
+weight gradients (from its own tokens) to owner r, in fp32 (the sum over D ranks is not rounded
+to bf16 on the way). Saved between forward and backward: X_p only.
 Transient memory: two weight shards (P_attn / D each), one gathered K/V bucket and, in backward,
 one gathered dK/dV bucket and one packed partial gradient in flight.
 """
@@ -102,7 +103,7 @@ class _TSPAttentionFn(torch.autograd.Function):
                 bq, bk, bv, bo = shard.bucket(b)
                 q, k, v = _project(x, bq, bk, bv, rope, block.head_dim)
                 k_all, v_all = _gather_kv(k, v, block.comm)
-                y += attention_core(q, k_all, v_all, rope.positions) @ bo.T
+                y += attention_core(q, k_all, v_all, rope.runs) @ bo.T
         ctx.save_for_backward(x, wq, wk, wv, wo)
         ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
         return y.to(x.dtype)
@@ -115,7 +116,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         own_grad, pending = None, None
         for r, flat in broadcast_shards(comm, pack(wq, wk, wv, wo), tag="attn.weights"):
             shard = _Shard(flat, block, ctx.shapes)
-            gflat = torch.zeros_like(flat)
+            gflat = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)   # fp32 reduce
             gshard = _Shard(gflat, block, ctx.shapes)
             for b in range(block.head_buckets):
                 dx += _bucket_backward(x, dy, shard.bucket(b), gshard.bucket(b), ctx.rope, block)
@@ -123,7 +124,7 @@ class _TSPAttentionFn(torch.autograd.Function):
                 own_grad = _finish_reduce(pending, comm, own_grad)
             pending = (r, gflat, comm.reduce(gflat, dst=r, tag="attn.wgrad", async_op=True))
         own_grad = _finish_reduce(pending, comm, own_grad)
-        dwq, dwk, dwv, dwo = unpack(own_grad, ctx.shapes)
+        dwq, dwk, dwv, dwo = (g.to(wq.dtype) for g in unpack(own_grad, ctx.shapes))
         return dx.to(x.dtype), dwq, dwk, dwv, dwo, None, None
 
 
@@ -143,7 +144,7 @@ def _bucket_backward(x, dy, weights, grads, rope: Rotary, block: TSPAttention) -
         q, k, v = _project(xl, wl[0], wl[1], wl[2], rope, d)
         k_all, v_all = (t.detach().requires_grad_() for t in _gather_kv(k.detach(), v.detach(), comm))
         q_l = q.detach().requires_grad_()
-        out = attention_core(q_l, k_all, v_all, rope.positions) @ wl[3].T
+        out = attention_core(q_l, k_all, v_all, rope.runs) @ wl[3].T
         dq, dk_all, dv_all, dwo = torch.autograd.grad(out, (q_l, k_all, v_all, wl[3]), dy)
         dk, dv = _scatter_dkv(dk_all, dv_all, comm)
         dxl, dwq, dwk, dwv = torch.autograd.grad((q, k, v), (xl, wl[0], wl[1], wl[2]), (dq, dk, dv))

@@ -4,9 +4,9 @@ Rank p holds rows p*I/D.. of W_gate and W_up and the matching columns of W_down 
 intermediate dim). Forward: the packed shard passes around the ring (batch_isend_irecv, posted
 before the GEMMs so the transfer overlaps them); each step adds silu(X_p Wg_j^T) * (X_p Wu_j^T)
 Wd_j^T to the local output. The contraction over the intermediate dim completes locally: no
-all-reduce. Backward: the reverse ring carries a gradient accumulator with each shard, so the full
-weight gradient ends at its owner (see tsp/ring.py). Saved: X_p only; per-shard activations are
-recomputed in backward.
+all-reduce. Backward: the reverse ring carries an fp32 gradient accumulator with each shard, so the
+full weight gradient, summed over the D ranks in fp32, ends at its owner (see tsp/ring.py). Saved:
+X_p only; per-shard activations are recomputed in backward.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ class _TSPMLPFn(torch.autograd.Function):
                 ws = [w.detach().requires_grad_() for w in unpack(flat, ctx.shapes)]
                 grads = torch.autograd.grad(gated_mlp(xl, *ws), (xl, *ws), dy)
             dx.add_(grads[0])
-            return pack(*grads[1:])
+            return pack(*grads[1:]).float()      # the ring sums the D ranks' partials in fp32
 
         full = ring_backward(ctx.comm, pack(wg, wu, wd), grad_step, tag="mlp.weights")
-        dwg, dwu, dwd = unpack(full, ctx.shapes)
+        dwg, dwu, dwd = (g.to(wg.dtype) for g in unpack(full, ctx.shapes))
         return dx.to(x.dtype), dwg, dwu, dwd, None
