@@ -19,6 +19,7 @@ import torch
 from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
+from tsp_trainer.config.schema import resolved_dtype
 from tsp_trainer.config.validate import check_precision
 from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
 from tsp_trainer.engine import deepspeed as ds_engine
@@ -59,7 +60,7 @@ class Trainer:
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
         self.log = get_logger(__name__, rank=global_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
+        self.bf16 = resolved_dtype(cfg.train.dtype, cuda) == "bf16"
         self._check_device_support()                     # still before any process group
         dp = world_size // cfg.parallel.tsp_degree
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
