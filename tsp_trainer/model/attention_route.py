@@ -28,6 +28,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 # Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
 # the float copy SDPA makes of it) is [block, keys], so blocking bounds it at block * S elements
@@ -44,7 +46,7 @@ class UnsupportedAttentionError(ValueError):
 
 @dataclass(frozen=True)
 class SdpaRoute:
-    """How `attention_core` calls SDPA on one device."""
+    """How `attention_core` calls SDPA on one device: the kernel, and the calls themselves."""
 
     kernel: str                 # "flash" | "efficient" (CUDA, fused, no mask) | "cpu_blocked_mask"
     expand_kv: bool = False     # repeat K/V heads to the query heads before the call
@@ -64,6 +66,28 @@ class SdpaRoute:
 
         backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
         return sdpa_kernel([backend[self.kernel]])
+
+    # The SDPA calls. q, k, v: [B, H, T, d] (K/V already expanded when expand_kv).
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gqa: bool) -> torch.Tensor:
+        """Square causal attention (queries are the keys)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, *,
+               gqa: bool) -> torch.Tensor:
+        """Queries [B, H, n, d] at positions first..first+n-1 against keys 0..first+n-1."""
+        n = q.shape[2]
+        if self.lower_right_bias:
+            n_k = first + n
+            return F.scaled_dot_product_attention(q, k[:, :, :n_k], v[:, :, :n_k],
+                                                  attn_mask=causal_lower_right(n, n_k), enable_gqa=gqa)
+        outs = []
+        for s in range(0, n, self.query_block):
+            e = min(n, s + self.query_block)
+            n_k = first + e                    # keys 0 .. position of the block's last query
+            mask = torch.ones(e - s, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - (e - s))
+            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :n_k], v[:, :, :n_k],
+                                                       attn_mask=mask, enable_gqa=gqa))
+        return torch.cat(outs, dim=2)
 
 
 def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int) -> SdpaRoute:

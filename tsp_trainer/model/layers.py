@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.attention_route import CPU_MASK_QUERY_BLOCK, SdpaRoute, sdpa_route  # noqa: F401
@@ -126,10 +125,11 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q_runs=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise q_runs
     holds (start, stop, first position) of each contiguous run of query positions (zigzag chunks,
-    host ints from Rotary.runs; a positions tensor [Tq] is accepted and read once); the queries of a run see keys 0..first+(i-start) and are attended
-    against that key prefix with a bottom-right aligned causal mask. `route` (default: decided from
-    the inputs by `sdpa_route`) picks the kernel: a fused kernel with torch's lower-right
-    CausalBias on CUDA (no mask in memory), a boolean mask per block of queries on CPU.
+    host ints from Rotary.runs; a positions tensor [Tq] is accepted and read once): the queries of
+    a run see keys 0..first+(i-start), attended against that key prefix with a bottom-right
+    aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape)
+    makes the SDPA calls: a fused kernel with torch's lower-right CausalBias on CUDA (no mask in
+    memory), a boolean mask per block of queries on CPU (model/attention_route.py).
     """
     if isinstance(q_runs, torch.Tensor):              # positions [Tq]: read once (a host sync)
         q_runs = PositionRuns.of(q_runs).query_runs()
@@ -142,29 +142,11 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         gqa = False
     with route.kernels(q.device.type):
         if q_runs is None:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
+            out = route.causal(qt, kt, vt, gqa=gqa)
         else:
-            out = torch.cat([_prefix_attention(qt[:, :, start:stop], kt, vt, first, route, gqa)
+            out = torch.cat([route.prefix(qt[:, :, start:stop], kt, vt, first, gqa=gqa)
                              for start, stop, first in q_runs], dim=2)
     return out.transpose(1, 2).reshape(b, tq, hq * d)
-
-
-def _prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int,
-                      route: SdpaRoute, gqa: bool) -> torch.Tensor:
-    """Queries [B, H, n, d] at positions first..first+n-1 against keys 0..first+n-1."""
-    n = q.shape[2]
-    if route.lower_right_bias:
-        n_k = first + n
-        return F.scaled_dot_product_attention(q, k[:, :, :n_k], v[:, :, :n_k],
-                                              attn_mask=causal_lower_right(n, n_k), enable_gqa=gqa)
-    outs = []
-    for s in range(0, n, route.query_block):
-        e = min(n, s + route.query_block)
-        n_k = first + e                    # keys 0 .. position of the block's last query
-        mask = torch.ones(e - s, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - (e - s))
-        outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :n_k], v[:, :, :n_k],
-                                                   attn_mask=mask, enable_gqa=gqa))
-    return torch.cat(outs, dim=2)
 
 
 class Attention(nn.Module):

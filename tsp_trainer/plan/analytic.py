@@ -280,6 +280,19 @@ def _mask_terms(seq_len: int, s_p: int, e: int, device: str) -> dict[str, int]:
     return {"c": c, "mask": qb * seq_len, "bias": e * qb * seq_len, "biases": e * c * (seq_len + qb)}
 
 
+def _kv_expansion(e: int, device: str, gqa: bool) -> bool:
+    """Whether `attention_core` repeats K/V heads to the query heads before SDPA: on CUDA when
+    the route is the memory-efficient kernel under GQA (fp32; model/attention_route.py)."""
+    if device != "cuda" or not gqa:
+        return False
+    import torch
+
+    from tsp_trainer.model.attention_route import sdpa_route
+
+    dtype = torch.float32 if e == 4 else torch.bfloat16
+    return sdpa_route("cuda", dtype, gqa=True, head_dim=128).expand_kv
+
+
 def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int, n: int, *,
                       recomputed_qkv: bool, scatter_copies: int, device: str) -> dict[str, int]:
     """Transient bytes of one zigzag attention call (all-gathered K/V, `attention_core` per run) for
@@ -288,15 +301,18 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     their stack, the reordered copy, and for TSP the re-gathered K/V still referenced)."""
     m = _mask_terms(seq_len, s_p, e, device)
     kv_full = 2 * e * b * seq_len * hkv                   # gathered K and V in logical order
+    # CUDA memory-efficient route under GQA: K/V repeated to the query heads (saved by SDPA for
+    # its backward, and their gradients before they are summed back to the K/V heads)
+    kv_exp = kv_full * hq // hkv if _kv_expansion(e, device, hq != hkv) else 0
     outs = 2 * e * b * m["c"] * hq                        # SDPA outputs of the two runs
     qkv = e * n * (hq + 2 * hkv) if recomputed_qkv else 0
     # with B > 1 the zigzag reorders (zigzag.py) copy once more (a transpose made contiguous)
     extra = 1 if b > 1 else 0
-    fwd = qkv + kv_full + max(m["mask"] + m["bias"] + outs, (1 + extra) * kv_full)
+    fwd = qkv + kv_full + kv_exp + max(m["mask"] + m["bias"] + outs, (1 + extra) * kv_full)
     # backward: re-gathered K/V and both additive masks, then either the recompute (bool mask of
     # the long run alive) or SDPA's backward (dK, dV of the whole prefix); then the reduce-scatter
     # of dK/dV (gradients, their stacked copy and the zigzag-reordered copy)
-    bwd = qkv + max(kv_full + m["biases"] + max(m["mask"] + outs, kv_full + e * b * m["c"] * hq),
+    bwd = qkv + max(kv_full + 2 * kv_exp + m["biases"] + max(m["mask"] + outs, kv_full + e * b * m["c"] * hq),
                     (scatter_copies + extra) * kv_full)
     return {"fwd": fwd, "bwd": bwd, "kv_full": kv_full, **m}
 
