@@ -33,7 +33,11 @@ SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
 class Precision:
     """Bytes per element. bf16 mixed precision (DeepSpeed bf16, the ZeRO paper's accounting):
     bf16 weights, gradients and activations, an fp32 master copy and two fp32 Adam moments
-    (2 + 2 + 12 = 16 bytes per parameter before ZeRO). fp32 (CPU runs, tests): no master copy."""
+    (2 + 2 + 12 = 16 bytes per parameter before ZeRO), plus the fp32 gradient accumulation the
+    trainer configures (engine/deepspeed.py: data_types.grad_accum_dtype=fp32): `grad_accum` bytes
+    per parameter beside the bf16 gradient (ZeRO-1: DeepSpeed's BF16_Optimizer keeps a full fp32
+    buffer; ZeRO-2: an fp32 partition), and gradients reduced over DP in fp32 (`grad_reduce`).
+    fp32 (CPU runs, tests): no master copy, the gradient is its own accumulator."""
 
     name: str
     weight: int
@@ -41,13 +45,21 @@ class Precision:
     act: int
     master: int
     moments: int
+    grad_accum: int = 0          # fp32 accumulation buffer per parameter (0: the gradient itself)
+    grad_reduce: int = 4         # bytes per element of the DP gradient reduction (fp32)
 
     @property
     def optimizer(self) -> int:
         return self.master + self.moments
 
+    @property
+    def zero_stages(self) -> tuple[int, ...]:
+        """ZeRO stages the trainer runs with this precision: bf16 needs 1 or 2 (DeepSpeed
+        accumulates bf16 gradients in fp32 only under ZeRO; config/validate.py refuses stage 0)."""
+        return (1, 2) if self.grad_accum else (0, 1, 2)
 
-BF16 = Precision("bf16", weight=2, grad=2, act=2, master=4, moments=8)
+
+BF16 = Precision("bf16", weight=2, grad=2, act=2, master=4, moments=8, grad_accum=4)
 FP32 = Precision("fp32", weight=4, grad=4, act=4, master=0, moments=8)
 PRECISIONS = {"bf16": BF16, "fp32": FP32}
 
@@ -143,12 +155,22 @@ def state_bytes(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dic
     n = param_count(cfg, layout)
     dp = layout.dp
     opt = n * prec.optimizer
-    grad = n * prec.grad
     if layout.zero_stage >= 1:
         opt = math.ceil(opt / dp)
-    if layout.zero_stage >= 2:
-        grad = math.ceil(grad / dp)
-    return {"params": n * prec.weight, "grads": grad, "optimizer": opt, "param_count": n}
+    return {"params": n * prec.weight, "grads": grad_bytes(n, layout.zero_stage, dp, prec),
+            "optimizer": opt, "param_count": n}
+
+
+def grad_bytes(n: int, zero_stage: int, dp: int, prec: Precision = BF16) -> int:
+    """Gradient memory per rank for n parameters: stage 0 the gradients in the weights' dtype (bf16
+    with stage 0 accumulates in bf16: modelled, but refused by the trainer); stage 1 the gradients
+    plus the full fp32 accumulation buffer (BF16_Optimizer); stage 2 the fp32 partition (the bf16
+    gradients are freed bucket by bucket as they are reduced)."""
+    if zero_stage == 0:
+        return n * prec.grad
+    if zero_stage == 1:
+        return n * (prec.grad + prec.grad_accum)
+    return math.ceil(n * (prec.grad_accum or prec.grad) / dp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,17 +494,20 @@ def _baseline_ledger(cfg, layout, seq_len, prec):
 
 def data_parallel_comm(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dict[str, dict[str, int]]:
     """DeepSpeed's gradient synchronisation over DP per optimizer step (payload, ledger convention):
-    stage 0 all-reduces the gradients; stages 1 and 2 reduce-scatter them and all-gather the updated
-    bf16 parameters after the step. Plus the trainer's per-micro-step loss scalars."""
+    gradients move in fp32 (`communication_data_type`). Stage 0, and bf16 with stage 1 (DeepSpeed's
+    BF16_Optimizer), all-reduce them; otherwise stages 1 and 2 reduce-scatter them; stages 1 and 2
+    all-gather the updated parameters after the step. Plus the trainer's per-micro-step loss
+    scalars."""
     if layout.dp == 1:
         return {}
     n = param_count(cfg, layout)
-    grads = n * prec.grad
+    grads = n * prec.grad_reduce
     out = {}
-    if layout.zero_stage == 0:
+    if layout.zero_stage == 0 or (layout.zero_stage == 1 and prec.grad_accum):
         out["all_reduce/dp.grads"] = {"count": 1, "bytes": grads, "group": layout.dp}
     else:
         out["reduce_scatter/dp.grads"] = {"count": 1, "bytes": grads, "group": layout.dp}
+    if layout.zero_stage >= 1:
         out["all_gather/dp.params"] = {"count": 1, "bytes": n * prec.weight, "group": layout.dp}
     out["all_reduce/loss.dp"] = {"count": 2 * layout.grad_accum, "bytes": 16 * layout.grad_accum,
                                  "group": layout.dp}
@@ -614,7 +639,7 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     t_dp_exposed = max(0.0, t_dp_grad - 2 / 3 * t_compute) + t_dp_params
     # AdamW reads and writes fp32 master + 2 moments, reads the gradient, writes the bf16 weight
     shard = st["param_count"] / (layout.dp if layout.zero_stage >= 1 else 1)
-    t_opt = shard * (2 * prec.optimizer + prec.grad + prec.weight) / hw.hbm_bw
+    t_opt = shard * (2 * prec.optimizer + (prec.grad_accum or prec.grad) + prec.weight) / hw.hbm_bw
     step = layout.grad_accum * t_micro + t_dp_exposed + t_opt
     batch = global_batch if global_batch is not None else layout.micro_batch * layout.grad_accum * layout.dp
     tps = batch * seq_len / step

@@ -340,8 +340,8 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     attention="cuda" runs attention_core's CUDA route (`cuda_attention_path`) and compares with the
     analytic model's device="cuda" variant, the one the planner predicts with.
     Returns a JSON-friendly report."""
-    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, model_parallel_comm,
-                                           state_bytes)
+    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, grad_bytes,
+                                           model_parallel_comm, state_bytes)
 
     prec = BF16
     dp = world_size // degree
@@ -369,7 +369,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         st = state_bytes(cfg, layout, prec)
         # optimizer state and gradients from the measured parameter count (ZeRO over DP)
         measured_state = {"params": res.param_bytes,
-                          "grads": res.param_count * prec.grad // (dp if zero_stage >= 2 else 1),
+                          "grads": grad_bytes(res.param_count, zero_stage, dp, prec),
                           "optimizer": -(-res.param_count * prec.optimizer // (dp if zero_stage >= 1 else 1))}
         report["schemes"][scheme] = {
             "param_shapes": res.param_shapes, "param_count": res.param_count,
