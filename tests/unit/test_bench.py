@@ -23,7 +23,7 @@ def _spec(argv: str):
 @pytest.mark.parametrize("argv,match", [
     ("--schemes tsp,ring", r"unknown scheme 'ring'"),
     ("--schemes ,", r"--schemes is empty"),
-    ("--model huge", r"--model='huge' is not a known size"),
+    ("--model huge", r"--model=.huge. is neither a named size"),
     ("--degree 0", r"--degree=0 must be >= 1"),
     ("--steps -1", r"--steps=-1 must be >= 0"),
     ("--warmup 0", r"--warmup=0 must be >= 1"),

@@ -33,18 +33,18 @@ class HFFamily:
 
 
 _COMMON = {"hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": False,
-           "attention_dropout": 0.0, "pad_token_id": None, "head_dim": None}
+           "attention_dropout": 0.0, "pad_token_id": None}
 HF_FAMILIES: dict[str, HFFamily] = {
     "llama": HFFamily("LlamaForCausalLM", {
         **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1,
-        "eos_token_id": 2, "attention_bias": False, "mlp_bias": False}),
+        "eos_token_id": 2, "attention_bias": False, "mlp_bias": False, "head_dim": None}),
     "mistral": HFFamily("MistralForCausalLM", {
         **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6, "bos_token_id": 1,
-        "eos_token_id": 2, "sliding_window": 4096},
+        "eos_token_id": 2, "sliding_window": 4096, "head_dim": None},
         {"qkv_bias": False, "o_bias": False, "mlp_bias": False}),
     "qwen2": HFFamily("Qwen2ForCausalLM", {
         **_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,

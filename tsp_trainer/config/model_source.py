@@ -3,7 +3,8 @@
 
 The rule (docs/long_context.md, "No hand copying"):
 
-* With a folder, its config.json is the model. `model.size` must be left unset.
+* With a folder, its config.json is the model. A `model.size` left in the recipe is only a check:
+  its shape keys (below) must equal the folder's; its RoPE and context values are not used.
 * A `model.*` key the recipe or an override sets explicitly is checked against the folder:
   - shape keys (what the weights mean: vocab_size, hidden_size, num_layers, num_heads,
     num_kv_heads, intermediate_size, norm_eps, tie_embeddings, family, qkv_bias, o_bias, mlp_bias)
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tsp_trainer.config.hf_model import NAME_MAP, config_json_path, is_close, model_config_from_hf
-from tsp_trainer.config.model import ModelConfig, RopeScaling, model_config
+from tsp_trainer.config.model import MODEL_SIZES, ModelConfig, RopeScaling, model_config
 
 DEFAULT_SIZE = "tiny"
 BUNDLED_TOKENIZER = "data/tokenizer"
@@ -60,25 +61,38 @@ def resolve_model(section) -> ModelConfig:
     if source is None:
         return model_config(section.size or DEFAULT_SIZE, **explicit)
     key, path = source
-    if section.size is not None:
-        raise ValueError(f"model.size={section.size!r} and {key}={path!r} both give the model's "
-                         f"shape; remove model.size (set it to null): the folder's config.json is "
-                         "the model")
     if key == "model.init_from" and not Path(path).expanduser().is_dir():
         raise ValueError(f"model.init_from={path!r} is not an existing folder; give a Hugging Face "
                          "model folder (config.json + safetensors) or null for a random init")
     folder_cfg = model_config_from_hf(path, key=key)
     where = config_json_path(path, key=key)
+    named = model_config(section.size) if section.size is not None else None
     for name in SHAPE_KEYS:
-        if name in explicit and not is_close(explicit[name], getattr(folder_cfg, name)):
+        theirs = getattr(folder_cfg, name)
+        if name in explicit and not is_close(explicit[name], theirs):
             raise ValueError(f"model.{name}={_show(explicit[name])} but {where} has "
-                             f"{_hf_key(name)}={_show(getattr(folder_cfg, name))}; the folder's "
-                             f"config.json gives the shape: remove model.{name} or make it agree")
+                             f"{hf_key_of(name)}={_show(theirs)}; the folder's config.json gives "
+                             f"the shape: remove model.{name} or make it agree")
+        if named is not None and name not in explicit and not is_close(getattr(named, name), theirs):
+            raise ValueError(f"model.size={section.size!r} has {name}={_show(getattr(named, name))} "
+                             f"but {where} has {hf_key_of(name)}={_show(theirs)}; the folder's "
+                             "config.json gives the shape: set model.size=null")
     changes = {k: v for k, v in explicit.items() if k not in SHAPE_KEYS}
     try:
         return folder_cfg.replace(**changes)
     except ValueError as err:
         raise ValueError(f"{err} (model from {where})") from None
+
+
+def model_from_name_or_path(value: str, *, flag: str = "--model") -> ModelConfig:
+    """A named size, or a Hugging Face folder / config.json path (the CLIs' --model)."""
+    if value in MODEL_SIZES:
+        return MODEL_SIZES[value]
+    p = Path(value).expanduser()
+    if not (p.is_dir() or p.is_file()):
+        raise ValueError(f"{flag}={value!r} is neither a named size ({', '.join(sorted(MODEL_SIZES))}) "
+                         "nor an existing Hugging Face model folder or config.json")
+    return model_config_from_hf(p, key=flag)
 
 
 def section_overrides(section) -> dict[str, Any]:
@@ -114,6 +128,15 @@ def _rope_scaling(rope_section):
     return RopeScaling(rope_type, **given)
 
 
+def describe_source(section) -> str:
+    """One line for the log: where the model comes from and which keys the recipe overrode."""
+    source = model_folder(section)
+    if source is None:
+        return f"model.size={section.size or DEFAULT_SIZE}"
+    changed = sorted(k for k in section_overrides(section) if k in CONTEXT_KEYS + ("init_std",))
+    return f"{source[0]}={source[1]}" + (f" (recipe overrides {', '.join(changed)})" if changed else "")
+
+
 def resolve_tokenizer(data_tokenizer: str | None, section) -> str:
     """The tokenizer path or hub name to load (see the module docstring)."""
     if data_tokenizer is not None:
@@ -137,9 +160,12 @@ def folder_tokenizer(path: str) -> str | None:
     return str(folder) if any((folder / n).is_file() for n in TOKENIZER_FILES) else None
 
 
-def _hf_key(name: str) -> str:
+def hf_key_of(name: str) -> str:
     """How config.json says it: its own key, or our field derived from model_type/attention_bias."""
-    return dict(NAME_MAP).get(name) or {"family": "model_type"}.get(name) or f"{name} (derived)"
+    derived = {"family": "model_type", "qkv_bias": "qkv_bias (from model_type/attention_bias)",
+               "o_bias": "o_bias (from model_type/attention_bias)",
+               "mlp_bias": "mlp_bias (from model_type/mlp_bias)"}
+    return dict(NAME_MAP).get(name) or derived.get(name, name)
 
 
 def _show(value: Any) -> str:

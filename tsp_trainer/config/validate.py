@@ -103,6 +103,16 @@ def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, s
         _check_head_buckets(model_cfg, degree, head_buckets)
 
 
+def check_sliding_window(model_cfg: ModelConfig, seq_len: int, *, key: str = "data.seq_len") -> None:
+    """A source model with an attention window (Mistral v0.1: 4096) is computed with full causal
+    attention, which equals the windowed one only while the sequence fits in the window."""
+    window = model_cfg.sliding_window
+    if window is not None and seq_len > window:
+        raise ValueError(f"{key}={seq_len} exceeds the model's sliding_window={window} "
+                         f"({model_cfg.family}): tsp_trainer computes full causal attention, which "
+                         f"equals the windowed one only up to the window; use {key} <= {window}")
+
+
 def resolve_dp_degree(parallel: ParallelSection, world_size: int | None) -> int | None:
     """DP degree = world_size // tsp_degree; checks `parallel.dp_degree` when both are known."""
     if world_size is None:
@@ -256,11 +266,7 @@ def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
                          f"(RoPE is set up for that many positions); lower data.seq_len or raise "
                          f"model.max_seq_len (with model.rope_scaling to extend a trained context, "
                          "see docs/long_context.md)")
-    if model.sliding_window is not None and cfg.data.seq_len > model.sliding_window:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's sliding_window="
-                         f"{model.sliding_window} ({model.family}): tsp_trainer computes full causal "
-                         "attention, which equals the windowed one only up to the window; use "
-                         f"data.seq_len <= {model.sliding_window}")
+    check_sliding_window(model, cfg.data.seq_len)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ValueError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the "
                          "schedule decays from lr down to min_lr")
