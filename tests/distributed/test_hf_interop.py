@@ -120,12 +120,12 @@ def test_family_folder_imports_trains_and_exports(tmp_path, case):
 
     from transformers import AutoModelForCausalLM
 
-    from tests.unit.test_hf_families import _tiny_hf
+    from tests.helpers.hf_models import tiny_hf
     from tsp_trainer.config.model import ModelConfig
 
     world, tsp, model_type, extra = FAMILY_RUNS[case]
     folder = tmp_path / "hf"
-    hf = _tiny_hf(folder, model_type, vocab_size=1024, max_position_embeddings=64, **extra)
+    hf = tiny_hf(folder, model_type, vocab_size=1024, max_position_embeddings=64, **extra)
     for f in TOKENIZER.iterdir():
         shutil.copy(f, folder / f.name)
     overrides = ["model.size=null", "data.tokenizer=null", f"model.init_from={folder}",

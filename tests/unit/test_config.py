@@ -332,7 +332,7 @@ def _llama31_folder(path: Path) -> Path:
     import json
     import shutil
 
-    from tests.unit.test_hf_families import LLAMA31_8B
+    from tests.helpers.hf_models import LLAMA31_8B
 
     (path / "config.json").write_text(json.dumps(LLAMA31_8B))
     for f in (RECIPES.parent / "data" / "tokenizer").iterdir():

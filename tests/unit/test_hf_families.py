@@ -11,41 +11,13 @@ import json
 import pytest
 import torch
 
+from tests.helpers.hf_models import LLAMA31_8B, MISTRAL_7B_V03, QWEN25_7B, tiny_hf
 from tsp_trainer.checkpoint.hf import load_hf_state_dict, save_hf_folder
 from tsp_trainer.config.hf_model import HF_FAMILIES, model_config_from_hf, model_fields_from_hf
 from tsp_trainer.config.model import MODEL_SIZES, ModelConfig, RopeScaling
 from tsp_trainer.model import Transformer, rope_cos_sin
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-# The released models' config.json files (as published; Llama 3.1 in the legacy rope_scaling
-# format transformers 4.43 wrote, the others with top-level rope_theta).
-LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "vocab_size": 128256}
-QWEN25_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
-    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_sliding_window": False, "use_mrope": False, "vocab_size": 152064}
-MISTRAL_7B_V03 = {
-    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32768}
-
 
 @pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def test_family_defaults_are_the_installed_transformers_defaults(family):
@@ -169,24 +141,6 @@ def test_rope_tables_equal_transformers_bit_for_bit(name, theta):
 # Tiny models of every family against transformers
 
 
-def _tiny_hf(folder, model_type: str, **config):
-    """A random transformers CausalLM of `model_type` (tiny dims), saved to `folder`, with random
-    biases (transformers initialises them to zero, which would leave them untested)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**base, **config}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(str(folder))
-    return model.eval()
-
-
 FAMILY_CASES = {
     # Llama 3.1 style: GQA, llama3 scaling from a 32-token original context, tied (3.2), biases
     "llama3_tied_biases": ("llama", dict(
@@ -207,7 +161,7 @@ def test_imported_model_logits_equal_transformers(tmp_path, case):
     """Import (config.json -> ModelConfig, weights -> our names) and compare the logits of 128
     tokens (4 x the original context of the scaled cases) with transformers' own model."""
     model_type, config = FAMILY_CASES[case]
-    hf = _tiny_hf(tmp_path, model_type, **config)
+    hf = tiny_hf(tmp_path, model_type, **config)
     cfg = model_config_from_hf(tmp_path)
     assert cfg.family == model_type
     ours = Transformer(cfg)
@@ -225,7 +179,7 @@ def test_export_writes_the_same_family_back(tmp_path, case):
     from transformers import AutoModelForCausalLM
 
     model_type, config = FAMILY_CASES[case]
-    hf = _tiny_hf(tmp_path / "src", model_type, **config)
+    hf = tiny_hf(tmp_path / "src", model_type, **config)
     cfg = model_config_from_hf(tmp_path / "src")
     state = dict(load_hf_state_dict(tmp_path / "src", cfg))
     out = save_hf_folder(state, cfg, tmp_path / "out")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_hf_families import QWEN25_7B
+from tests.helpers.hf_models import QWEN25_7B
 from tsp_trainer.bench.cli import build_parser as bench_parser
 from tsp_trainer.bench.cli import spec_from_args
 from tsp_trainer.config import load_config, validate_config

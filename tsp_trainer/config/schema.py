@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tsp_trainer.config.model import ModelConfig
-from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer, section_overrides
+from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer
 
 Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "hub"]
@@ -67,10 +67,6 @@ class ModelSection:
     init_from: str | None = None               # Hugging Face folder to start from: shape + weights
     config_from: str | None = None             # Hugging Face folder or config.json: shape only
     seed: int = 0                              # RNG seed for the weight init
-
-    def overrides(self) -> dict[str, Any]:
-        """The ModelConfig fields this section sets explicitly."""
-        return section_overrides(self)
 
     def to_model_config(self) -> ModelConfig:
         """Named size or folder + the keys set here (reads the folder's config.json)."""
