@@ -67,7 +67,7 @@ def test_dry_run_7b_128k_recipe_world_1024(tmp_path):
 
 def test_dry_run_of_a_config_folder_with_biases(tmp_path):
     """`--model` names a Hugging Face config.json (here a small Llama with attention_bias, mlp_bias
-    and llama3 RoPE scaling): the ledger equals the analytic model exactly for TSP, TP and SP with
+    and llama3 RoPE scaling): the ledger equals the analytic model exactly for TSP and SP with
     every bias kind (sharded q/k/v and gate/up biases in the moving shards, replicated o/down
     biases summed like norms), and the parameter count is the model's."""
     config = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
@@ -79,7 +79,7 @@ def test_dry_run_of_a_config_folder_with_biases(tmp_path):
               "rope_theta": 500000.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     report = _dry_run(tmp_path, "--model", str(tmp_path / "config.json"), "--seq-len", "1024",
-                      "--degree", "4", "--nodes", "1", "--head-buckets", "1", "--schemes", "tsp,tp,sp",
+                      "--degree", "4", "--nodes", "1", "--head-buckets", "1", "--schemes", "tsp,sp",
                       timeout=600)
     for scheme, r in report["schemes"].items():
         assert r["comm_equals_model"], (scheme, r["comm_diff"])
