@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.devices import HostDefaultElsewhere
 from tsp_trainer.cli import DEFAULT_CUDA_ALLOC_CONF, cuda_device_index, default_allocator_env
+from tsp_trainer.config.model import RopeScaling
+from tsp_trainer.model.rope import PositionRuns, rope_cos_sin
 from tsp_trainer.parallel.comm import Comm, WrongDeviceError
 from tsp_trainer.parallel.ledger import CommLedger
 from tsp_trainer.trainer import cuda_rng_state_for_this_device
@@ -79,3 +82,22 @@ def test_cuda_rng_state_restored_for_this_device_only():
     per_device = [torch.ByteTensor([0]), torch.ByteTensor([1])]     # older checkpoints: all GPUs
     assert cuda_rng_state_for_this_device(per_device, 1) is per_device[1]
     assert cuda_rng_state_for_this_device(per_device, 5) is None
+
+
+@pytest.mark.parametrize("scaling", [
+    None, RopeScaling("linear", factor=4.0),
+    RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64),
+    RopeScaling("yarn", factor=4.0, original_max_position_embeddings=64)],
+    ids=["default", "linear", "llama3", "yarn"])
+def test_rope_tables_are_built_on_the_positions_device(scaling):
+    """Every RoPE type builds its frequencies on the compute device: a host tensor there would be
+    a blocking host-to-device copy per forward on a GPU (and a stray host tensor). Host-default
+    factories of the model package land on the meta device here (tests/helpers/devices.py), so a
+    table built from one fails; the values equal those built without the redirection."""
+    positions = PositionRuns(((0, 16), (48, 16))).tensor()
+    expected = rope_cos_sin(positions, 64, 10000.0, scaling)
+    with HostDefaultElsewhere(packages=("tsp_trainer.model",)) as mode:
+        got = rope_cos_sin(positions, 64, 10000.0, scaling)
+    assert mode.redirected == []
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
