@@ -56,7 +56,7 @@ def train_and_describe_precision(rank, world, runs):
     return out
 
 
-def bf16_step_ledger(rank, world, scheme, options):
+def bf16_step_ledger(rank, world, scheme, options, biases=False):
     """One forward + backward of a bf16 model under `scheme`: the ledger (op, tag) totals and the
     dtypes each tag's payloads had, and the dtype of every parameter's gradient."""
     from tsp_trainer.config import ModelConfig
@@ -67,7 +67,8 @@ def bf16_step_ledger(rank, world, scheme, options):
     from tsp_trainer.parallel.tsp.comm_model import ledger_totals
 
     cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=64, max_seq_len=64)
+                      intermediate_size=64, max_seq_len=64, qkv_bias=biases, o_bias=biases,
+                      mlp_bias=biases)
     mesh = build_mesh(world)
     model = Transformer(cfg)
     model.init_weights(0)
