@@ -10,20 +10,21 @@ grad_accum, so the update follows the mean over all tokens of the global batch.
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tsp_trainer.checkpoint import reshard
+from tsp_trainer.checkpoint.async_writer import CheckpointSaveError, Checkpointer, Snapshot  # noqa: F401 (CheckpointSaveError re-exported)
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
+from tsp_trainer.config import (TrainConfig, config_to_yaml, resolve_config, run_facts,
+                                save_resolved_config, validate_config)
 from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
-from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
-                                       model_and_hardware_flops_per_token, peak_memory_bytes)
+from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
+                                       make_sinks, model_and_hardware_flops_per_token)
 from tsp_trainer.optim import build_optimizer, build_scheduler
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
@@ -37,10 +38,6 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient with train.nonfinite=stop (raised before the update)."""
 
 
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written; the previous complete one stays `latest`."""
-
-
 @dataclass
 class TrainState:
     step: int = 0                # optimizer steps taken
@@ -51,12 +48,13 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
         validate_config(cfg, world_size)                 # bad input fails before any group exists
+        cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
         self.log = get_logger(__name__, rank=global_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
+        self.bf16 = cfg.train.dtype == "bf16"
         dp = world_size // cfg.parallel.tsp_degree
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
@@ -70,6 +68,8 @@ class Trainer:
         self.loader = self._build_loader()
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(self.ckpt, world=self.mesh.world, device=self.device,
+                                         async_save=cfg.checkpoint.async_save)
         self.state = TrainState()
         self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
         self._poisoned = False
@@ -78,12 +78,18 @@ class Trainer:
         self._resume()
         if self.mesh.rank == 0:
             save_resolved_config(cfg, f"{cfg.train.output_dir}/config.yaml")
+        peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else detect_peak_flops(self.device)
+        self.metrics = StepRecorder(world=self.mesh.world, peak_flops=peak, device=self.device,
+                                    rank_stats_every=cfg.logging.rank_stats_every,
+                                    flops=model_and_hardware_flops_per_token(
+                                        self.model_cfg, cfg.data.seq_len,
+                                        recompute=cfg.train.activation_checkpointing))
+        facts = run_facts(cfg, world_size=world_size, device=str(self.device),
+                          peak_tflops=None if peak is None else peak / 1e12)
         self.sinks = make_sinks(global_rank=self.mesh.rank, wandb_mode=cfg.logging.wandb_mode,
                                 project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                                config=cfg.to_dict(), output_dir=cfg.train.output_dir,
-                                jsonl=cfg.logging.jsonl)
-        self.flops = model_and_hardware_flops_per_token(
-            self.model_cfg, cfg.data.seq_len, recompute=cfg.train.activation_checkpointing)
+                                config={**cfg.to_dict(), "run": facts},
+                                output_dir=cfg.train.output_dir, jsonl=cfg.logging.jsonl)
 
     # -- building ---------------------------------------------------------------------------------
     def _ds_config(self, dp: int) -> dict:
@@ -126,15 +132,15 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         c, mesh = self.cfg, self.mesh
-        t0, data_wait, loss_value, tokens = time.perf_counter(), 0.0, 0.0, 0
+        self.checkpointer.poll()                           # publish a finished background save
+        self.metrics.begin_step()
+        loss_value, tokens = 0.0, 0
         lr = self.optimizer.param_groups[0]["lr"]          # the rate this step's update uses
-        mesh.ledger.reset()
         self._nonfinite_grad.fill_(False)
         local_bad, skipped_before = False, self.engine.skipped_steps
         for _ in range(c.train.grad_accum):
-            t = time.perf_counter()
-            batch = next(self.loader)
-            data_wait += time.perf_counter() - t
+            with self.metrics.waiting_for_data():
+                batch = next(self.loader)
             loss_sum, total = self._batch_loss(batch)
             loss = loss_sum * mesh.dims.dp / total
             if not bool(torch.isfinite(loss_sum)):
@@ -148,8 +154,13 @@ class Trainer:
             loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
             tokens += int(total)
         skipped = self._after_update(skipped_before)
-        metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped)
-        return {**metrics, "lr": lr}
+        self.state.tokens_seen += tokens
+        grad_norm = self.engine.get_global_grad_norm()
+        return self.metrics.end_step(
+            self.state.step, loss=loss_value, lr=lr, tokens=tokens, skipped=skipped,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            skipped_steps=self.state.skipped_steps, tokens_seen=self.state.tokens_seen,
+            checkpoint_stall_s=self.checkpointer.take_stall_s())
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
@@ -181,17 +192,6 @@ class Trainer:
         self.state.step += 1
         return skipped
 
-    def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool) -> dict:
-        m = StepMetrics.compute(tokens=tokens, step_time_s=dt, world_size=self.mesh.dims.world_size,
-                                model_flops_per_token=self.flops[0], hardware_flops_per_token=self.flops[1])
-        self.state.tokens_seen += tokens
-        grad_norm = self.engine.get_global_grad_norm()
-        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-                **m.as_dict(), "peak_mem_bytes": peak_memory_bytes(),
-                "comm_bytes_model_parallel": self.mesh.ledger.total_bytes(),
-                "data_wait_s": data_wait, "skipped": int(skipped),
-                "skipped_steps": self.state.skipped_steps, "tokens_seen": self.state.tokens_seen}
-
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -217,34 +217,29 @@ class Trainer:
                 metrics = self.train_step()
                 step = self.state.step
                 if c.train.eval_every and step % c.train.eval_every == 0:
-                    metrics["eval_loss"] = self.evaluate()
+                    metrics["eval/loss"] = self.evaluate()
                 if step % c.logging.log_every == 0 or step == c.train.steps:
                     self.sinks.log(step, metrics)
-                bar.update(loss=metrics["loss"], tokens_per_s=metrics.get("tokens_per_s"))
+                bar.update(loss=metrics["train/loss"], tokens_per_s=metrics["perf/tokens_per_s"])
                 history.append(metrics)
                 if c.checkpoint.enabled and c.checkpoint.every and step % c.checkpoint.every == 0:
                     self.save()
         if c.checkpoint.enabled and self.state.step != self._saved_step:
             self.save()          # the final state, unless that exact checkpoint already exists
+        self.checkpointer.wait()                            # publish the save in flight, if any
         self.sinks.close()
         return history
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save(self):
-        step = self.state.step
-        tmp = self.ckpt.begin(step)
-        try:
-            self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
-            reshard.write_layout_free_state(tmp, self.par, self.optimizer)     # model/ + optim/
-            self.ckpt.write_rank_state(tmp, self._rank_state())
-        except OSError as err:        # disk full, quota, I/O error: never publish a partial save
-            self.ckpt.abort(tmp)
-            raise CheckpointSaveError(f"saving the step-{step} checkpoint failed on rank "
-                                      f"{self.mesh.rank}: {err}; {self.ckpt.latest()} is still the "
-                                      "latest complete checkpoint") from err
-        path = self.ckpt.publish(tmp, step, self._meta())
-        self._saved_step = step
-        return path
+    def save(self) -> None:
+        """Collective: checkpoint the current state (published at once, or with
+        checkpoint.async_save when the background write completes; see checkpoint/async_writer.py)."""
+        self.checkpointer.save(self.state.step, self._snapshot)
+        self._saved_step = self.state.step
+
+    def _snapshot(self, host_copy) -> Snapshot:
+        return Snapshot(reshard.snapshot_layout_free_state(self.par, self.optimizer, host_copy=host_copy),
+                        self._rank_state(), self._meta())
 
     def _meta(self) -> dict:
         c = self.cfg
@@ -265,13 +260,13 @@ class Trainer:
             return
         meta = self.ckpt.verify(path)
         saved = meta["layout"]
-        if self._check_compatible(meta, path):
-            self.engine.load_checkpoint(str(path), tag="deepspeed", load_lr_scheduler_states=False)
-            rank_state = self.ckpt.read_rank_state(path)
-        else:       # another layout: DeepSpeed's files don't fit, read the layout-free shards
-            reshard.load_layout_free_state(path, self.par, self.optimizer)
-            rank_state = self.ckpt.read_rank_state(
-                path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
+        same_layout = self._check_compatible(meta, path)
+        # One copy of the state serves both cases: values are copied, so the same layout resumes
+        # bit for bit, and another layout reads the slices it now owns.
+        reshard.load_layout_free_state(path, self.par, self.optimizer)
+        rank_state = self.ckpt.read_rank_state(
+            path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
+        if not same_layout:
             self.log.info(f"resharded {path}: {saved} -> {self._layout()}")
         self.loader.load_state_dict(rank_state["loader"],
                                     on_layout_change=_LAYOUT_POLICY[self.cfg.data.on_layout_change])
@@ -289,7 +284,7 @@ class Trainer:
 
     def _check_compatible(self, meta: dict, path) -> bool:
         """Raises for another model shape or a refused layout change; True if the layout is the
-        saved one (DeepSpeed's own files load as they are)."""
+        saved one."""
         if meta["model"] != self.model_cfg.__dict__:
             diff = {k: (v, self.model_cfg.__dict__.get(k)) for k, v in meta["model"].items()
                     if self.model_cfg.__dict__.get(k) != v}

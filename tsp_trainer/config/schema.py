@@ -122,6 +122,7 @@ class CheckpointSection:
     every: int = 0                             # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 3                         # complete checkpoints kept on disk
     enabled: bool = True
+    async_save: bool = False                   # write in a background thread; publish when complete
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ class LoggingSection:
     log_every: int = 1                         # optimizer steps between metric lines
     progress_bar: bool = True
     jsonl: bool = True                         # metrics.jsonl in output_dir
+    peak_tflops: float | None = None           # per-device peak TFLOP/s for MFU; None = detect (GPU)
+    rank_stats_every: int = 10                 # steps between gathers of every rank's step time; 0 = off
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ _INT_MIN = {
     "data.shuffle_buffer": 1, "optim.warmup_steps": 0, "train.steps": 1, "train.grad_accum": 1,
     "train.global_batch_size": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.seed": 0,
     "train.collective_timeout_s": 1, "checkpoint.every": 0, "checkpoint.keep_last": 1,
-    "logging.log_every": 1,
+    "logging.log_every": 1, "logging.rank_stats_every": 0,
 }
 _OPTIONAL_INTS = {"parallel.tp_degree", "parallel.sp_degree", "parallel.dp_degree",
                   "train.global_batch_size"}
@@ -142,6 +142,11 @@ def _check_numbers(cfg: TrainConfig) -> None:
         value = _get(cfg, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ValueError(f"{key}={value!r} {rule}")
+    peak = cfg.logging.peak_tflops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                             or not math.isfinite(peak) or peak <= 0):
+        raise ValueError(f"logging.peak_tflops={peak!r} must be a finite number > 0 (one device's "
+                         "peak TFLOP/s, for MFU), or null to detect it on a known GPU")
 
 
 def _check_zero(stage: Any) -> None:
