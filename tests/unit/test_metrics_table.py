@@ -4,6 +4,7 @@ offline report."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,15 +144,24 @@ def test_dashboard_workspace_builds_and_serialises_offline():
     regex = glob_to_regex("comm/*/*_bytes")
     assert regex == "^comm/[^/]+/[^/]+_bytes$" and regex in plotted
     assert plotted - {regex} == {m.name for m in METRICS if "*" not in m.name}
-    assert '"yLogScale": true' in text.replace(" ", "").replace('"yLogScale":true', '"yLogScale": true')
+    comm = next(s for s in sections if s["name"] == "comm")["panels"][0]["config"]
+    assert comm["yLogScale"] is True and comm["metricRegex"] == regex
+    assert [s.get("isOpen", False) for s in sections] == [True, True, True, False, False, False]
+    assert spec["entity"] == "team" and spec["project"] == "tsp" and "tsp view" in text
 
 
-def test_tsp_dashboard_cli_writes_the_spec(tmp_path):
+def test_tsp_dashboard_cli_writes_the_spec_and_fails_in_one_line_without_login(tmp_path, monkeypatch):
     out = tmp_path / "view.json"
     proc = subprocess.run([str(BIN / "tsp-dashboard"), "--entity", "team", "--project", "tsp",
                            "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "6 sections" in proc.stdout and json.loads(out.read_text())["spec"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_API")}
+    env.update(WANDB_CONFIG_DIR=str(tmp_path / "cfg"), HOME=str(tmp_path), WANDB_MODE="offline")
+    save = subprocess.run([str(BIN / "tsp-dashboard"), "--entity", "team", "--project", "tsp"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert save.returncode == 1 and "tsp-dashboard: error: saving the view" in save.stderr
+    assert save.stderr.strip().count("\n") == 0
 
 
 # ---- offline report -------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class Panel:
     title: str
     metrics: tuple[str, ...]
     log_y: bool = False
+    points: bool = False       # markers only (a categorical value such as a rank id)
 
     @property
     def group(self) -> str:
@@ -134,7 +135,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("TFLOP/s per GPU", ("perf/tflops_per_gpu",)),
     Panel("MFU / HFU", ("perf/mfu", "perf/hfu")),
     Panel("step time (s): rank 0 and slowest rank's own", ("perf/step_time_s", "perf/step_time_max_rank")),
-    Panel("slowest rank", ("perf/slowest_rank",)),
+    Panel("slowest rank", ("perf/slowest_rank",), points=True),
     Panel("data wait (s): rank 0 and longest", ("perf/data_wait_s", "perf/data_wait_max_rank")),
     Panel("checkpoint stall (s)", ("perf/checkpoint_stall_s",)),
     Panel("peak memory (GiB)", ("mem/peak_gib",)),

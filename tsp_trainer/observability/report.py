@@ -68,25 +68,19 @@ def render_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     steps = read_metrics(run_dir / "metrics.jsonl")
     logged = _logged_names(steps)
-    rows, missing = [], []
-    for group in PANEL_GROUPS:
-        drawn = [(p, expand(p.metrics, logged)) for p in panels_in_group(group)]
-        missing += [p.title for p, names in drawn if not names]
-        drawn = [(p, names) for p, names in drawn if names]
-        rows += [(group, drawn[i:i + COLUMNS]) for i in range(0, len(drawn), COLUMNS)]
-    fig = plt.figure(figsize=(4.2 * COLUMNS, 3.0 * len(rows) + 1.2), layout="constrained")
-    fig.suptitle(_title(run_dir, steps), fontsize=12)
+    rows, missing = _pack_rows(logged)
+    fig = plt.figure(figsize=(4.2 * COLUMNS, 3.0 * len(rows) + 1.0), layout="constrained")
+    note = f"\nnot logged in this run: {', '.join(missing)}" if missing else ""
+    fig.suptitle(_title(run_dir, steps) + note, fontsize=11)
     subfigs = fig.subfigures(len(rows), 1, squeeze=False)[:, 0]
-    for subfig, (group, panels) in zip(subfigs, rows):
-        subfig.suptitle(group, x=0.01, ha="left", fontsize=11, fontweight="bold")
+    for subfig, row in zip(subfigs, rows):
+        groups = list(dict.fromkeys(panel.group for panel, _ in row))
+        subfig.suptitle(" · ".join(groups), x=0.01, ha="left", fontsize=11, fontweight="bold")
         axes = subfig.subplots(1, COLUMNS, squeeze=False)[0]
-        for ax, (panel, names) in zip(axes, panels):
+        for ax, (panel, names) in zip(axes, row):
             _draw(ax, panel, names, steps)
-        for ax in axes[len(panels):]:
+        for ax in axes[len(row):]:
             ax.set_visible(False)
-    if missing:
-        fig.text(0.01, 0.002, "not logged in this run: " + ", ".join(missing), fontsize=8,
-                 color="0.4", ha="left", va="bottom", wrap=True)
     out = Path(out) if out is not None else run_dir / "report.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
@@ -94,19 +88,43 @@ def render_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
+def _pack_rows(logged: list[str]) -> tuple[list[list[tuple[Panel, list[str]]]], list[str]]:
+    """Rows of at most COLUMNS panels, in group order; a group that fits in the row's free
+    columns joins it, a larger one starts new rows. Also the titles of panels with no data."""
+    rows: list[list[tuple[Panel, list[str]]]] = [[]]
+    missing = []
+    for group in PANEL_GROUPS:
+        drawn = [(p, expand(p.metrics, logged)) for p in panels_in_group(group)]
+        missing += [p.title for p, names in drawn if not names]
+        drawn = [(p, names) for p, names in drawn if names]
+        if not drawn:
+            continue
+        if len(drawn) > COLUMNS - len(rows[-1]) and rows[-1]:
+            rows.append([])
+        for item in drawn:
+            if len(rows[-1]) == COLUMNS:
+                rows.append([])
+            rows[-1].append(item)
+    return [row for row in rows if row], missing
+
+
 def _draw(ax, panel: Panel, names: list[str], steps: dict[int, dict]) -> None:
+    family = any("*" in m for m in panel.metrics)
     for name in names:
         xs, ys = series(steps, name)
-        sparse = len(xs) < 0.5 * len(steps)      # e.g. eval loss every N steps: show the points
-        ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, linewidth=1.2,
-                label=name)
+        sparse = panel.points or len(xs) < 0.5 * len(steps)   # e.g. eval every N steps: points
+        label = name.removeprefix("comm/").removesuffix("_bytes") if family else name
+        ax.plot(xs, ys, marker="o" if sparse else None, markersize=3, label=label,
+                linewidth=0 if panel.points else 1.2)
     ax.set_title(panel.title, fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
     if panel.log_y:
         ax.set_yscale("log")
-    if len(names) > 1:
+    if len(names) > 4:              # many series: the legend goes beside the plot
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    elif len(names) > 1:
         ax.legend(fontsize=6, loc="best")
 
 
