@@ -1,10 +1,10 @@
 """Checkpoint cost on the training loop, measured with the real Trainer on CPU.
 
-    python bench/checkpoint_cost.py stall [--size 125m] [--rounds 2] [--out docs/checkpoint_cost.json]
-    python bench/checkpoint_cost.py bytes [--size 125m] [--world 4 --tsp 2]
+    python bench/checkpoint_cost.py stall [--size 125m] [--rounds 2] [--set model.num_layers=4 ...]
+    python bench/checkpoint_cost.py bytes [--size 125m] [--world 4 --tsp 2] [--out docs/checkpoint_cost.json]
 
-stall: runs of 7 steps with a checkpoint every 2 steps (saves at steps 2, 4, 6; the final one at
-step 7 is reported apart, since nothing is left to overlap with it), interleaved round by round:
+stall: runs of 5 steps with a checkpoint every 2 steps (saves at steps 2 and 4; the final one at
+step 5 is reported apart, since nothing is left to overlap with it), interleaved round by round:
 checkpoint.async_save=false, =true, and no checkpoints. Per periodic save it records the time the
 training thread was blocked in Checkpointer.save / poll / wait until that save was published (the
 stall), and per run the loop's wall time; "overhead" is a run's wall time minus the interleaved
@@ -23,15 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))          # tests.helpers is not needed; the package launcher is
 
-STEPS, EVERY = 7, 2
+STEPS, EVERY = 5, 2
 
 
 def _overrides(size: str, out: str, extra: list[str]) -> list[str]:
@@ -39,7 +37,7 @@ def _overrides(size: str, out: str, extra: list[str]) -> list[str]:
             f"data.source={REPO / 'data' / 'corpus'}", f"data.tokenizer={REPO / 'data' / 'tokenizer'}",
             "train.eval_every=0", "logging.progress_bar=false", "logging.jsonl=false",
             f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep_last=1",
-            f"train.output_dir={out}"] + extra
+            f"train.output_dir={out}", "optim.warmup_steps=1"] + extra
 
 
 def _timed_run(rank, world, overrides):
@@ -106,7 +104,8 @@ def stall(args) -> dict:
         for round_ in range(args.rounds):
             for mode, extra in modes.items():
                 out = os.path.join(tmp, f"{mode}{round_}")
-                result = run_on_ranks(_timed_run, 1, _overrides(args.size, out, extra), threads=2)[0]
+                result = run_on_ranks(_timed_run, 1, _overrides(args.size, out, extra + args.set),
+                                      threads=2)[0]
                 periodic, final = _per_save_stalls(result["calls"])
                 rows[mode].append({"wall_s": result["wall_s"], "stall_per_save_s": periodic,
                                    "final_save_s": final, "state_bytes": result["state_bytes"]})
@@ -122,7 +121,8 @@ def stall(args) -> dict:
                                         / summary["sync"]["mean_stall_per_save_s"])
     summary["async_over_sync_overhead"] = (summary["async"]["mean_loop_overhead_per_save_s"]
                                            / summary["sync"]["mean_loop_overhead_per_save_s"])
-    return {"mode": "stall", "size": args.size, "steps": STEPS, "every": EVERY, "rounds": rows,
+    return {"mode": "stall", "size": args.size, "overrides": args.set, "steps": STEPS, "every": EVERY,
+            "rounds": rows,
             "summary": summary, "state_gib": rows["sync"][0]["state_bytes"] / 2**30}
 
 
@@ -140,9 +140,7 @@ def bytes_(args) -> dict:
     from tsp_trainer.bench.launch import run_on_ranks
 
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        extra = [f"parallel.tsp_degree={args.tsp}", "train.steps=2", "checkpoint.every=0",
-                 f"model.num_kv_heads={args.kv_heads}"] if args.kv_heads else \
-                [f"parallel.tsp_degree={args.tsp}", "train.steps=2", "checkpoint.every=0"]
+        extra = [f"parallel.tsp_degree={args.tsp}", "train.steps=2", "checkpoint.every=0"] + args.set
         overrides = _overrides(args.size, tmp, []) + extra
         state = run_on_ranks(_bytes_run, args.world, overrides)[0]
         step = Path(tmp) / "checkpoints" / "step_00000002"
@@ -154,7 +152,7 @@ def bytes_(args) -> dict:
     total = sum(files.values())
     print(f"state {state / 2**20:.1f} MiB, checkpoint {total / 2**20:.1f} MiB, ratio {total / state:.3f}; "
           + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_folder.items())))
-    return {"mode": "bytes", "size": args.size, "world": args.world, "tsp": args.tsp,
+    return {"mode": "bytes", "size": args.size, "overrides": args.set, "world": args.world, "tsp": args.tsp,
             "state_bytes": state, "checkpoint_bytes": total, "ratio": total / state,
             "by_folder": by_folder}
 
@@ -166,7 +164,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--tsp", type=int, default=1)
-    parser.add_argument("--kv-heads", type=int, default=0)
+    parser.add_argument("--set", nargs="*", default=[], help="more dotlist overrides")
     parser.add_argument("--tmp", default=None, help="where checkpoints are written (default: $TMPDIR)")
     parser.add_argument("--out", help="append the result as JSON to this file")
     args = parser.parse_args()

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from tsp_trainer.checkpoint import reshard
-from tsp_trainer.checkpoint.async_writer import CheckpointSaveError, Checkpointer, Snapshot  # noqa: F401 (CheckpointSaveError re-exported)
+# CheckpointSaveError is re-exported: callers and tests import it from the trainer.
+from tsp_trainer.checkpoint.async_writer import CheckpointSaveError, Checkpointer, Snapshot  # noqa: F401
 from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import (TrainConfig, config_to_yaml, resolve_config, run_facts,
                                 save_resolved_config, validate_config)

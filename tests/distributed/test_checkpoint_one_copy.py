@@ -122,3 +122,31 @@ def test_slowest_rank_is_named(tmp_path, victim):
     for h in stats:
         assert h["perf/slowest_rank"] == victim
         assert h["perf/step_time_max_rank"] >= 0.3 and h["perf/data_wait_max_rank"] >= 0.3
+
+
+def _resume_error_rank(rank, world, overrides):
+    from tsp_trainer.trainer import Trainer
+
+    try:
+        Trainer(config(overrides), world_size=world, global_rank=rank)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_verification_is_shared_and_every_rank_gets_the_error(sync_run, tmp_path):
+    """Each rank checks a share of the manifest (file i on rank i % world); a corrupted file in
+    the last rank's share stops every rank with the same error naming it."""
+    import shutil
+
+    _, out = sync_run
+    step = tmp_path / "step_00000008"
+    shutil.copytree(out / "checkpoints" / "step_00000008", step)
+    files = sorted(json.loads((step / "manifest.json").read_text())["files"])
+    victim = files[3::4][-1]                       # checked by rank 3 only
+    data = bytearray((step / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step / victim).write_bytes(bytes(data))
+    errors = run_on_ranks(_resume_error_rank, 4, RUN + [f"train.output_dir={tmp_path / 'r'}",
+                                                        f"train.resume={step}"])
+    assert len(set(errors)) == 1 and "sha256" in errors[0] and victim.split("/")[-1] in errors[0]

@@ -16,7 +16,7 @@ import os
 from typing import IO, Any, Iterable, Protocol, runtime_checkable
 
 from tsp_trainer.observability.log import get_logger
-from tsp_trainer.observability.metric_names import console_metrics
+from tsp_trainer.observability.metric_names import console_metrics, metric_def
 from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
 
 
@@ -114,12 +114,21 @@ class ConsoleSink:
 
 
 class MultiSink:
-    """Fans out to several sinks. close() closes all of them, then re-raises the first error."""
+    """Fans out to several sinks. close() closes all of them, then re-raises the first error.
+    A name missing from metric_names.METRICS is still logged, with one warning per name (the
+    dashboard and the report would not show it)."""
 
     def __init__(self, sinks: Iterable[MetricsSink]):
         self.sinks = list(sinks)
+        self._warned: set[str] = set()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for name in metrics.keys() - self._warned:
+            try:
+                metric_def(name)
+            except KeyError as err:
+                self._warned.add(name)
+                get_logger(__name__).warning(f"{err.args[0]}; it is logged, but no panel shows it")
         for sink in self.sinks:
             sink.log(step, metrics)
 
