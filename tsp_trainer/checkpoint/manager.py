@@ -67,17 +67,17 @@ class CheckpointManager:
         atomic_torch_save(state, tmp / rel)
         return {rel: file_entry(tmp / rel)}
 
-    def publish(self, tmp: Path, step: int, meta: dict, files: dict[str, dict] | None = None) -> Path:
+    def publish(self, tmp: Path, step: int, meta: dict, files: dict[str, dict]) -> Path:
         """Collective: once every rank has written into `tmp`, rank 0 writes meta + manifest,
         renames the folder into place, moves `latest` and prunes old checkpoints.
 
         `files`: this rank's manifest entries {rel: {bytes, sha256}} (each rank hashed what it
-        wrote); gathered to rank 0. None: rank 0 hashes the whole folder itself."""
-        entries = self.world.gather_object(files) if files is not None else None
+        wrote), gathered to rank 0: no rank hashes the whole checkpoint."""
+        entries = self.world.gather_object(files)
         final = self.root / step_dir_name(step)
         if self.world.rank == 0:
             atomic_write_text(tmp / META, json.dumps(meta, indent=2, sort_keys=True))
-            manifest = build_manifest(tmp) if entries is None else _merged_manifest(tmp, entries)
+            manifest = _merged_manifest(tmp, entries)
             atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             _fsync_dir(tmp)
             old = final.with_name(f".{final.name}.replaced") if final.exists() else None
