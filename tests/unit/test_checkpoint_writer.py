@@ -150,3 +150,35 @@ def test_host_staging_copies_live_tensors_and_reuses_buffers():
     assert staging("w", live, False).data_ptr() == first.data_ptr()        # reused
     fresh = torch.zeros(2)
     assert staging("m", fresh, True) is fresh                              # nothing else writes it
+
+
+def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
+    """CPU twin of the GPU snapshot: a tensor that says it is on CUDA is copied (even when fresh)
+    into a pinned buffer with a non-blocking copy, and synchronize() waits for the stream once.
+    torch.empty (no pinned allocator without CUDA) and the CUDA stream are stood in for."""
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    calls = {"pinned": [], "synced": 0}
+    real_empty = torch.empty
+
+    def empty(*shape, dtype=None, pin_memory=False):
+        calls["pinned"].append(pin_memory)
+        return real_empty(*shape, dtype=dtype)
+
+    class Stream:
+        def synchronize(self):
+            calls["synced"] += 1
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    staging = HostStaging()
+    live = torch.arange(4.0).as_subclass(OnCuda)
+    out = staging("m", live, True)                  # fresh, but device memory: copied to host
+    assert calls["pinned"] == [True] and out.data_ptr() != live.data_ptr()
+    assert torch.equal(out.as_subclass(torch.Tensor), torch.arange(4.0))
+    staging.synchronize()
+    staging.synchronize()                            # nothing pending the second time
+    assert calls["synced"] == 1
