@@ -50,7 +50,7 @@ class _Gate:
 def _snapshot_fn(value: float, gate: _Gate | None = None, fail: bool = False):
     def snapshot(host_copy):
         weights = torch.full((64, 64), value)
-        kept = host_copy("w", weights, False) if host_copy else weights
+        kept = host_copy("w", weights, "live") if host_copy else weights
         shard = ShardFile("model/model-tsp000-of-001.safetensors", {"w": kept},
                           {"w": {"dim": None, "degree": 1, "axis": "tsp", "index": 0}})
         if gate is not None or fail:
@@ -144,12 +144,12 @@ def test_sync_save_writes_live_tensors_without_a_copy(tmp_path):
 def test_host_staging_copies_live_tensors_and_reuses_buffers():
     staging = HostStaging()
     live = torch.ones(3)
-    first = staging("w", live, False)
+    first = staging("w", live, "live")
     live.add_(1)
     assert torch.equal(first, torch.ones(3)) and first.data_ptr() != live.data_ptr()
-    assert staging("w", live, False).data_ptr() == first.data_ptr()        # reused
+    assert staging("w", live, "live").data_ptr() == first.data_ptr()        # reused
     fresh = torch.zeros(2)
-    assert staging("m", fresh, True) is fresh                              # nothing else writes it
+    assert staging("m", fresh, "fresh") is fresh                              # nothing else writes it
 
 
 def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
@@ -176,7 +176,7 @@ def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
     staging = HostStaging()
     live = torch.arange(4.0).as_subclass(OnCuda)
-    out = staging("m", live, True)                  # fresh, but device memory: copied to host
+    out = staging("m", live, "fresh")               # fresh, but device memory: copied to host
     assert calls["pinned"] == [True] and out.data_ptr() != live.data_ptr()
     assert torch.equal(out.as_subclass(torch.Tensor), torch.arange(4.0))
     staging.synchronize()

@@ -48,10 +48,6 @@ class Snapshot:
     rank_state: dict                   # ranks/rank_XXXXX.pt: loader, scheduler, RNG
     meta: dict                         # meta.json (rank 0's is written)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.files)
-
 
 class HostStaging:
     """Host copies for an async snapshot, kept from save to save (one save in flight at a time, so
@@ -63,8 +59,8 @@ class HostStaging:
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending_cuda = False
 
-    def __call__(self, name: str, t: torch.Tensor, fresh: bool) -> torch.Tensor:
-        if fresh and not t.is_cuda:        # a new host tensor nothing else writes: keep it
+    def __call__(self, name: str, t: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "fresh" and not t.is_cuda:     # a new host tensor nothing else writes: keep it
             return t
         buf = self._buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

@@ -15,11 +15,12 @@ by the ranks at index 0 of the other axes; a replicated one (norms) by model-par
 Within a dp group (same shard, other data) the tensors are dealt out by bytes over the dp ranks,
 each writing its own part file, so writing and hashing are spread over every rank.
 
-ZeRO 1/2 shard the moments over DP; DeepSpeed's public helpers `safe_get_full_optimizer_state` /
-`safe_get_full_fp32_param` assemble one parameter's full (TSP-local) tensor with an all-reduce over
-the DP group, and `safe_set_full_*` write back this rank's fragment (no communication). Under ZeRO
-stage 0 in fp32 the torch optimizer holds the moments per parameter and is read directly. Loading
-copies values (no arithmetic), so a resume under the same layout continues bit for bit.
+ZeRO 1/2 shard the moments over DP: saving assembles one parameter's full (TSP-local) tensor on
+the dp rank that writes it, from the ranks' fragments, with one reduce over dp into a reused buffer
+(engine/zero_state.py::full_state_on_owner; with dp = 1 the live partition is read as it is), and
+loading writes back this rank's fragment with DeepSpeed's `safe_set_full_*` (no communication).
+Under ZeRO stage 0 the torch optimizer holds the moments per parameter and is read directly.
+Loading copies values (no arithmetic), so a resume under the same layout continues bit for bit.
 
 Must not import trainer; its DeepSpeed calls live in engine/zero_state.py (imported lazily there).
 """
@@ -32,9 +33,8 @@ from typing import Callable
 
 import torch
 
-from tsp_trainer.engine.zero_state import (get_full_fp32, get_full_optimizer_state,
-                                           link_optimizer_state, set_full_fp32,
-                                           set_full_optimizer_state)
+from tsp_trainer.engine.zero_state import (full_state_on_owner, link_optimizer_state,
+                                           set_full_fp32, set_full_optimizer_state)
 from tsp_trainer.checkpoint.shards import (read_extra, read_local_state_dict, shard_file_name,
                                            shard_layout, write_layout_file)
 from tsp_trainer.parallel.schemes import Parallelized
@@ -44,8 +44,15 @@ OPTIM = "optim"
 # Layout keys that decide whether the saved per-rank state (loader, RNG) maps 1:1 onto this run.
 LAYOUT_KEYS = ("scheme", "tsp_degree", "dp_degree", "zero_stage")
 
-# (name, tensor, fresh) -> the tensor to write; fresh = no live training tensor aliases it.
-HostCopy = Callable[[str, torch.Tensor, bool], torch.Tensor]
+# (name, tensor, kind) -> the tensor to write. kind: "live" (training will change it: an async save
+# must copy it), "scratch" (a buffer the snapshot reuses: always copied) or "fresh" (nothing else
+# holds it).
+HostCopy = Callable[[str, torch.Tensor, str], torch.Tensor]
+
+
+def _sync_keep(name: str, t: torch.Tensor, kind: str) -> torch.Tensor:
+    """A synchronous save writes before training continues: only reused buffers are copied."""
+    return t.clone() if kind == "scratch" else t
 
 
 @dataclass
@@ -62,10 +69,6 @@ class ShardFile:
         return {self.rel: write_layout_file(Path(folder) / self.rel, self.tensors, self.layout,
                                             extra=self.extra)}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 # -- save -------------------------------------------------------------------------------------------
 def snapshot_layout_free_state(par: Parallelized, optimizer: torch.optim.Optimizer, *,
@@ -76,24 +79,27 @@ def snapshot_layout_free_state(par: Parallelized, optimizer: torch.optim.Optimiz
     write live tensors); None keeps the tensors as they are (the caller writes before training
     continues)."""
     mesh, ranks = par.mesh, _axis_ranks(par)
-    keep = host_copy or (lambda name, t, fresh: t)
+    keep = host_copy or _sync_keep
     owner = write_owners(par)
     steps = adam_steps(optimizer)
     if any(steps):
         link_optimizer_state(optimizer, par.model.parameters())
+    params = [(n, p) for n, p in par.model.named_parameters() if n in owner]   # others: no collective
+    # one flat fp32 buffer on the compute device for the dp gathers, reused parameter by parameter
+    scratch = torch.empty(max((p.numel() for _, p in params), default=0), dtype=torch.float32,
+                          device=next(par.model.parameters()).device) if mesh.dims.dp > 1 else None
+    keys = (list(MOMENTS) if any(steps) else []) + [None]        # None: the fp32 master weights
     optim: dict[str, torch.Tensor] = {}
-    for name, p in par.model.named_parameters():
-        if name not in owner:                   # another group writes it: no collective for us
-            continue
-        for key in (MOMENTS if any(steps) else ()):    # no moments before the first update
-            t = get_full_optimizer_state(p, optimizer, key)      # collective over dp under ZeRO
-            if owner[name] == mesh.dp_rank:
-                optim[f"{key}/{name}"] = keep(f"{key}/{name}", t, True)
-        if p.dtype != torch.float32:
-            t = get_full_fp32(p)
-            if owner[name] == mesh.dp_rank:
-                optim[f"fp32/{name}"] = keep(f"fp32/{name}", t, True)
-    model = {name: keep(name, t.detach(), False) for name, t in par.model.state_dict().items()
+    for name, p in params:
+        for key in keys:
+            if key is None and p.dtype == torch.float32:         # the weights are the master
+                continue
+            t, in_scratch = full_state_on_owner(p, optimizer, key, dp=mesh.dp, owner=owner[name],
+                                                scratch=scratch)  # collective over dp under ZeRO
+            if t is not None:
+                label = f"{key or 'fp32'}/{name}"
+                optim[label] = keep(label, t, "scratch" if in_scratch else "live")
+    model = {name: keep(name, t.detach(), "live") for name, t in par.model.state_dict().items()
              if owner.get(name) == mesh.dp_rank}
     part = {"part": mesh.dp_rank, "parts": mesh.dims.dp}
     extra = {"adam_steps": steps, "moments": list(MOMENTS) if any(steps) else [],
