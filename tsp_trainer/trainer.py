@@ -151,6 +151,7 @@ class Trainer:
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary():
                 self._check_finite(local_bad)
+            self.checkpointer.before_update()              # an async snapshot has been copied
             self.engine.step()
             loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
             tokens += int(total)

@@ -47,9 +47,12 @@ class _Gate:
         self.entered = threading.Event()
 
 
-def _snapshot_fn(value: float, gate: _Gate | None = None, fail: bool = False):
+def _snapshot_fn(value: float, gate: _Gate | None = None, fail: bool = False, live=None):
+    """A snapshot of one live tensor (`live["w"]`, which the test's "training" changes later)."""
+    live = live if live is not None else {}
+
     def snapshot(host_copy):
-        weights = torch.full((64, 64), value)
+        weights = live.setdefault("w", torch.full((64, 64), value))
         kept = host_copy("w", weights, "live") if host_copy else weights
         shard = ShardFile("model/model-tsp000-of-001.safetensors", {"w": kept},
                           {"w": {"dim": None, "degree": 1, "axis": "tsp", "index": 0}})
@@ -64,7 +67,6 @@ def _snapshot_fn(value: float, gate: _Gate | None = None, fail: bool = False):
                     raise OSError(28, "No space left on device", str(folder))
                 return write(folder)
             shard.write = slow_write
-        weights.add_(1.0)          # training moves on: an async snapshot must not see this
         return Snapshot([shard], {"loader": {"pos": value}}, {"step": int(value)})
     return snapshot
 
@@ -79,8 +81,10 @@ def test_async_save_publishes_only_when_the_write_is_complete(tmp_path):
     ckpt = Checkpointer(manager, world=_world(), async_save=True, device=torch.device("cpu"))
     ckpt.save(1, _snapshot_fn(1.0))
     assert ckpt.wait() == tmp_path / "step_00000001"
-    gate = _Gate()
-    ckpt.save(2, _snapshot_fn(2.0, gate))                    # returns while the write is held
+    gate, live = _Gate(), {}
+    ckpt.save(2, _snapshot_fn(2.0, gate, live=live))         # returns while the write is held
+    ckpt.before_update()                                     # the copy is done before an update
+    live["w"].add_(1.0)                                      # training moves on
     assert gate.entered.wait(30) and ckpt.in_flight
     for _ in range(3):                                       # steps go on; nothing is published
         assert ckpt.poll() is None
@@ -131,20 +135,38 @@ def test_failed_write_is_never_published(tmp_path, async_save):
     assert not ckpt.in_flight
 
 
+def test_before_update_waits_for_the_deferred_copy(tmp_path):
+    """The live tensors are copied by the writer thread; before_update() blocks until then."""
+    manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
+    ckpt = Checkpointer(manager, world=_world(), async_save=True, device=torch.device("cpu"))
+    ckpt.staging.complete = lambda real=ckpt.staging.complete: (time.sleep(0.5), real())[1]
+    live = {}
+    ckpt.save(1, _snapshot_fn(1.0, live=live))
+    start = time.perf_counter()
+    ckpt.before_update()
+    assert time.perf_counter() - start > 0.3 and ckpt.staging.copied.is_set()
+    live["w"].add_(5.0)
+    assert ckpt.wait() == tmp_path / "step_00000001"
+    assert torch.equal(_read_w(tmp_path / "step_00000001"), torch.full((64, 64), 1.0))
+
+
 def test_sync_save_writes_live_tensors_without_a_copy(tmp_path):
     manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
     ckpt = Checkpointer(manager, world=_world(), async_save=False, device=torch.device("cpu"))
-    ckpt.save(1, _snapshot_fn(1.0))
+    live = {}
+    ckpt.save(1, _snapshot_fn(1.0, live=live))
     assert ckpt.staging is None and not ckpt.in_flight
-    # the write ran after the snapshot function returned (training had not moved on yet in a real
-    # sync save; here the test's "training" add_ ran first, so the file holds 2.0)
-    assert torch.equal(_read_w(tmp_path / "step_00000001"), torch.full((64, 64), 2.0))
+    ckpt.before_update()                                    # nothing to wait for
+    assert torch.equal(_read_w(tmp_path / "step_00000001"), torch.full((64, 64), 1.0))
 
 
 def test_host_staging_copies_live_tensors_and_reuses_buffers():
     staging = HostStaging()
     live = torch.ones(3)
-    first = staging("w", live, "live")
+    first = staging("w", live, "live")                      # deferred to the writer thread
+    assert not staging.copied.is_set()
+    staging.complete()
+    assert staging.copied.is_set()
     live.add_(1)
     assert torch.equal(first, torch.ones(3)) and first.data_ptr() != live.data_ptr()
     assert staging("w", live, "live").data_ptr() == first.data_ptr()        # reused
@@ -154,8 +176,9 @@ def test_host_staging_copies_live_tensors_and_reuses_buffers():
 
 def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
     """CPU twin of the GPU snapshot: a tensor that says it is on CUDA is copied (even when fresh)
-    into a pinned buffer with a non-blocking copy, and synchronize() waits for the stream once.
-    torch.empty (no pinned allocator without CUDA) and the CUDA stream are stood in for."""
+    into a pinned buffer with a non-blocking copy; an event recorded after the copies is what the
+    writer thread waits for. torch.empty (no pinned allocator without CUDA) and the CUDA event
+    are stood in for."""
 
     class OnCuda(torch.Tensor):
         @property
@@ -169,16 +192,22 @@ def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
         calls["pinned"].append(pin_memory)
         return real_empty(*shape, dtype=dtype)
 
-    class Stream:
+    class Event:
+        def record(self):
+            pass
+
         def synchronize(self):
             calls["synced"] += 1
     monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     staging = HostStaging()
     live = torch.arange(4.0).as_subclass(OnCuda)
     out = staging("m", live, "fresh")               # fresh, but device memory: copied to host
     assert calls["pinned"] == [True] and out.data_ptr() != live.data_ptr()
     assert torch.equal(out.as_subclass(torch.Tensor), torch.arange(4.0))
-    staging.synchronize()
-    staging.synchronize()                            # nothing pending the second time
+    staging.staged()                                 # an event after the last copy ...
+    staging.complete()                               # ... that the writer thread waits for
+    assert calls["synced"] == 1 and staging.copied.is_set()
+    staging.staged()
+    staging.complete()                               # nothing pending the second time
     assert calls["synced"] == 1

@@ -3,9 +3,15 @@ snapshot, write (in the background with `checkpoint.async_save`), publish last.
 
     save(step)   training thread, collective. First finishes the save in flight, if any: at most
                  one save is ever in flight. Then the temporary folder (CheckpointManager.begin)
-                 and the snapshot: this rank's share of the state copied to host memory (pinned
-                 buffers on GPU, reused from save to save) plus its per-rank state. Then the write
-                 starts: on a background thread with async_save, inline otherwise.
+                 and the snapshot: this rank's share of the state staged for host memory (pinned
+                 buffers on GPU, reused from save to save) plus its per-rank state (copied now).
+                 Then the write starts: on a background thread with async_save, inline otherwise.
+    copy         (async) the writer thread first copies the live tensors (weights, moments) into
+                 the staging buffers, while the training thread runs the next forward/backward,
+                 which read them but do not change them (on GPU: device-to-host copies on the
+                 stream, waited for by an event). before_update(), called by the Trainer right
+                 before each optimizer step, waits until the copies are done: only the update
+                 changes those tensors.
     write        each rank writes its files into the temporary folder and hashes them as it
                  writes (shards.save_safetensors); no collective, nothing published.
     poll()       training thread, collective, once per step while a save is in flight: the ranks
@@ -52,12 +58,19 @@ class Snapshot:
 class HostStaging:
     """Host copies for an async snapshot, kept from save to save (one save in flight at a time, so
     the previous save's buffers are free again). Buffers are pinned when the source is on a GPU
-    (a non-blocking device-to-host copy needs pinned memory); `synchronize()` waits for those
-    copies before the writer thread reads them."""
+    (a non-blocking device-to-host copy needs pinned memory).
+
+    kind "live" (host): the copy is deferred to the writer thread (`complete()`), overlapping the
+    next forward/backward; "scratch" (a buffer the snapshot reuses): copied now; GPU tensors: a
+    non-blocking copy now, and `complete()` waits for an event recorded after the last one."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._pending_cuda = False
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_cuda = False          # non-blocking device-to-host copies issued
+        self._cuda_event = None
+        self.copied = threading.Event()
+        self.copied.set()
 
     def __call__(self, name: str, t: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "fresh" and not t.is_cuda:     # a new host tensor nothing else writes: keep it
@@ -66,14 +79,31 @@ class HostStaging:
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             self._buffers[name] = buf
-        buf.copy_(t.detach(), non_blocking=t.is_cuda)
-        self._pending_cuda |= t.is_cuda
+        self.copied.clear()
+        if kind == "live" and not t.is_cuda:
+            self._deferred.append((buf, t.detach()))
+        else:
+            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+            self._pending_cuda |= t.is_cuda
         return buf
 
-    def synchronize(self) -> None:
+    def staged(self) -> None:
+        """Training thread, after the snapshot: mark where the GPU copies end on the stream."""
         if self._pending_cuda:
-            torch.cuda.current_stream().synchronize()
+            self._cuda_event = torch.cuda.Event()
+            self._cuda_event.record()
             self._pending_cuda = False
+
+    def complete(self) -> None:
+        """Writer thread: finish every copy; then the live tensors may change again."""
+        try:
+            for buf, live in self._deferred:
+                buf.copy_(live)
+            if self._cuda_event is not None:
+                self._cuda_event.synchronize()
+        finally:
+            self._deferred, self._cuda_event = [], None
+            self.copied.set()
 
 
 @dataclass
@@ -87,8 +117,12 @@ class _WriteJob:
     done: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
 
+    staging: HostStaging | None = None
+
     def run(self) -> None:
         try:
+            if self.staging is not None:
+                self.staging.complete()
             self.files = self.write(self.tmp, self.snapshot)
         except BaseException as err:                # reported at the next collective check
             self.error = err
@@ -137,14 +171,22 @@ class Checkpointer:
             snap = snapshot(self.staging)
             if self.staging is not None:
                 snap.rank_state = copy.deepcopy(snap.rank_state)
-                self.staging.synchronize()
-            self._job = _WriteJob(step, tmp, snap, self._write)
+                self.staging.staged()
+            self._job = _WriteJob(step, tmp, snap, self._write, staging=self.staging)
             if self.async_save:
                 self._job.start()
             else:
                 self._job.run()
                 self._finish()
         finally:
+            self._stall_s += time.perf_counter() - start
+
+    def before_update(self) -> None:
+        """Training thread, right before each optimizer step: wait until the save in flight has
+        copied the tensors the update is about to change (usually done during forward/backward)."""
+        if self.staging is not None and not self.staging.copied.is_set():
+            start = time.perf_counter()
+            self.staging.copied.wait()
             self._stall_s += time.perf_counter() - start
 
     def poll(self) -> Path | None:
