@@ -19,9 +19,11 @@ from tsp_trainer.checkpoint import reshard
 # CheckpointSaveError is re-exported: callers and tests import it from the trainer.
 from tsp_trainer.checkpoint.async_writer import CheckpointSaveError, Checkpointer, Snapshot  # noqa: F401
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.config import (TrainConfig, config_to_yaml, resolve_config, run_facts,
+from tsp_trainer.config import (ModelConfig, TrainConfig, config_to_yaml, resolve_config, run_facts,
                                 save_resolved_config, validate_config)
-from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
+from tsp_trainer.config.model_source import describe_source
+from tsp_trainer.data import (build_loader, check_tokenizer_fits, iterate_eval_batches,
+                              load_run_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
@@ -50,10 +52,11 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
         validate_config(cfg, world_size)                 # bad input fails before any group exists
         cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
-        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
+        self.tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
         self.log = get_logger(__name__, rank=global_rank)
+        self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16"
         dp = world_size // cfg.parallel.tsp_degree
@@ -248,7 +251,7 @@ class Trainer:
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.state.skipped_steps,
                 "layout": self._layout(),
-                "model": self.model_cfg.__dict__, "config_yaml": config_to_yaml(c)}
+                "model": self.model_cfg.to_dict(), "config_yaml": config_to_yaml(c)}
 
     def _rank_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -287,9 +290,9 @@ class Trainer:
     def _check_compatible(self, meta: dict, path) -> bool:
         """Raises for another model shape or a refused layout change; True if the layout is the
         saved one."""
-        if meta["model"] != self.model_cfg.__dict__:
-            diff = {k: (v, self.model_cfg.__dict__.get(k)) for k, v in meta["model"].items()
-                    if self.model_cfg.__dict__.get(k) != v}
+        saved, here = ModelConfig.from_dict(meta["model"]).to_dict(), self.model_cfg.to_dict()
+        if saved != here:
+            diff = {k: (v, here.get(k)) for k, v in saved.items() if here.get(k) != v}
             raise ValueError(f"checkpoint {path} is of another model shape: "
                              + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint" for k, (a, b) in diff.items()))
         reshard.check_layout_change(meta["layout"], self._layout(),

@@ -13,8 +13,11 @@ def resolve_config(cfg: TrainConfig, *, world_size: int, cuda: bool) -> TrainCon
     """`cfg` with every model dim explicit, dtype "auto" resolved (bf16 on GPU, fp32 on CPU) and
     dp_degree = world_size / tsp_degree. load_config reads the written YAML back to an equal config."""
     model = cfg.model.to_model_config()
+    # Scalar shape keys only: the sources (size, init_from, config_from), the seed and nested
+    # sections (rope_scaling) stay as written; an explicit key equal to its source's value agrees.
     dims = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelSection)
-            if hasattr(model, f.name) and f.name not in ("seed", "init_from")}
+            if hasattr(model, f.name) and f.name not in ("seed", "size", "init_from", "config_from")
+            and not dataclasses.is_dataclass(getattr(cfg.model, f.name))}
     dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if cuda else "fp32")
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, **dims),
