@@ -19,7 +19,8 @@ import torch
 from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
-from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
+from tsp_trainer.data import (build_eval_batches, build_train_loader, check_data_config,
+                              check_tokenizer_fits, load_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
 from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
@@ -54,10 +55,11 @@ class Trainer:
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        dp = world_size // cfg.parallel.tsp_degree
+        self.data_plan = check_data_config(cfg, dp, tokenizer=self.tokenizer)   # before any group
         self.log = get_logger(__name__, rank=global_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
-        dp = world_size // cfg.parallel.tsp_degree
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
         self.mesh = build_mesh(cfg.parallel.tsp_degree)
@@ -67,7 +69,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                            TSPMpu(self.mesh))
-        self.loader = self._build_loader()
+        self.loader, self.eval_batches = self._build_loaders()
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
         self.state = TrainState()
@@ -82,8 +84,12 @@ class Trainer:
                                 project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
                                 config=cfg.to_dict(), output_dir=cfg.train.output_dir,
                                 jsonl=cfg.logging.jsonl)
-        self.flops = model_and_hardware_flops_per_token(
-            self.model_cfg, cfg.data.seq_len, recompute=cfg.train.activation_checkpointing)
+        self._flops: dict[int, tuple[float, float]] = {}     # per seq_len (a length schedule)
+        self._data_epoch = 0                                  # last training-data pass logged
+        for line in self.data_plan.notes:
+            self.log.info(line)
+        for line in self.data_plan.warnings:
+            self.log.warning(line)
 
     # -- building ---------------------------------------------------------------------------------
     def _ds_config(self, dp: int) -> dict:
@@ -106,13 +112,15 @@ class Trainer:
             model.block_wrapper = _checkpointed_block
         return par
 
-    def _build_loader(self):
-        c = self.cfg.data
-        return build_loader(c.source, tokenizer=self.tokenizer, seq_len=c.seq_len,
-                            micro_batch_size=c.micro_batch_size, split=c.train_split,
-                            text_field=c.text_field, dp_rank=self.mesh.dp_rank,
-                            dp_degree=self.mesh.dims.dp, seed=self.cfg.train.seed,
-                            shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer)
+    def _build_loaders(self):
+        """The training loader (prefetching) and the eval batches, each built once."""
+        c, dp_rank, dp = self.cfg, self.mesh.dp_rank, self.mesh.dims.dp
+        train = build_train_loader(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
+                                   seed=c.train.seed, grad_accum=c.train.grad_accum)
+        evals = build_eval_batches(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
+                                   num_batches=c.train.eval_batches,
+                                   replicate=self.data_plan.eval_replicate) if c.train.eval_every else None
+        return train, evals
 
     def _watch_gradients(self) -> None:
         """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
@@ -135,6 +143,7 @@ class Trainer:
             t = time.perf_counter()
             batch = next(self.loader)
             data_wait += time.perf_counter() - t
+            seq_len = batch["input_ids"].shape[1]           # follows data.seq_len_schedule
             loss_sum, total = self._batch_loss(batch)
             loss = loss_sum * mesh.dims.dp / total
             if not bool(torch.isfinite(loss_sum)):
@@ -148,8 +157,9 @@ class Trainer:
             loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
             tokens += int(total)
         skipped = self._after_update(skipped_before)
-        metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped)
-        return {**metrics, "lr": lr}
+        metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped,
+                                     seq_len)
+        return {**metrics, "lr": lr, **self._data_metrics(seq_len)}
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
@@ -181,9 +191,14 @@ class Trainer:
         self.state.step += 1
         return skipped
 
-    def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool) -> dict:
+    def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool,
+                      seq_len: int) -> dict:
+        if seq_len not in self._flops:      # the FLOP count follows the stage's sequence length
+            self._flops[seq_len] = model_and_hardware_flops_per_token(
+                self.model_cfg, seq_len, recompute=self.cfg.train.activation_checkpointing)
+        flops = self._flops[seq_len]
         m = StepMetrics.compute(tokens=tokens, step_time_s=dt, world_size=self.mesh.dims.world_size,
-                                model_flops_per_token=self.flops[0], hardware_flops_per_token=self.flops[1])
+                                model_flops_per_token=flops[0], hardware_flops_per_token=flops[1])
         self.state.tokens_seen += tokens
         grad_norm = self.engine.get_global_grad_norm()
         return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -192,16 +207,23 @@ class Trainer:
                 "data_wait_s": data_wait, "skipped": int(skipped),
                 "skipped_steps": self.state.skipped_steps, "tokens_seen": self.state.tokens_seen}
 
+    def _data_metrics(self, seq_len: int) -> dict:
+        """data/epoch (passes over the most repeated source: from the token budget when the data's
+        size is known, else this rank's stream), data/seq_len; logs each new pass once."""
+        stats = self.loader.stats
+        if stats["epoch"] > self._data_epoch:
+            self._data_epoch = stats["epoch"]
+            self.log.info(f"data: epoch {stats['epoch']} of the training data began (dp rank "
+                          f"{self.mesh.dp_rank}) at step {self.state.step}")
+        epochs = self.data_plan.epochs_at(self.state.tokens_seen)
+        return {"data/epoch": float(stats["epoch"]) if epochs is None else epochs,
+                "data/seq_len": seq_len}
+
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        c = self.cfg
         total_loss, total_tokens = 0.0, 0.0
-        for batch in iterate_eval_batches(c.data.source, tokenizer=self.tokenizer, seq_len=c.data.seq_len,
-                                          micro_batch_size=c.data.micro_batch_size,
-                                          num_batches=c.train.eval_batches, split=c.data.eval_split,
-                                          text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
-                                          dp_degree=self.mesh.dims.dp):
+        for batch in self.eval_batches:
             s, total = self._batch_loss(batch)
             total_loss += reduce_loss_value(s, total, self._loss_comms) * float(total)
             total_tokens += float(total)
