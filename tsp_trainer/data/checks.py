@@ -30,7 +30,7 @@ from tsp_trainer.data.streaming import (check_column, is_single_file_source, loa
 from tsp_trainer.data.tokenfile import count_tokens
 from tsp_trainer.data.tokenize import TextTokenizer, load_tokenizer
 
-SAMPLE_BYTES = 1 << 20      # text read to estimate tokens per byte (jsonl, txt, arrow)
+SAMPLE_BYTES = 1 << 18      # text read to estimate tokens per byte (jsonl, txt, arrow)
 SAMPLE_ROWS = 64            # rows read to estimate tokens per row (parquet)
 
 
@@ -125,14 +125,14 @@ def check_eval_source(cfg: TrainConfig, dp_degree: int, tok: TextTokenizer, plan
                          "evaluate on the training data; set data.eval_source to held-out data "
                          "(or to the same path to evaluate on training data on purpose), or "
                          "train.eval_every=0")
-    token_field = resolve_token_field(source, token_field=d.token_field, data_format=fmt,
-                                      split=split, tokenizer=tok)
-    column = token_field or d.text_field
     try:
+        token_field = resolve_token_field(source, token_field=d.token_field, data_format=fmt,
+                                          split=split, tokenizer=tok)
         dataset = load_streaming(source, split=split, data_format=fmt, dp_degree=dp_degree)
     except ValueError as err:
         raise ValueError(f"train.eval_every={cfg.train.eval_every} needs the eval split "
                          f"data.eval_split={split!r} of {source!r}: {err}") from None
+    column = token_field or d.text_field
     check_column(dataset, column, source=source, split=split,
                  key="token_field" if token_field else "text_field")
     docs = count_documents(dataset, column, limit=dp_degree)
@@ -189,7 +189,7 @@ def epoch_tokens(spec: SourceSpec, cfg: TrainConfig, tok: TextTokenizer) -> tupl
     if token_field is not None:
         return None, "unknown (token ids in a non-parquet file; set data.dataset_tokens)"
     return _text_tokens(files, fmt, spec.text_field, tok, specials), \
-        f"estimated from the first {SAMPLE_BYTES >> 20} MiB"
+        f"estimated from the first {SAMPLE_BYTES >> 10} KiB"
 
 
 def _text_tokens(files: list[str], fmt: str, field_name: str, tok: TextTokenizer,

@@ -59,6 +59,15 @@ def write_token_file(bin_path: str | os.PathLike, docs: Iterable[Iterable[int]],
     return len(offsets) - 1, offsets[-1]
 
 
+def write_token_arrays(bin_path: str | os.PathLike, values: np.ndarray, lengths: np.ndarray, *,
+                       vocab_size: int) -> tuple[int, int]:
+    """Write documents given as all their ids back to back (`values`) and each one's length."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return write_token_file(bin_path, (values[a:b] for a, b in zip(offsets[:-1], offsets[1:])),
+                            vocab_size=vocab_size)
+
+
 class TokenFile:
     """One .bin/.idx pair, memory-mapped (nothing is read until a document is sliced)."""
 
