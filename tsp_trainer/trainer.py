@@ -31,7 +31,7 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 
-_LAYOUT_POLICY = {"refuse": "error", "restart": "restart", "resplit": "resplit"}
+_LAYOUT_POLICY = {"refuse": "error", "restart": "restart"}
 
 
 class NonFiniteError(RuntimeError):

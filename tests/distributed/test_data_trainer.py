@@ -1,0 +1,48 @@
+"""The data pipeline inside the Trainer on 4 CPU processes (DP=2 x TSP=2): a sequence-length
+schedule (the FLOP count and data/seq_len follow the stage), the prefetch worker, eval batches
+read once, data/epoch; and a resume across a stage boundary equal to the uninterrupted run."""
+
+import pytest
+
+from tests.distributed.trainer_cases import config
+from tests.helpers.dist import run_on_ranks
+
+pytestmark = pytest.mark.distributed
+
+# 6 steps: 3 at 32 tokens x 4 sequences, then 3 at 64 x 2 (the same tokens per step).
+SCHEDULE = ["train.steps=6", "data.seq_len=64", "data.prefetch=2", "train.eval_every=3",
+            "train.eval_batches=2", "checkpoint.every=3", "checkpoint.keep_last=5",
+            "data.seq_len_schedule=[{start_step: 0, seq_len: 32, micro_batch_size: 4}, "
+            "{start_step: 3, seq_len: 64, micro_batch_size: 2}]"]
+
+
+def _data_rank(rank, world, overrides):
+    from tsp_trainer.trainer import Trainer
+
+    trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+    history = trainer.fit()
+    evals = trainer.eval_batches
+    return {"losses": [h["loss"] for h in history], "seq_len": [h["data/seq_len"] for h in history],
+            "tflops": [h["tflops_per_device"] for h in history],
+            "epoch": [h["data/epoch"] for h in history],
+            "eval": [h.get("eval_loss") for h in history], "eval_reads": evals.reads if evals else None,
+            "flops_for": sorted(trainer._flops), "tokens": trainer.state.tokens_seen}
+
+
+def test_length_schedule_prefetch_and_eval_in_the_trainer(tmp_path):
+    full = run_on_ranks(_data_rank, 4, SCHEDULE + [f"train.output_dir={tmp_path / 'full'}"])
+    out = full[0]
+    assert out["seq_len"] == [32, 32, 32, 64, 64, 64]
+    assert out["flops_for"] == [32, 64]               # MFU's FLOP count followed the stage
+    assert out["tokens"] == 6 * 2 * 4 * 32            # dp 2 x 128 tokens per step
+    assert out["eval"][2] is not None and out["eval"][5] is not None and out["eval_reads"] == 1
+    assert out["epoch"][0] > 0 and out["epoch"] == sorted(out["epoch"])
+    assert all(o["losses"] == out["losses"] for o in full)   # every rank reports the global loss
+
+    # Resume from step 3 (the next step is the first at 64 tokens; the prefetch queue had
+    # already cut 64-token batches): the same losses as the uninterrupted run.
+    step3 = tmp_path / "full" / "checkpoints" / "step_00000003"
+    resumed = run_on_ranks(_data_rank, 4, SCHEDULE + [f"train.output_dir={tmp_path / 'resumed'}",
+                                                      f"train.resume={step3}"])[0]
+    assert resumed["losses"] == out["losses"][3:]
+    assert resumed["seq_len"] == [64, 64, 64]
