@@ -9,6 +9,7 @@ grad_accum, so the update follows the mean over all tokens of the global batch.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -84,12 +85,12 @@ class Trainer:
                                 project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
                                 config=cfg.to_dict(), output_dir=cfg.train.output_dir,
                                 jsonl=cfg.logging.jsonl)
-        self._flops: dict[int, tuple[float, float]] = {}     # per seq_len (a length schedule)
         self._data_epoch = 0                                  # last training-data pass logged
         for line in self.data_plan.notes:
             self.log.info(line)
-        for line in self.data_plan.warnings:
-            self.log.warning(line)
+        if self.mesh.rank == 0:              # warnings pass on every rank; say these once
+            for line in self.data_plan.warnings:
+                self.log.warning(line)
 
     # -- building ---------------------------------------------------------------------------------
     def _ds_config(self, dp: int) -> dict:
@@ -193,10 +194,7 @@ class Trainer:
 
     def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool,
                       seq_len: int) -> dict:
-        if seq_len not in self._flops:      # the FLOP count follows the stage's sequence length
-            self._flops[seq_len] = model_and_hardware_flops_per_token(
-                self.model_cfg, seq_len, recompute=self.cfg.train.activation_checkpointing)
-        flops = self._flops[seq_len]
+        flops = _flops_per_token(self.model_cfg, seq_len, self.cfg.train.activation_checkpointing)
         m = StepMetrics.compute(tokens=tokens, step_time_s=dt, world_size=self.mesh.dims.world_size,
                                 model_flops_per_token=flops[0], hardware_flops_per_token=flops[1])
         self.state.tokens_seen += tokens
@@ -208,15 +206,12 @@ class Trainer:
                 "skipped_steps": self.state.skipped_steps, "tokens_seen": self.state.tokens_seen}
 
     def _data_metrics(self, seq_len: int) -> dict:
-        """data/epoch (passes over the most repeated source: from the token budget when the data's
-        size is known, else this rank's stream), data/seq_len; logs each new pass once."""
-        stats = self.loader.stats
-        if stats["epoch"] > self._data_epoch:
-            self._data_epoch = stats["epoch"]
-            self.log.info(f"data: epoch {stats['epoch']} of the training data began (dp rank "
-                          f"{self.mesh.dp_rank}) at step {self.state.step}")
-        epochs = self.data_plan.epochs_at(self.state.tokens_seen)
-        return {"data/epoch": float(stats["epoch"]) if epochs is None else epochs,
+        """data/epoch and data/seq_len (the length schedule's stage); logs each new data pass."""
+        epoch = self.loader.stats["epoch"]
+        if epoch > self._data_epoch:
+            self._data_epoch = epoch
+            self.log.info(f"data: epoch {epoch} of the training data began at step {self.state.step}")
+        return {"data/epoch": self.data_plan.epoch_metric(epoch, self.state.tokens_seen),
                 "data/seq_len": seq_len}
 
     # -- evaluation -------------------------------------------------------------------------------
@@ -320,6 +315,12 @@ class Trainer:
         reshard.check_layout_change(meta["layout"], self._layout(),
                                     policy=self.cfg.data.on_layout_change, path=path)
         return not reshard.layout_changed(meta["layout"], self._layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _flops_per_token(model_cfg, seq_len: int, recompute: bool) -> tuple[float, float]:
+    """(model, hardware) FLOPs per token at `seq_len`: MFU follows a length schedule's stage."""
+    return model_and_hardware_flops_per_token(model_cfg, seq_len, recompute=recompute)
 
 
 def _checkpointed_block(block, x, rope):

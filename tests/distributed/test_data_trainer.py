@@ -5,6 +5,7 @@ read once, data/epoch; and a resume across a stage boundary equal to the uninter
 import pytest
 
 from tests.distributed.trainer_cases import config
+from tsp_trainer.observability.flops import flops_per_token
 from tests.helpers.dist import run_on_ranks
 
 pytestmark = pytest.mark.distributed
@@ -22,18 +23,23 @@ def _data_rank(rank, world, overrides):
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
     history = trainer.fit()
     evals = trainer.eval_batches
+    # FLOPs per token the metrics used: TFLOP/s per device x time x devices / tokens.
+    fpt = [h["tflops_per_device"] * 1e12 * h["step_time_s"] * world / h["tokens"] for h in history]
     return {"losses": [h["loss"] for h in history], "seq_len": [h["data/seq_len"] for h in history],
-            "tflops": [h["tflops_per_device"] for h in history],
+            "flops_per_token": fpt, "model": trainer.model_cfg,
             "epoch": [h["data/epoch"] for h in history],
             "eval": [h.get("eval_loss") for h in history], "eval_reads": evals.reads if evals else None,
-            "flops_for": sorted(trainer._flops), "tokens": trainer.state.tokens_seen}
+            "tokens": trainer.state.tokens_seen}
 
 
 def test_length_schedule_prefetch_and_eval_in_the_trainer(tmp_path):
     full = run_on_ranks(_data_rank, 4, SCHEDULE + [f"train.output_dir={tmp_path / 'full'}"])
     out = full[0]
     assert out["seq_len"] == [32, 32, 32, 64, 64, 64]
-    assert out["flops_for"] == [32, 64]               # MFU's FLOP count followed the stage
+    # MFU's FLOP count followed the stage (attention grows with the sequence).
+    expected = [flops_per_token(out["model"], s) for s in out["seq_len"]]
+    assert out["flops_per_token"] == pytest.approx(expected, rel=1e-6)
+    assert expected[3] > expected[2]
     assert out["tokens"] == 6 * 2 * 4 * 32            # dp 2 x 128 tokens per step
     assert out["eval"][2] is not None and out["eval"][5] is not None and out["eval_reads"] == 1
     assert out["epoch"][0] > 0 and out["epoch"] == sorted(out["epoch"])

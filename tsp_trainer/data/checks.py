@@ -47,6 +47,12 @@ class DataPlan:
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
+    def epoch_metric(self, stream_epoch: int, tokens_seen: int) -> float:
+        """data/epoch: passes over the most repeated source from the tokens seen when every
+        source's size is known, else the pass this rank's stream is in (an integer)."""
+        epochs = self.epochs_at(tokens_seen)
+        return float(stream_epoch) if epochs is None else epochs
+
     def epochs_at(self, tokens_seen: int) -> float | None:
         """Passes over the most repeated source after `tokens_seen` trained tokens (None when a
         source's size is unknown)."""
