@@ -86,7 +86,7 @@ class Trainer:
                                 config=cfg.to_dict(), output_dir=cfg.train.output_dir,
                                 jsonl=cfg.logging.jsonl)
         self._data_epoch = 0                                  # last training-data pass logged
-        for line in self.data_plan.notes:
+        for line in self.data_plan.notes + self.loader.describe():
             self.log.info(line)
         if self.mesh.rank == 0:              # warnings pass on every rank; say these once
             for line in self.data_plan.warnings:

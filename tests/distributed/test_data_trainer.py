@@ -52,3 +52,20 @@ def test_length_schedule_prefetch_and_eval_in_the_trainer(tmp_path):
                                                       f"train.resume={step3}"])[0]
     assert resumed["losses"] == out["losses"][3:]
     assert resumed["seq_len"] == [64, 64, 64]
+
+
+def test_training_on_tsp_tokenize_output_equals_training_on_text(tmp_path):
+    """The Trainer on `tsp-tokenize` output (no tokenizing in the run) gives the text run's
+    losses bit for bit, on 2 DP ranks (one output file per source file keeps the split)."""
+    from tests.distributed.trainer_cases import REPO
+    from tsp_trainer.data.tokenize_cli import main as tokenize_main
+
+    out = tmp_path / "corpus_tok"
+    assert tokenize_main([str(REPO / "data" / "corpus"), str(out), "--tokenizer",
+                          str(REPO / "data" / "tokenizer")]) == 0
+    common = ["parallel.tsp_degree=1", "train.steps=4", "checkpoint.enabled=false",
+              "data.shuffle=true", "data.shuffle_buffer=16"]
+    text = run_on_ranks(_data_rank, 2, common + [f"train.output_dir={tmp_path / 'text'}"])[0]
+    tokens = run_on_ranks(_data_rank, 2, common + [f"train.output_dir={tmp_path / 'tok'}",
+                                                   f"data.source={out}"])[0]
+    assert tokens["losses"] == text["losses"]

@@ -95,6 +95,7 @@ def test_long_documents_are_upsampled_with_a_gap(tmp_path, tok):
     assert seen[texts[0]] == 3 and seen[texts[5]] == 3 and seen[texts[1]] == 1
     stats = loader.stats
     assert stats["long_docs"] >= 2 and stats["long_doc_copies"] >= 4
+    assert "trained on 3x on average" in loader.describe()[0]
     # Resume with copies pending is exact.
     reference = take(build_train_loader(data, tokenizer=tok, dp_rank=0, dp_degree=1, seed=0,
                                         grad_accum=1), 30)

@@ -66,6 +66,7 @@ def test_70_30_by_tokens_within_2_points(two_sources, tok):
     pa = (0.7 / la) / (0.7 / la + 0.3 / lb)
     assert mix.probabilities[0] == pytest.approx(pa) and pa > 0.9
     assert "'short' 70.0% of tokens" in mix.describe() and "p(doc)=" in mix.describe()
+    assert any(line.startswith("data: mixture by tokens") for line in loader.describe())  # logged
 
 
 def test_weights_by_documents_would_miss(two_sources, tok):

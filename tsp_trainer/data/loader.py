@@ -114,6 +114,21 @@ class PackedLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         return windows_to_batch(self.next_windows())  # {"input_ids": (B, S), "labels": (B, S)}
 
+    def describe(self) -> list[str]:
+        """Lines for the start-up log: the mixture's estimates, upsampling, the length schedule."""
+        lines, docs = [], self.documents
+        if hasattr(docs, "min_tokens"):
+            lines.append(f"data: documents of >= {docs.min_tokens} tokens are trained on "
+                         f"{docs.factor:g}x on average (copies {docs.gap_docs} documents apart)")
+            docs = docs.inner
+        if hasattr(docs, "describe"):
+            lines.append(f"data: {docs.describe()} (dp rank {self.dp_rank})")
+        if len(self.schedule.stages) > 1:
+            lines.append("data: length schedule " + ", ".join(
+                f"from step {s.start_step}: {s.micro_batch_size} x {s.seq_len} tokens"
+                for s in self.schedule.stages))
+        return lines
+
     @property
     def stats(self) -> dict[str, Any]:
         inner = self.documents.stats()

@@ -99,6 +99,10 @@ class PrefetchLoader:
         batch, _, self.stats = item
         return batch
 
+    def describe(self) -> list[str]:
+        return self.loader.describe() + [f"data: a worker thread prepares {self.depth} "
+                                         "micro-batch(es) ahead (data.prefetch)"]
+
     def state_dict(self) -> dict[str, Any]:
         """The loader's state with the queued batches' tokens in front of its replay list."""
         with self._work, self._cond:
