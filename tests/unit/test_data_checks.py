@@ -148,3 +148,25 @@ def test_token_budget_against_the_data_and_the_repeat_warning(tok):
         long_run.planned_tokens / estimate)
     given = check_data_config(tiny_config(["data.dataset_tokens=1000000"]), 2, tokenizer=tok)
     assert given.tokens_per_epoch[str(CORPUS)] == 1_000_000
+
+
+def test_eval_rows_from_parquet_footers(tmp_path, tok):
+    """A parquet eval split is counted from its footers (no document is read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "validation.parquet"
+    pq.write_table(pa.table({"text": [f"book {i} text" for i in range(50)]}), path)
+    cfg = tiny_config(["train.eval_every=5", f"data.eval_source={path}",
+                       "data.max_example_split_dp=128"])
+    from tsp_trainer.data import checks
+
+    calls = []
+    real = checks.count_documents
+    checks.count_documents = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        plan = check_data_config(cfg, 128, tokenizer=tok)
+    finally:
+        checks.count_documents = real
+    assert plan.eval_replicate and plan.eval_docs == 50
+    assert len(calls) == 1            # the training data's count (2 files < 128 ranks), not eval's

@@ -102,6 +102,13 @@ def test_token_column_of_any_parquet_and_its_range_check(tmp_path, tok):
                        micro_batch_size=1, token_field="ids")
     with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 1024\)"):
         next(bad)
+    # The same column in an Arrow IPC file.
+    with pa.OSFile(str(tmp_path / "ids.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, pa.schema([("ids", pa.list_(pa.int32()))])) as writer:
+            writer.write_table(pa.table({"ids": docs}, schema=pa.schema([("ids", pa.list_(pa.int32()))])))
+    arrow = build_loader(str(tmp_path / "ids.arrow"), tokenizer=tok, seq_len=4,
+                         micro_batch_size=1, token_field="ids")
+    assert [int(x) for b in take(arrow, 3) for x in b["input_ids"][0]] == stream
 
 
 def test_tokenized_output_refuses_another_tokenizer(tokenized, tok, tmp_path):

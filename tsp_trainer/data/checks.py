@@ -105,6 +105,25 @@ def check_train_source(spec: SourceSpec, cfg: TrainConfig, dp_degree: int,
                          "no data; use more documents or fewer DP ranks")
 
 
+def rows_known(dataset, source: str, *, split: str, data_format: str) -> int | None:
+    """Rows of the split without reading them, when the metadata says (a Hub dataset's split
+    info, local parquet footers, token-file indexes); None otherwise."""
+    splits = getattr(dataset.info, "splits", None)
+    if splits and split in splits and splits[split].num_examples:
+        return int(splits[split].num_examples)
+    local = resolve_local_files(source, split=split, data_format=data_format)
+    if local is None:
+        return None
+    fmt, files = local
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    if fmt == "tokens":
+        return count_tokens(files)[0]
+    return None
+
+
 def count_documents(dataset, column: str, *, limit: int) -> int:
     """Non-empty documents (text or token ids) among the rows, counting up to `limit`."""
     count = 0
@@ -141,7 +160,9 @@ def check_eval_source(cfg: TrainConfig, dp_degree: int, tok: TextTokenizer, plan
     column = token_field or d.text_field
     check_column(dataset, column, source=source, split=split,
                  key="token_field" if token_field else "text_field")
-    docs = count_documents(dataset, column, limit=dp_degree)
+    docs = rows_known(dataset, source, split=split, data_format=fmt)
+    if docs is None:                 # read at most dp documents (at 1,024 ranks, each rank does)
+        docs = count_documents(dataset, column, limit=dp_degree)
     plan.eval_docs = docs
     if docs == 0:
         raise ValueError(f"eval split {split!r} of {source!r} has no non-empty documents; "
