@@ -418,3 +418,17 @@ def test_packed_loader_validates_its_arguments(tok):
     with pytest.raises(ValueError, match="seq_len=0"):
         PackedLoader(open_text_stream(CORPUS), tokenizer=tok, seq_len=0, micro_batch_size=1)
     assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_a_version_1_loader_state_resumes_exactly(tok):
+    """Checkpoints written before the loader's state version 2 (one source, the stream's fields at
+    the top level, unshuffled blocks of one document) resume to the same batches."""
+    saved = json.loads((REPO / "tests" / "assets" / "loader_state_v1.json").read_text())
+    for name in ("shuffled", "unshuffled"):
+        case = saved[name]
+        assert case["state"]["version"] == 1
+        loader = build_loader(str(CORPUS), tokenizer=tok, **case["kwargs"])
+        with pytest.warns(UserWarning, match="source='data/corpus'"):    # saved as a relative path
+            loader.load_state_dict(case["state"])
+        got = [next(loader)["input_ids"].tolist() for _ in range(3)]
+        assert got == case["next_input_ids"], name
