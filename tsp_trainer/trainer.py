@@ -19,9 +19,11 @@ import torch
 
 from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
+from tsp_trainer.config import (ModelConfig, TrainConfig, config_to_yaml, save_resolved_config,
+                                validate_config)
+from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import (build_eval_batches, build_train_loader, check_data_config,
-                              check_tokenizer_fits, load_tokenizer)
+                              check_tokenizer_fits, load_run_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
 from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
@@ -53,12 +55,13 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
         validate_config(cfg, world_size)                 # bad input fails before any group exists
-        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
+        self.tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
         dp = world_size // cfg.parallel.tsp_degree
         self.data_plan = check_data_config(cfg, dp, tokenizer=self.tokenizer)   # before any group
         self.log = get_logger(__name__, rank=global_rank)
+        self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
@@ -268,7 +271,7 @@ class Trainer:
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.state.skipped_steps,
                 "layout": self._layout(),
-                "model": self.model_cfg.__dict__, "config_yaml": config_to_yaml(c)}
+                "model": self.model_cfg.to_dict(), "config_yaml": config_to_yaml(c)}
 
     def _rank_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
@@ -307,9 +310,9 @@ class Trainer:
     def _check_compatible(self, meta: dict, path) -> bool:
         """Raises for another model shape or a refused layout change; True if the layout is the
         saved one (DeepSpeed's own files load as they are)."""
-        if meta["model"] != self.model_cfg.__dict__:
-            diff = {k: (v, self.model_cfg.__dict__.get(k)) for k, v in meta["model"].items()
-                    if self.model_cfg.__dict__.get(k) != v}
+        saved, here = ModelConfig.from_dict(meta["model"]).to_dict(), self.model_cfg.to_dict()
+        if saved != here:
+            diff = {k: (v, here.get(k)) for k, v in saved.items() if here.get(k) != v}
             raise ValueError(f"checkpoint {path} is of another model shape: "
                              + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint" for k, (a, b) in diff.items()))
         reshard.check_layout_change(meta["layout"], self._layout(),

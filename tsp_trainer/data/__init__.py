@@ -23,7 +23,8 @@ from tsp_trainer.data.packing import pack_documents
 from tsp_trainer.data.prefetch import PrefetchLoader
 from tsp_trainer.data.schedule import LengthSchedule, LengthStage
 from tsp_trainer.data.streaming import open_text_stream
-from tsp_trainer.data.tokenize import TextTokenizer, check_tokenizer_fits, load_tokenizer
+from tsp_trainer.data.tokenize import (TextTokenizer, check_same_tokenizer, check_tokenizer_fits,
+                                       load_run_tokenizer, load_tokenizer)
 
 __all__ = [
     "DataPlan",
@@ -37,9 +38,11 @@ __all__ = [
     "build_loader",
     "build_train_loader",
     "check_data_config",
+    "check_same_tokenizer",
     "check_tokenizer_fits",
     "iterate_eval_batches",
     "length_schedule",
+    "load_run_tokenizer",
     "load_tokenizer",
     "open_text_stream",
     "pack_documents",

@@ -28,7 +28,7 @@ from tsp_trainer.data.pretokenized import read_metadata, resolve_token_field
 from tsp_trainer.data.streaming import (check_column, is_single_file_source, load_streaming,
                                         refuse_example_split, reshard_for, resolve_local_files)
 from tsp_trainer.data.tokenfile import count_tokens
-from tsp_trainer.data.tokenize import TextTokenizer, load_tokenizer
+from tsp_trainer.data.tokenize import TextTokenizer, load_run_tokenizer
 
 SAMPLE_BYTES = 1 << 18      # text read to estimate tokens per byte (jsonl, txt, arrow)
 SAMPLE_ROWS = 64            # rows read to estimate tokens per row (parquet)
@@ -64,7 +64,7 @@ class DataPlan:
 def check_data_config(cfg: TrainConfig, dp_degree: int, *, tokenizer: TextTokenizer | None = None,
                       estimate_epochs: bool = True) -> DataPlan:
     """Raise ValueError (one line) for data the run cannot use; see the module docstring."""
-    tok = tokenizer or load_tokenizer(cfg.data.tokenizer)
+    tok = tokenizer or load_run_tokenizer(cfg.data.tokenizer, cfg.model)
     plan = DataPlan()
     specs = train_sources(cfg.data)
     total_weight = sum(s.weight for s in specs)
