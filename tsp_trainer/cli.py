@@ -1,4 +1,5 @@
-"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-dashboard, tsp-report.
+"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-dashboard,
+tsp-report, tsp-tokenize.
 
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
@@ -129,8 +130,15 @@ def report_main(argv: list[str] | None = None) -> None:
     raise SystemExit(main(argv))
 
 
+def tokenize_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.data.tokenize_cli import main
+
+    raise SystemExit(main(argv))
+
+
 COMMANDS = {"train": train_main, "bench": bench_main, "plan": plan_main,
-            "export": export_main, "dashboard": dashboard_main, "report": report_main}
+            "export": export_main, "dashboard": dashboard_main, "report": report_main,
+            "tokenize": tokenize_main}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ grad_accum, so the update follows the mean over all tokens of the global batch.
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -22,8 +23,8 @@ from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import (ModelConfig, TrainConfig, config_to_yaml, resolve_config, run_facts,
                                 save_resolved_config, validate_config)
 from tsp_trainer.config.model_source import describe_source
-from tsp_trainer.data import (build_loader, check_tokenizer_fits, iterate_eval_batches,
-                              load_run_tokenizer)
+from tsp_trainer.data import (build_eval_batches, build_train_loader, check_data_config,
+                              check_tokenizer_fits, load_run_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
@@ -34,7 +35,7 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 
-_LAYOUT_POLICY = {"refuse": "error", "restart": "restart", "resplit": "resplit"}
+_LAYOUT_POLICY = {"refuse": "error", "restart": "restart"}
 
 
 class NonFiniteError(RuntimeError):
@@ -55,11 +56,12 @@ class Trainer:
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
         self.tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        dp = world_size // cfg.parallel.tsp_degree
+        self.data_plan = check_data_config(cfg, dp, tokenizer=self.tokenizer)   # before any group
         self.log = get_logger(__name__, rank=global_rank)
         self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.bf16 = cfg.train.dtype == "bf16"
-        dp = world_size // cfg.parallel.tsp_degree
+        self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
         self.mesh = build_mesh(cfg.parallel.tsp_degree)
@@ -69,7 +71,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                            TSPMpu(self.mesh))
-        self.loader = self._build_loader()
+        self.loader, self.eval_batches = self._build_loaders()
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
         self.checkpointer = Checkpointer(self.ckpt, world=self.mesh.world, device=self.device,
@@ -94,6 +96,12 @@ class Trainer:
                                 project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
                                 config={**cfg.to_dict(), "run": facts},
                                 output_dir=cfg.train.output_dir, jsonl=cfg.logging.jsonl)
+        self._data_epoch = 0                                  # last training-data pass logged
+        for line in self.data_plan.notes + self.loader.describe():
+            self.log.info(line)
+        if self.mesh.rank == 0:              # warnings pass on every rank; say these once
+            for line in self.data_plan.warnings:
+                self.log.warning(line)
 
     # -- building ---------------------------------------------------------------------------------
     def _ds_config(self, dp: int) -> dict:
@@ -116,13 +124,15 @@ class Trainer:
             model.block_wrapper = _checkpointed_block
         return par
 
-    def _build_loader(self):
-        c = self.cfg.data
-        return build_loader(c.source, tokenizer=self.tokenizer, seq_len=c.seq_len,
-                            micro_batch_size=c.micro_batch_size, split=c.train_split,
-                            text_field=c.text_field, dp_rank=self.mesh.dp_rank,
-                            dp_degree=self.mesh.dims.dp, seed=self.cfg.train.seed,
-                            shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer)
+    def _build_loaders(self):
+        """The training loader (prefetching) and the eval batches, each built once."""
+        c, dp_rank, dp = self.cfg, self.mesh.dp_rank, self.mesh.dims.dp
+        train = build_train_loader(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
+                                   seed=c.train.seed, grad_accum=c.train.grad_accum)
+        evals = build_eval_batches(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
+                                   num_batches=c.train.eval_batches,
+                                   replicate=self.data_plan.eval_replicate) if c.train.eval_every else None
+        return train, evals
 
     def _watch_gradients(self) -> None:
         """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
@@ -145,6 +155,7 @@ class Trainer:
         for _ in range(c.train.grad_accum):
             with self.metrics.waiting_for_data():
                 batch = next(self.loader)
+            seq_len = batch["input_ids"].shape[1]           # follows data.seq_len_schedule
             loss_sum, total = self._batch_loss(batch)
             loss = loss_sum * mesh.dims.dp / total
             if not bool(torch.isfinite(loss_sum)):
@@ -161,11 +172,13 @@ class Trainer:
         skipped = self._after_update(skipped_before)
         self.state.tokens_seen += tokens
         grad_norm = self.engine.get_global_grad_norm()
-        return self.metrics.end_step(
+        metrics = self.metrics.end_step(
             self.state.step, loss=loss_value, lr=lr, tokens=tokens, skipped=skipped,
             grad_norm=None if grad_norm is None else float(grad_norm),
             skipped_steps=self.state.skipped_steps, tokens_seen=self.state.tokens_seen,
-            checkpoint_stall_s=self.checkpointer.take_stall_s())
+            checkpoint_stall_s=self.checkpointer.take_stall_s(),
+            flops=_flops_per_token(self.model_cfg, seq_len, self.cfg.train.activation_checkpointing))
+        return {**metrics, **self._data_metrics(seq_len)}
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
@@ -197,16 +210,20 @@ class Trainer:
         self.state.step += 1
         return skipped
 
+    def _data_metrics(self, seq_len: int) -> dict:
+        """data/epoch and data/seq_len (the length schedule's stage); logs each new data pass."""
+        epoch = self.loader.stats["epoch"]
+        if epoch > self._data_epoch:
+            self._data_epoch = epoch
+            self.log.info(f"data: epoch {epoch} of the training data began at step {self.state.step}")
+        return {"data/epoch": self.data_plan.epoch_metric(epoch, self.state.tokens_seen),
+                "data/seq_len": seq_len}
+
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        c = self.cfg
         total_loss, total_tokens = 0.0, 0.0
-        for batch in iterate_eval_batches(c.data.source, tokenizer=self.tokenizer, seq_len=c.data.seq_len,
-                                          micro_batch_size=c.data.micro_batch_size,
-                                          num_batches=c.train.eval_batches, split=c.data.eval_split,
-                                          text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
-                                          dp_degree=self.mesh.dims.dp):
+        for batch in self.eval_batches:
             s, total = self._batch_loss(batch)
             total_loss += reduce_loss_value(s, total, self._loss_comms) * float(total)
             total_tokens += float(total)
@@ -298,6 +315,12 @@ class Trainer:
         reshard.check_layout_change(meta["layout"], self._layout(),
                                     policy=self.cfg.data.on_layout_change, path=path)
         return not reshard.layout_changed(meta["layout"], self._layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _flops_per_token(model_cfg, seq_len: int, recompute: bool) -> tuple[float, float]:
+    """(model, hardware) FLOPs per token at `seq_len`: MFU follows a length schedule's stage."""
+    return model_and_hardware_flops_per_token(model_cfg, seq_len, recompute=recompute)
 
 
 def _checkpointed_block(block, x, rope):

@@ -89,8 +89,8 @@ def _straggler_rank(rank, world, overrides, victim, delay):
                 time.sleep(delay)
                 return next(loader)
 
-            def state_dict(self):
-                return loader.state_dict()
+            def __getattr__(self, name):          # state_dict, stats, close: the real loader's
+                return getattr(loader, name)
         trainer.loader = Slow()
     return trainer.fit()
 

@@ -40,6 +40,10 @@ class _FixedBatches:
     def __next__(self):
         return next(self.it)
 
+    @property
+    def stats(self):
+        return self.real.stats
+
     def state_dict(self):
         return self.real.state_dict()
 

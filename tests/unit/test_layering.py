@@ -84,3 +84,13 @@ def test_collectives_only_through_comm():
             continue
         calls = set(_distributed_calls(path)) - allowed.get(rel, set())
         assert not calls, (rel, calls)
+
+
+def test_data_knows_nothing_of_distribution():
+    """The data package takes dp_rank and dp_degree as integers (STYLE.md section 2): no
+    torch.distributed, and none of parallel/, engine/, checkpoint/ or the trainer."""
+    for rel, names in _modules():
+        if rel.startswith("data/"):
+            assert not _uses(names, "torch.distributed"), rel
+            ours = {n for n in names if n.startswith("tsp_trainer.")}
+            assert all(n.startswith(("tsp_trainer.data", "tsp_trainer.config")) for n in ours), rel

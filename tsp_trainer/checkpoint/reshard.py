@@ -155,8 +155,8 @@ def check_layout_change(saved: dict, current: dict, *, policy: str, path: Path) 
         raise ValueError(
             f"checkpoint {path} was saved with dp_degree={saved['dp_degree']} but this run has "
             f"dp_degree={current['dp_degree']}: the data loaders' positions cannot carry over "
-            "exactly and data.on_layout_change=refuse; set data.on_layout_change=restart (start "
-            "the data stream over) or resplit (approximate the position), see docs/checkpoints.md")
+            "exactly and data.on_layout_change=refuse; set data.on_layout_change=restart to start "
+            "the data stream over (see docs/data.md)")
 
 
 def source_rank(saved: dict, dp_rank: int, tsp_rank: int) -> int:

@@ -75,6 +75,8 @@ METRICS: tuple[MetricDef, ...] = (
               "payload bytes of one op on one mesh axis in the step, from the communication ledger "
               "(comm/<axis>/<op>_bytes; DeepSpeed's own dp reductions are not in the ledger)"),
     MetricDef("data/epoch", "epochs", "last", "data", "passes over the training data so far"),
+    MetricDef("data/seq_len", "tokens", "last", "data",
+              "sequence length of the step (the stage of data.seq_len_schedule; FLOPs follow it)"),
 )
 
 _BY_NAME = {m.name: m for m in METRICS if not m.is_family}
@@ -141,6 +143,7 @@ PANELS: tuple[Panel, ...] = (
     Panel("peak memory (GiB)", ("mem/peak_gib",)),
     Panel("communication bytes per step, by axis/op", ("comm/*/*_bytes",), log_y=True),
     Panel("epoch", ("data/epoch",)),
+    Panel("sequence length", ("data/seq_len",)),
 )
 
 

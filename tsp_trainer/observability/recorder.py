@@ -51,15 +51,19 @@ class StepRecorder:
 
     def end_step(self, step: int, *, loss: float, lr: float, grad_norm: float | None, tokens: int,
                  skipped: bool, skipped_steps: int, tokens_seen: int,
-                 checkpoint_stall_s: float = 0.0) -> dict[str, Any]:
-        """The step's metrics. Collective every rank_stats_every steps (all ranks call it)."""
+                 checkpoint_stall_s: float = 0.0,
+                 flops: tuple[float, float] | None = None) -> dict[str, Any]:
+        """The step's metrics. Collective every rank_stats_every steps (all ranks call it).
+        `flops` overrides the (model, hardware) FLOPs per token for this step (a sequence-length
+        schedule changes them from stage to stage)."""
+        flops = self.flops if flops is None else flops
         dt = time.perf_counter() - self._t0
         own = dt - self.ledger.blocked_s           # read before the gather adds its own wait
         comm = {comm_metric_name(axis, op): nbytes
                 for (axis, op), nbytes in sorted(self.ledger.bytes_by("axis", "op").items())}
         m = StepMetrics.compute(tokens=tokens, step_time_s=dt, world_size=self.world.size,
-                                model_flops_per_token=self.flops[0],
-                                hardware_flops_per_token=self.flops[1],
+                                model_flops_per_token=flops[0],
+                                hardware_flops_per_token=flops[1],
                                 peak_flops_per_device=self.peak_flops)
         out = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                "train/skipped": int(skipped), "train/skipped_steps": skipped_steps,
