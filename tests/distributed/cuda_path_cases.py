@@ -17,7 +17,7 @@ def train_steps_with_host_default_elsewhere(rank, world, overrides):
     losses = []
     with HostDefaultElsewhere() as mode:
         for _ in range(trainer.cfg.train.steps):
-            losses.append(trainer.train_step()["loss"])
+            losses.append(trainer.train_step()["train/loss"])
     return {"losses": losses, "redirected": mode.redirected,
             "flag_device": str(trainer.nonfinite.flag.device), "device": str(trainer.device)}
 
@@ -50,7 +50,7 @@ def train_and_describe_precision(rank, world, runs):
         opt = trainer.engine.optimizer
         accum = getattr(opt, "grad_acc_dtype", None) or getattr(opt, "gradient_accumulation_dtype", None)
         history = trainer.fit()
-        out.append({"losses": [h["loss"] for h in history], "optimizer": type(opt).__name__,
+        out.append({"losses": [h["train/loss"] for h in history], "optimizer": type(opt).__name__,
                     "grad_accum_dtype": str(accum), "param_dtype": str(next(trainer.par.model.parameters()).dtype),
                     "communication_dtype": str(trainer.engine.communication_data_type)})
     return out

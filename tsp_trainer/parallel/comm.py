@@ -14,6 +14,8 @@ handed to it fails deep inside the backend ("No backend type associated with dev
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -38,14 +40,17 @@ class _Done:
 class _Work:
     """An async Work whose wait() re-raises failures as CommError with the op's context."""
 
-    def __init__(self, work, describe):
-        self._work, self._describe = work, describe
+    def __init__(self, work, describe, ledger: CommLedger):
+        self._work, self._describe, self._ledger = work, describe, ledger
 
     def wait(self) -> bool:
+        start = time.perf_counter()
         try:
             return self._work.wait()
         except Exception as err:                 # gloo/NCCL raise RuntimeError subclasses
             raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
+        finally:
+            self._ledger.add_blocked(time.perf_counter() - start)
 
 
 class Comm:
@@ -84,12 +89,15 @@ class Comm:
             who = f"group global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
             return (f"{op} of {tag!r} ({nbytes} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
+        start = time.perf_counter()
         try:
             result = call()
         except Exception as err:
             raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+        finally:
+            self.ledger.add_blocked(time.perf_counter() - start)
         if async_op:
-            return _Work(result, describe)
+            return _Work(result, describe, self.ledger)
         return result
 
     # -- collectives ------------------------------------------------------------------------------
@@ -151,6 +159,16 @@ class Comm:
             box, src=self.ranks[src], group=self.group), role=f"source global rank {self.ranks[src]}")
         return box[0]
 
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        """Every rank's obj, in group order, on group rank `dst` (None elsewhere); pickled, for
+        small control messages (e.g. the checkpoint files each rank wrote, with their sha256)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == dst else None
+        self._run("gather_object", "control", 0, lambda: dist.gather_object(
+            obj, out, dst=self.ranks[dst], group=self.group), role=f"destination global rank {self.ranks[dst]}")
+        return out
+
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]
@@ -177,7 +195,7 @@ class Comm:
                           peers=[dst, src], dtype=recv.dtype)
         return [_Work(w, lambda: f"send/recv of {tag!r} on axis {self.axis!r}, rank "
                                  f"{self.ranks[self.rank]} sending to global rank {dst}, receiving "
-                                 f"from global rank {src}") for w in works]
+                                 f"from global rank {src}", self.ledger) for w in works]
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> bool:
