@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.attention_route import CPU_MASK_QUERY_BLOCK, SdpaRoute, sdpa_route  # noqa: F401
+from tsp_trainer.model.rms_norm import rms_norm
 from tsp_trainer.model.rope import PositionRuns, Rotary, apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
 
 
@@ -27,10 +28,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         # `weight` lets a parallel wrapper pass the same parameter through an autograd function
         # (e.g. one that sums its gradient over a group) without changing this math.
-        w = self.weight if weight is None else weight
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * w
+        # The math is RmsNormFn's (model/rms_norm.py): it saves x and rstd only and its backward
+        # holds no full-size fp32 temporaries.
+        return rms_norm(x, self.weight if weight is None else weight, self.eps)
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -18,6 +18,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.rms_norm import backward_chunk_rows
 from tsp_trainer.observability.flops import (attention_flops_per_token, block_matmul_params,
                                              flops_per_token)
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -80,6 +81,7 @@ class Layout:
     head_buckets: int = 1                  # tsp only
     micro_batch: int = 1                   # sequences per replica per micro-step
     grad_accum: int = 1
+    offload_activations: bool = False      # blocks' saved tensors in host memory (model/offload.py)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -120,6 +122,8 @@ class Layout:
         if self.scheme == "tsp":
             parts.append(f"nb={self.head_buckets}")
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
+        if self.offload_activations:
+            parts.append("offload")
         return " ".join(parts)
 
     def as_dict(self) -> dict:
@@ -188,6 +192,7 @@ class ActivationEstimate:
     peak: int
     peak_phase: str
     terms: dict[str, int] = field(default_factory=dict)   # named pieces, for the docs and JSON
+    host: int = 0                  # offloaded to host memory (train.offload_activations)
 
 
 def _tokens(layout: Layout, seq_len: int) -> dict[str, int]:
@@ -225,10 +230,9 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     p_attn = cfg.attn_sharded_params                             # W_q, W_k, W_v, W_o (+ q/k/v biases)
 
     def norm_saved(tokens: int, output_kept: bool) -> int:
-        # fp32 input (x.float(): a copy in bf16, the input itself in fp32), the normalised
-        # activation in the activation dtype (kept by `* weight`), rsqrt [tokens, 1] fp32, and the
-        # output when the consumer saves it.
-        return (4 + e + (e if output_kept else 0)) * tokens * h + 4 * tokens
+        # RmsNormFn (model/rms_norm.py) saves its input x (activation dtype) and rstd [tokens, 1]
+        # fp32; plus the output when the consumer saves it.
+        return (e + (e if output_kept else 0)) * tokens * h + 4 * tokens
 
     rope = 2 * tok["rope"] * d * 4                               # fp32 cos, sin tables
     terms: dict[str, int] = {"rope_tables": rope}
@@ -249,12 +253,22 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
             layer += 2 * tok["rope"] * d * e                     # activation dtype, kept by autograd
         outside = norm_saved(n_n, not seqpar) + (e * n_r * h if seqpar else 0)
         outside += 4 * n_r * (V // t) + 4 * n_r * 4              # fp32 softmax block kept by the CE
+        outside += 3 * n_r       # per-token loss bookkeeping (3 B/token, measured on fake tensors)
     outside += rope
     ac = layout.activation_checkpointing
     ac_input = e * n_n * h                                       # checkpoint keeps the block input
+    if not tsp:          # + an fp32 [n_r] per checkpointed baseline block (measured, fake tensors)
+        ac_input += 4 * n_r
     per_layer = ac_input if ac else layer
-    stored = L * per_layer + outside
-    terms.update(layer_saved_no_ac=layer, ac_block_input=ac_input)
+    # GPU-resident layers' saved tensors: all of them, or with offload (model/offload.py) one block
+    # in forward (its copy to host draining) and two in backward (the block being backpropagated
+    # and the one prefetched); the host holds every layer's
+    offload = layout.offload_activations
+    res_fwd = min(L, 1) * per_layer if offload else L * per_layer
+    res_bwd = min(L, 2) * per_layer if offload else L * per_layer
+    host = L * per_layer if offload else 0
+    stored = res_fwd + outside
+    terms.update(layer_saved_no_ac=layer, ac_block_input=ac_input, host_offloaded=host)
 
     # ---- transients (bytes alive in a phase on top of what earlier layers saved)
     if tsp:
@@ -263,29 +277,39 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
         tr = _baseline_transients(cfg, layout, seq_len, prec, tok, norm_saved, layer, device)
     terms.update({f"transient_{k}": v for k, v in tr.items()})
 
-    below = (L - 1) * per_layer + rope                           # layers before the last one
-    # in fp32 under AC, the first norm's saved input is the checkpointed block input itself
-    shared = e * n_n * h if (ac and e == 4) else 0
+    below = res_fwd - per_layer + (per_layer if offload and L > 1 else 0) + rope   # before the last
+    # under AC the recomputed first norm saves the checkpointed block input itself (one tensor);
+    # TSP's backward peak sees that sharing, the baselines' peak comes while a second block-input
+    # sized tensor (the incoming gradient's region copy) is alive (measured on fake tensors)
+    shared = e * n_n * h if (ac and tsp) else 0
     phases = {}
     if ac:
         # forward: no saved tensors inside a checkpointed block; backward: the block is recomputed
         # (its saved tensors come back) and then backpropagated
         phases["forward"] = below + max(tr["attn_fwd_nograd"], tr["mlp_fwd_nograd"])
-        phases["backward"] = L * per_layer + rope + max(tr["attn_bwd"], tr["mlp_bwd"]) - shared
+        phases["backward"] = res_bwd + rope + max(tr["attn_bwd"], tr["mlp_bwd"]) - shared
     else:
         phases["forward"] = below + max(tr["attn_fwd"], tr["mlp_fwd"])
-        phases["backward"] = L * per_layer + rope - layer + max(tr["attn_bwd"], tr["mlp_bwd"])
-    phases["loss"] = L * per_layer + outside + tr["head"]
-    # RMSNorm backward runs in fp32 on all its tokens: ~5 [tokens, h] fp32 temporaries at once
-    # (x.float(), pow, mean, rsqrt, mul all get their fp32 gradient), on top of what is saved: the
-    # final norm after the loss, or a block's second norm, with the block's attention still saved
-    fp32_tmp = 20 * n_n * h
-    phases["norm_backward"] = max(L * per_layer + rope + (4 + e) * n_n * h + e * n_n * h,
-                                  L * per_layer + rope - (shared if ac else layer)
-                                  + tr["norm_bwd_in_layer"]) + fp32_tmp
+        phases["backward"] = res_bwd + rope - layer + max(tr["attn_bwd"], tr["mlp_bwd"])
+    phases["loss"] = res_fwd + outside + tr["head"]
+    # RMSNorm's backward (RmsNormFn): dx in the activation dtype plus the fp32 temporaries of one
+    # chunk of tokens, on top of what is saved and the incoming gradient: the final norm after the
+    # loss, or a block's second norm, with the block's attention still saved
+    norm_tmp = e * n_n * h + norm_backward_chunk_bytes(h, min(n_n, backward_chunk_rows(h)), e)
+    terms["norm_backward_temporaries"] = norm_tmp
+    phases["norm_backward"] = max(res_fwd + rope + norm_saved(n_n, False) + e * n_n * h,
+                                  res_bwd + rope - (shared if ac else layer)
+                                  + tr["norm_bwd_in_layer"]) + norm_tmp
     peak_phase = max(phases, key=phases.get)
     return ActivationEstimate(stored_per_layer=per_layer, stored_outside=outside, stored=stored,
-                              phases=phases, peak=phases[peak_phase], peak_phase=peak_phase, terms=terms)
+                              phases=phases, peak=phases[peak_phase], peak_phase=peak_phase, terms=terms,
+                              host=host)
+
+
+def norm_backward_chunk_bytes(h: int, rows: int, e: int) -> int:
+    """Peak temporaries of one RmsNormFn backward chunk of `rows` tokens: the fp32 normalised
+    input and g = dy * w in fp32, plus (bf16) g's bf16 product before its cast."""
+    return (8 + (e if e < 4 else 0)) * rows * h
 
 
 def _mask_terms(seq_len: int, s_p: int, e: int, device: str) -> dict[str, int]:
@@ -360,13 +384,22 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device)
     out = {"attn_fwd": own + attn_fwd, "mlp_fwd": 2 * own + mlp_fwd,
            "attn_fwd_nograd": e * n * h + attn_fwd, "mlp_fwd_nograd": e * n * h + mlp_fwd,
            "attn_bwd": own + e * n * h + acc32 + 6 * w_attn + z["bwd"],
-           "mlp_bwd": 2 * own + 2 * e * n * h + acc32 + 9 * w_mlp + 6 * mid,
+           "mlp_bwd": 2 * own + 2 * e * n * h + acc32 + _mlp_ring_backward_shards(w_mlp, ew) + 6 * mid,
            # ring of vocab shards: fp32 logits block [N/D, V/D] and its exp / softmax, x and dX in
            # fp32, the shards and gradient accumulators
            "head": (8 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
-           "norm_bwd_in_layer": own + (4 + e) * n * h + e * n * h,
+           "norm_bwd_in_layer": own + norm_saved(n, False) + e * n * h,
            "kv_bucket": z["kv_full"], "mask": z["mask"], "bias": z["bias"]}
     return out
+
+
+def _mlp_ring_backward_shards(w: int, ew: int) -> int:
+    """Bytes of packed MLP shards alive in a step of the reverse ring (tsp/mlp.py, tsp/ring.py):
+    the shard in use and the one arriving (2 w), the step's weight gradients and their packed copy
+    (2 w), its fp32 copy in bf16 runs, and two fp32 accumulators (the one in flight to p - 1 and
+    the one arriving from p + 1)."""
+    acc = w * 4 // ew
+    return 4 * w + (acc if ew != 4 else 0) + 2 * acc
 
 
 def _baseline_transients(cfg, layout, seq_len, prec, tok, norm_saved, layer_saved, device) -> dict[str, int]:
@@ -403,7 +436,7 @@ def _baseline_transients(cfg, layout, seq_len, prec, tok, norm_saved, layer_save
            "mlp_fwd_nograd": a_n + (a_r if seqpar else 0) + 3 * mid + leave,
            "attn_bwd": own1 + max(attn_saved + dgrad_in + core_bwd, dgrad_in + 3 * a_r),
            "mlp_bwd": layer_saved + dgrad_in + mid + wgrad,
-           "norm_bwd_in_layer": own1 + attn_saved + (4 + e) * n_n * h + a_n,
+           "norm_bwd_in_layer": own1 + attn_saved + norm_saved(n_n, False) + a_n,
            # bf16 logits while the fp32 copy is made; backward: their gradient in bf16, dX, dW
            # (none in fp32: the cross-entropy works on the logits in place)
            "head": (e * n_r * V // t if e != 4 else 0) + a_r + V // t * h * ew * (2 if s_p > 1 else 1)}
@@ -604,7 +637,8 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     total = st["params"] + st["grads"] + st["optimizer"] + act.peak
     capacity = hw.hbm_bytes * assumptions.hbm_usable
     memory = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
-              "activations_stored": act.stored, "activations_peak": act.peak, "total": total}
+              "activations_stored": act.stored, "activations_peak": act.peak, "total": total,
+              "host_offloaded": act.host}
 
     mp = model_parallel_comm(cfg, layout, seq_len, prec)
     dp = data_parallel_comm(cfg, layout, prec)
@@ -627,7 +661,10 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
             overlappable += seconds
         else:
             exposed += seconds
-    t_micro = max(t_compute, overlappable) + exposed
+    # activation offload: every block's saved tensors go to the host in forward and come back in
+    # backward on a side stream, overlapped with compute (model/offload.py)
+    t_offload = 2 * act.host / (hw.host_bw * eff_n)
+    t_micro = max(t_compute, overlappable, t_offload) + exposed
     # DP: gradients reduced while the last micro-step's backward runs (2/3 of its compute);
     # ZeRO-1/2 all-gather the updated parameters after the step (exposed)
     t_dp_grad = t_dp_params = 0.0
@@ -648,7 +685,7 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     tps = batch * seq_len / step
     per_gpu = tps / layout.world
     times = {"compute_per_micro": t_compute, "overlappable_comm_per_micro": overlappable,
-             "exposed_comm_per_micro": exposed, "micro_step": t_micro, "dp_grad_comm": t_dp_grad,
+             "exposed_comm_per_micro": exposed, "offload_per_micro": t_offload, "micro_step": t_micro, "dp_grad_comm": t_dp_grad,
              "dp_param_allgather": t_dp_params, "dp_exposed": t_dp_exposed, "optimizer": t_opt}
     return Prediction(layout=layout, memory=memory, fits=total <= capacity, capacity=capacity,
                       activation=act, comm_mp=mp, comm_dp=dp, times=times, step_time=step,

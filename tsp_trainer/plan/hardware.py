@@ -36,6 +36,9 @@ class HardwareProfile:
     p2p_bw: float              # per GPU, unidirectional, to one peer of the node (a ring hop)
     inter_node_bw: float       # per GPU NIC, unidirectional
     gpus_per_node: int = 8
+    # GPU <-> host, per direction (activation offload): PCIe Gen5 x16, 64 GB/s per direction on
+    # MI300X, H100 SXM and H200 SXM alike (their data sheets); achievable ~80% of it (Assumptions)
+    host_bw: float = 64 * GB
 
     def as_dict(self) -> dict:
         return asdict(self)
