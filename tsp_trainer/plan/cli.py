@@ -3,6 +3,7 @@
     tsp-plan --model 7b --seq-len 131072 --global-batch 128 --gpu mi300x --nodes 128 \\
              --json plan.json --plot plan.png
     tsp-plan --dry-run            # the 7B 128K recipe at world 1,024 on fake tensors (one process)
+    tsp-plan --model llama3_8b --gpu h100 --nodes 1 --max-seq-len   # longest context per scheme
 
 The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, head buckets,
 micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted tokens/s
@@ -47,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-usable", type=float, default=_DEFAULT_ASSUMPTIONS.hbm_usable,
                    help="fraction of HBM available to tensors (default %(default)s)")
     p.add_argument("--top", type=int, default=15, help="rows of the ranking to print")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="report the longest sequence each scheme fits (without and with activation "
+                        "offload to host memory; --global-batch defaults to 1) instead of ranking "
+                        "layouts at --seq-len")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
     g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
@@ -103,9 +108,53 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _model(parser, args.model, args.seq_len)
     if args.gpus_per_node < 1:
         _fail(parser, f"--gpus-per-node={args.gpus_per_node} must be >= 1")
+    if args.dry_run and args.max_seq_len:
+        _fail(parser, "--max-seq-len and --dry-run are two modes; run them one at a time "
+                      "(the dry run takes the length to check as --seq-len)")
     if args.dry_run:
         return _dry_run(parser, args, cfg)
+    if args.max_seq_len:
+        return _longest(parser, args, cfg)
     return _plan(parser, args, cfg)
+
+
+def _longest(parser, args, cfg) -> int:
+    import json
+
+    from tsp_trainer.plan.hardware import get_profile
+    from tsp_trainer.plan.longest import format_longest, longest_seq_len
+
+    nodes = 1 if args.nodes is None else args.nodes
+    if nodes < 1:
+        _fail(parser, f"--nodes={nodes} must be >= 1")
+    batch = 1 if args.global_batch is None else args.global_batch
+    if batch < 1:
+        _fail(parser, f"--global-batch={batch} must be >= 1 (sequences per optimizer step)")
+    try:
+        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node)
+    except ValueError as err:
+        _fail(parser, str(err))
+    assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
+                              hbm_usable=args.hbm_usable)
+    schemes = _schemes(parser, args.schemes, SCHEMES)
+    world = nodes * hw.gpus_per_node
+    report = {"model": args.model, "gpu": hw.name, "nodes": nodes, "world_size": world,
+              "global_batch": batch, "dtype": args.dtype, "results": {}}
+    for offload in (False, True):
+        rows = [longest_seq_len(cfg, s, hw=hw, nodes=nodes, global_batch=batch,
+                                prec=PRECISIONS[args.dtype], assumptions=assumptions,
+                                max_degree=args.max_degree, offload=offload) for s in schemes]
+        what = "with activation offload to host" if offload else "activations in GPU memory"
+        print(format_longest(rows, header=(
+            f"longest sequence per scheme: {args.model} on {world} x {hw.name} ({nodes} nodes), global "
+            f"batch {batch}, {args.dtype}, AdamW, {what}; {hw.hbm_bytes / 1e9:.0f} GB x "
+            f"{assumptions.hbm_usable:.2f} usable")))
+        print()
+        report["results"]["offload" if offload else "gpu"] = [r.as_dict() for r in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
 
 
 def _plan(parser, args, cfg) -> int:

@@ -1,0 +1,73 @@
+"""tsp-plan --max-seq-len (plan/longest.py): the longest sequence a scheme fits is a boundary of
+the memory model (it fits, one granule more does not), activation offload lengthens it and keeps
+the GPU-resident layers to a window, and the CLI prints both tables and writes JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tsp_trainer.config.model import model_config
+from tsp_trainer.plan import cli
+from tsp_trainer.plan.analytic import BF16, Assumptions, Layout, activation_memory, predict
+from tsp_trainer.plan.hardware import get_profile
+from tsp_trainer.plan.longest import _fitting, longest_seq_len
+
+H100 = get_profile("h100")
+CFG = model_config("llama3_8b")
+
+
+def _fits(scheme, seq_len, offload=False):
+    return _fitting(CFG, scheme, seq_len, hw=H100, world=8, global_batch=1, prec=BF16,
+                    assumptions=Assumptions(), max_degree=64, offload=offload)
+
+
+@pytest.mark.parametrize("scheme,offload", [("tsp", False), ("tsp", True), ("tp", False)])
+def test_longest_is_the_boundary_of_the_memory_model(scheme, offload):
+    r = longest_seq_len(CFG, scheme, hw=H100, nodes=1, offload=offload)
+    assert r.seq_len > 0 and r.seq_len % 1024 == 0
+    assert _fits(scheme, r.seq_len, offload) is not None
+    assert _fits(scheme, r.seq_len + 1024, offload) is None
+    assert r.best.memory["total"] <= r.best.capacity
+    assert r.best.layout.offload_activations is offload
+
+
+def test_tsp_reaches_further_than_tp_and_offload_further_still():
+    tsp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1).seq_len
+    tp = longest_seq_len(CFG, "tp", hw=H100, nodes=1).seq_len
+    tsp_off = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True).seq_len
+    tsp_h200 = longest_seq_len(CFG, "tsp", hw=get_profile("h200"), nodes=1).seq_len
+    assert tp < tsp < tsp_off and tsp < tsp_h200
+
+
+def test_offload_keeps_two_layers_on_the_gpu_and_the_rest_on_the_host():
+    s = 131072
+    lay = dict(scheme="tsp", degree=8, activation_checkpointing=True)
+    base = activation_memory(CFG, Layout(**lay), s, BF16)
+    off = activation_memory(CFG, Layout(**lay, offload_activations=True), s, BF16)
+    L = CFG.num_layers
+    assert off.host == L * base.stored_per_layer and base.host == 0
+    assert off.stored == base.stored - (L - 1) * base.stored_per_layer
+    assert off.phases["backward"] == base.phases["backward"] - (L - 2) * base.stored_per_layer
+    p = predict(CFG, Layout(**lay, offload_activations=True), s, H100)
+    assert p.memory["host_offloaded"] == off.host and p.times["offload_per_micro"] > 0
+    assert "offload" in p.layout.label()
+
+
+def test_cli_max_seq_len_tables_and_json(tmp_path, capsys):
+    out = tmp_path / "longest.json"
+    assert cli.main(["--model", "llama3_8b", "--gpu", "h100", "--nodes", "1", "--schemes", "tsp,tp",
+                     "--max-seq-len", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "activations in GPU memory" in text and "with activation offload to host" in text
+    doc = json.loads(out.read_text())
+    assert [r["scheme"] for r in doc["results"]["gpu"]] == ["tsp", "tp"]
+    assert doc["results"]["offload"][0]["max_seq_len"] > doc["results"]["gpu"][0]["max_seq_len"]
+
+
+def test_cli_max_seq_len_and_dry_run_are_separate_modes(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--max-seq-len", "--dry-run"])
+    assert info.value.code == 2
+    assert "--max-seq-len and --dry-run are two modes" in capsys.readouterr().err
