@@ -28,6 +28,7 @@ from tsp_trainer.data import (build_eval_batches, build_train_loader, check_data
                               check_tokenizer_fits, load_run_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.model.attention_route import check_cuda_attention
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks, model_and_hardware_flops_per_token)
@@ -134,6 +135,8 @@ class Trainer:
             par.load_full_state_dict(load_hf_state_dict(c.model.init_from, self.model_cfg))
         if c.train.activation_checkpointing:
             model.block_wrapper = _checkpointed_block
+        if c.train.offload_activations:                  # around the checkpoint, if any
+            model.block_wrapper = ActivationOffload(model.block_wrapper)
         return par
 
     def _build_loaders(self):

@@ -182,6 +182,7 @@ class TrainSection:
     global_batch_size: int | None = None       # sequences per step; if set, must be micro x grad_accum x dp
     dtype: DType = "auto"                      # "auto" = bf16 on GPU, fp32 on CPU
     activation_checkpointing: bool = False     # recompute each block in backward
+    offload_activations: bool = False          # blocks' saved tensors to host memory (model/offload.py)
     eval_every: int = 0                        # optimizer steps between evaluations; 0 = off
     eval_batches: int = 4                      # micro-batches per evaluation
     seed: int = 0                              # RNG seed for data order and per-rank streams

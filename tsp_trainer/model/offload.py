@@ -1,0 +1,145 @@
+"""Activation offload (`train.offload_activations`): what each decoder block saves for its backward
+is moved to host memory during the forward and brought back one block ahead during the backward.
+
+Mechanism: a `block_wrapper` (model/transformer.py) that runs each block (plain, or inside
+torch.utils.checkpoint) under `torch.autograd.graph.saved_tensors_hooks`. Under TSP without
+checkpointing a block saves its norms' inputs and X_p (the norms' outputs, the only activations the
+TSP autograd functions keep); with checkpointing it saves the block input (non-reentrant checkpoint
+saves its inputs through the same hooks). Parameters and views of parameters stay where they are.
+Nothing in parallel/ changes: the hooks see the tensors after the TSP functions chose them.
+
+On CUDA: pack = copy into pinned host memory on a side stream (the device tensor is released when
+the copy is done); during backward, the first unpack of block i waits for block i's copy back and
+starts block i-1's host-to-device copy on the side stream, so at most two blocks' saved tensors
+are on the GPU in backward (and one in forward, while its copy drains). On CPU both sides are host
+memory: pack copies into a separate host buffer and unpack copies back, the same code path with
+real copies (exact: tests/distributed/test_offload.py), whose cost tsp-bench --offload-activations
+measures.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class ActivationOffload:
+    """block_wrapper(block, x, rope) that offloads the block's saved tensors; `inner` is the
+    wrapper it wraps (e.g. activation checkpointing) or None."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+        self._order: dict[int, int] = {}            # id(block) -> its index in forward order
+        self._stores: dict[int, _BlockStore] = {}   # index -> the latest forward's saved tensors
+        self._stream = None
+
+    def __call__(self, block: nn.Module, x: torch.Tensor, rope):
+        if not torch.is_grad_enabled():
+            return self._run(block, x, rope)
+        index = self._order.setdefault(id(block), len(self._order))
+        store = _BlockStore(self, index, x.device)
+        self._stores[index] = store
+        with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
+            return self._run(block, x, rope)
+
+    def _run(self, block, x, rope):
+        return block(x, rope) if self.inner is None else self.inner(block, x, rope)
+
+    def side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def prefetch(self, index: int) -> None:
+        store = self._stores.get(index)
+        if store is not None:
+            store.fetch_all()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes currently held in host memory (for tests and benchmarks)."""
+        return sum(s.host_bytes for s in self._stores.values())
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+
+
+class _BlockStore:
+    """The saved tensors of one block's forward: host copies, and device copies once fetched."""
+
+    def __init__(self, owner: ActivationOffload, index: int, device: torch.device):
+        self.owner, self.index, self.device = owner, index, device
+        self.host: list[torch.Tensor] = []
+        self.ready: list = []                     # per tensor: CUDA event of the host copy (or None)
+        self.fetched: dict[int, tuple[torch.Tensor, object]] = {}   # slot -> (device copy, event)
+        self.started_prefetch = False
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host if t is not None)
+
+    def pack(self, t: torch.Tensor):
+        if _is_parameter(t) or t.numel() == 0:
+            return ("kept", t)
+        stream = self.owner.side_stream(t.device)
+        if stream is None:                        # CPU: a separate host buffer, copied now
+            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout)
+            host.copy_(t)
+            event = None
+        else:                                     # CUDA: pinned memory, copied on the side stream
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            t.record_stream(stream)               # the device memory is reused only after the copy
+        self.host.append(host)
+        self.ready.append(event)
+        return ("host", len(self.host) - 1, t.device)
+
+    def unpack(self, packed):
+        if packed[0] == "kept":
+            return packed[1]
+        slot = packed[1]
+        if not self.started_prefetch:             # first unpack of this block in backward
+            self.started_prefetch = True
+            self.owner.prefetch(self.index - 1)
+        self._fetch(slot)
+        dev, event = self.fetched.pop(slot)
+        self.host[slot] = None                    # one backward unpacks each saved tensor once
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            dev.record_stream(current)
+        return dev
+
+    def fetch_all(self) -> None:
+        self.started_prefetch = True
+        for slot, host in enumerate(self.host):
+            if host is not None:
+                self._fetch(slot)
+
+    def _fetch(self, slot: int) -> None:
+        if slot in self.fetched:
+            return
+        host = self.host[slot]
+        if host is None:
+            raise RuntimeError("train.offload_activations: a saved tensor was unpacked twice (a second "
+                               "backward through the same graph, retain_graph=True): not supported")
+        stream = self.owner.side_stream(self.device)
+        if stream is None:
+            dev = torch.empty_like(host)
+            dev.copy_(host)
+            self.fetched[slot] = (dev, None)
+            return
+        with torch.cuda.stream(stream):
+            if self.ready[slot] is not None:
+                stream.wait_event(self.ready[slot])
+            dev = host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self.fetched[slot] = (dev, event)
