@@ -55,3 +55,32 @@ def test_bench_takes_the_trainers_dtype(tmp_path):
     for scheme in ("tsp", "sp"):
         assert docs["bf16"][scheme]["comm_formula_match"] is True
         assert docs["bf16"][scheme]["param_bytes"] * 2 == docs["fp32"][scheme]["param_bytes"]
+
+
+def test_interleaved_launch_equals_separate_launches_and_profiles(tmp_path, capsys):
+    """All schemes in one launch with interleaved timed steps measure the same memory and bytes as
+    one launch per scheme; the ratio to TP is printed and written; --profile groups one step's
+    self time per op (attention, matmul, comm, ...) and lists the top ops."""
+    docs = {}
+    for mode in ("interleaved", "separate"):
+        out = tmp_path / f"{mode}.json"
+        argv = ["--model", "tiny", "--seq-len", "64", "--degree", "2", "--schemes", "tsp,tp",
+                "--steps", "2", "--threads", "1", "--backend", "gloo", "--no-hf", "--json", str(out)]
+        argv += ["--profile"] if mode == "interleaved" else ["--no-interleave"]
+        assert cli.main(argv) == 0
+        docs[mode] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "median step time / TP's (interleaved in one launch, 2 timed steps): tsp" in text
+    assert "profile tsp (rank 0, one step" in text and "[matmul] aten::mm" in text
+    rows = {m: {r["scheme"]: r for r in d["schemes"]} for m, d in docs.items()}
+    for scheme in ("tsp", "tp"):
+        a, b = rows["interleaved"][scheme], rows["separate"][scheme]
+        for key in ("param_bytes", "peak_act_bytes", "comm_by_tag", "first_loss"):
+            assert a[key] == b[key], (scheme, key)
+        assert len(a["step_time"] and [a["step_time"]]) == 1 and a["step_time"] > 0
+    ratios = docs["interleaved"]["step_time_over_tp"]
+    assert ratios["tp"] == 1.0 and ratios["tsp"] > 0
+    prof = rows["interleaved"]["tsp"]["profile"]
+    assert {"matmul", "comm"} <= set(prof["groups_s"]) and prof["top"]
+    assert sum(prof["groups_s"].values()) == pytest.approx(prof["total_s"])
+    assert "profile" not in rows["separate"]["tsp"]

@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / D)")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (all schemes)")
     p.add_argument("--no-hf", action="store_true", help="skip the single-process comparison with transformers")
+    p.add_argument("--no-interleave", action="store_true",
+                   help="launch each scheme on its own instead of all schemes in one launch with their "
+                        "timed steps interleaved (tsp, tp, tsp, tp, ...; the default, for fair ratios on "
+                        "a loaded machine)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile one step per scheme with torch.profiler: self "
+                        "time per op, top ops, and grouped (attention, matmul, comm, norm, copy, other)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG: memory, bytes and throughput per scheme")
@@ -77,7 +84,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
                      steps=args.steps, warmup=args.warmup, backend=backend,
                      dtype=resolved_dtype(args.dtype, cuda=backend == "nccl"), threads=threads,
                      activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,
-                     seed=args.seed)
+                     seed=args.seed, interleave=not args.no_interleave, profile=args.profile)
     validate(spec, cuda_devices=cuda)
     return spec
 
@@ -103,8 +110,8 @@ def _two_axes(args, schemes) -> tuple[int | None, int | None]:
 def run(spec: BenchSpec, *, log=print) -> tuple[list[dict], dict | None, dict]:
     """Launch every scheme (D processes each), then the single-process comparison."""
     _prewarm(spec)
-    rows = []
-    for scheme in spec.schemes:
+    rows = _run_interleaved(spec, log) if spec.interleave else []
+    for scheme in (() if spec.interleave else spec.schemes):
         log(f"[tsp-bench] {scheme}: {spec.degree} ranks, seq {spec.seq_len} ...")
         job = {"scheme": scheme, "options": spec.options(scheme), **_common(spec)}
         try:
@@ -127,6 +134,29 @@ def run(spec: BenchSpec, *, log=print) -> tuple[list[dict], dict | None, dict]:
     env = {"torch": torch.__version__, "python": platform.python_version(), "cpu_count": os.cpu_count(),
            "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0}
     return rows, single, env
+
+
+def _run_interleaved(spec: BenchSpec, log) -> list[dict]:
+    """Every scheme in one launch of D processes, timed steps interleaved (run.interleaved_ranks)."""
+    from tsp_trainer.bench.run import interleaved_ranks
+
+    log(f"[tsp-bench] {','.join(spec.schemes)} interleaved: {spec.degree} ranks, seq {spec.seq_len} ...")
+    jobs = [{"scheme": s, "options": spec.options(s), "profile": spec.profile, **_common(spec)}
+            for s in spec.schemes]
+    try:
+        per_rank = launch.run_on_ranks(interleaved_ranks, spec.degree, jobs, backend=spec.backend,
+                                       threads=spec.threads)
+    except RuntimeError as err:           # e.g. out of memory: every scheme of the launch fails
+        log(f"[tsp-bench] interleaved run failed: {str(err).splitlines()[0]}")
+        return [{"scheme": s, "error": str(err)} for s in spec.schemes]
+    rows = []
+    for i, scheme in enumerate(spec.schemes):
+        ranks = [r[i] for r in per_rank]
+        row = summarize_scheme(spec, scheme, ranks)
+        if spec.profile:
+            row["profile"] = ranks[0]["profile"]
+        rows.append(row)
+    return rows
 
 
 def _prewarm(spec: BenchSpec) -> None:
@@ -163,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and ok:
         write_plot(args.plot, spec, ok, single)
     print(format_table(spec, ok, single))
+    if spec.profile:
+        from tsp_trainer.bench.profile import format_profiles
+
+        print(format_profiles(ok))
     for r in rows:
         if "error" in r:
             print(f"{r['scheme']}: FAILED\n{r['error']}", file=sys.stderr)

@@ -112,10 +112,23 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
         out.append(f"single process: ours is {single['ours_over_hf_speed']:.2f}x the speed of "
                    f"transformers' {spec.model.family} CausalLM (same config, weights, batch; "
                    "fwd+bwd+AdamW)")
+    ratios = ratios_to_tp(rows)
+    if ratios:
+        how = "interleaved in one launch" if spec.interleave else "one launch per scheme"
+        out.append(f"median step time / TP's ({how}, {spec.steps} timed steps): "
+                   + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
     if bad:
         out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")
     return "\n".join(out)
+
+
+def ratios_to_tp(rows: list[dict]) -> dict[str, float]:
+    """Each scheme's median step time over TP's ({} without a timed TP row)."""
+    tp = next((r["step_time"] for r in rows if r["scheme"] == "tp" and r.get("step_time")), None)
+    if not tp:
+        return {}
+    return {r["scheme"]: r["step_time"] / tp for r in rows if r.get("step_time")}
 
 
 def _row(cols, r: dict) -> list[str]:
@@ -138,7 +151,8 @@ def _num(x, digits: int) -> str:
 
 def write_json(path: str, spec: BenchSpec, rows: list[dict], single: dict | None, env: dict) -> None:
     with open(path, "w") as f:
-        json.dump({"spec": spec.to_json(), "env": env, "schemes": rows, "single_process": single},
+        json.dump({"spec": spec.to_json(), "env": env, "schemes": rows, "single_process": single,
+                   "step_time_over_tp": ratios_to_tp(rows)},
                   f, indent=2)
 
 

@@ -40,6 +40,41 @@ def _checkpoint_block(block, x, rope):
 
 def scheme_rank(rank: int, world: int, job: dict) -> dict:
     """One rank of `job["scheme"]` on a dp=1 mesh of `world` = D ranks."""
+    run, finish = _build_scheme(rank, world, job)
+    run.memory_step()
+    for _ in range(job["warmup"] - 1):
+        run.step()
+    run.times = [run.step() for _ in range(job["steps"])]
+    return finish(run.result())
+
+
+def interleaved_ranks(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    """One rank of every scheme in `jobs` (same D ranks, one mesh each), their timed steps
+    interleaved (tsp, tp, tsp, tp, ...) so that load from other processes on a shared machine hits
+    every scheme alike; memory steps and warm-ups first, then with `profile` one profiled step each
+    (bench/profile.py). Returns one result per job, as scheme_rank would."""
+    built = [_build_scheme(rank, world, job) for job in jobs]
+    for run, _ in built:
+        run.memory_step()
+    for _ in range(jobs[0]["warmup"] - 1):
+        for run, _ in built:
+            run.step()
+    for _ in range(jobs[0]["steps"]):
+        for run, _ in built:
+            run.times.append(run.step())
+    out = []
+    for (run, finish), job in zip(built, jobs):
+        result = finish(run.result())
+        if job.get("profile"):
+            from tsp_trainer.bench.profile import profile_step
+
+            result["profile"] = profile_step(run.fwd_bwd, run.device)
+        out.append(result)
+    return out
+
+
+def _build_scheme(rank: int, world: int, job: dict):
+    """(step runner, finish(result) -> result) of one rank of `job["scheme"]`."""
     cfg, device = job["model"], _device(job["backend"], rank)
     mesh = build_mesh(world, device=device)
     with torch.device("meta"):
@@ -59,10 +94,12 @@ def scheme_rank(rank: int, world: int, job: dict) -> dict:
         (loss_sum / total).backward()
         return loss_sum, total
 
-    out = _measure(model, fwd_bwd, batch, job, device, mesh.ledger)
-    out["first_loss"] = reduce_loss_value(out.pop("loss_sum"), out.pop("total"), par.token_comms)
-    out["info"] = dict(par.info)
-    return out
+    def finish(out: dict) -> dict:
+        out["first_loss"] = reduce_loss_value(out.pop("loss_sum"), out.pop("total"), par.token_comms)
+        out["info"] = dict(par.info)
+        return out
+
+    return _StepRunner(model, fwd_bwd, batch, device, mesh.ledger), finish
 
 
 def single_process(rank: int, world: int, job: dict) -> dict:
@@ -108,15 +145,6 @@ def single_process(rank: int, world: int, job: dict) -> dict:
         r["first_loss"] = float(r.pop("loss_sum") / r.pop("total"))
         result[name] = r
     return result
-
-
-def _measure(model, fwd_bwd, batch, job: dict, device: torch.device, ledger) -> dict:
-    run = _StepRunner(model, fwd_bwd, batch, device, ledger)
-    run.memory_step()
-    for _ in range(job["warmup"] - 1):
-        run.step()
-    run.times = [run.step() for _ in range(job["steps"])]
-    return run.result()
 
 
 class _StepRunner:

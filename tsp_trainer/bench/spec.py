@@ -37,6 +37,8 @@ class BenchSpec:
     activation_checkpointing: bool  # wrap every block in torch.utils.checkpoint, all schemes alike
     compare_hf: bool              # time the single-process model against transformers' (its family)
     seed: int
+    interleave: bool = True       # all schemes in one launch, timed steps alternating between them
+    profile: bool = False         # one more step per scheme under torch.profiler (bench/profile.py)
 
     def options(self, scheme: str) -> dict:
         """Keyword options of parallelize() for `scheme`."""
