@@ -18,8 +18,8 @@ import torch
 
 from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.config import TrainConfig, config_to_yaml, save_resolved_config, validate_config
-from tsp_trainer.data import build_loader, check_tokenizer_fits, iterate_eval_batches, load_tokenizer
+from tsp_trainer.config import TrainConfig, config_to_yaml, hang_dump_after_s, save_resolved_config
+from tsp_trainer.data import build_loader, iterate_eval_batches
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
 from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
@@ -29,6 +29,8 @@ from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
+from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs, check_same_model
+from tsp_trainer.run.session import open_run_folder
 
 _LAYOUT_POLICY = {"refuse": "error", "restart": "restart", "resplit": "resplit"}
 
@@ -49,18 +51,19 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
-        validate_config(cfg, world_size)                 # bad input fails before any group exists
+    def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False,
+                 inputs: CheckedInputs | None = None):
+        # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
+        inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size)
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        self.tokenizer = inputs.tokenizer
         self.log = get_logger(__name__, rank=global_rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
         dp = world_size // cfg.parallel.tsp_degree
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
-        self.mesh = build_mesh(cfg.parallel.tsp_degree)
+        self.mesh = build_mesh(cfg.parallel.tsp_degree, timeout_s=cfg.train.collective_timeout_s)
         self.par = self._build_model()
         self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
         self.optimizer = build_optimizer(self.par.model, cfg.optim)
@@ -74,16 +77,25 @@ class Trainer:
         self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
         self._poisoned = False
         self._saved_step = -1                # step of the newest checkpoint this run wrote or loaded
+        self._consecutive_skips = 0
         self._watch_gradients()
-        self._resume()
+        self._resume(inputs.resume_path)
+        self.session = open_run_folder(cfg, world=self.mesh.world, resume_path=inputs.resume_path,
+                                       resume_meta=inputs.resume_meta, resumed_step=self.state.step)
+        for note in self.session.notes:
+            self.log.info(note)
         if self.mesh.rank == 0:
             save_resolved_config(cfg, f"{cfg.train.output_dir}/config.yaml")
-        self.sinks = make_sinks(global_rank=self.mesh.rank, wandb_mode=cfg.logging.wandb_mode,
-                                project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                                config=cfg.to_dict(), output_dir=cfg.train.output_dir,
-                                jsonl=cfg.logging.jsonl)
+        self.sinks = self._build_sinks()
         self.flops = model_and_hardware_flops_per_token(
             self.model_cfg, cfg.data.seq_len, recompute=cfg.train.activation_checkpointing)
+        self.stopper = StopAgreement(self.mesh.world, signals=cfg.train.preempt_signals,
+                                     max_runtime_s=cfg.train.max_runtime_min * 60, device=self.device)
+        self.watchdog = HangWatchdog(dump_after_s=hang_dump_after_s(cfg.train), rank=global_rank,
+                                     in_flight=self.mesh.ledger.in_flight.describe,
+                                     dump_dir=f"{cfg.train.output_dir}/hang_dumps")
+        self.stop_reason: str | None = None   # set when a signal or max_runtime_min ended fit() early
+        self._slowest = {"step": 0.0, "save": 0.0}   # seconds, for the max-runtime margin
 
     # -- building ---------------------------------------------------------------------------------
     def _ds_config(self, dp: int) -> dict:
@@ -114,6 +126,16 @@ class Trainer:
                             dp_degree=self.mesh.dims.dp, seed=self.cfg.train.seed,
                             shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer)
 
+    def _build_sinks(self):
+        c, s = self.cfg.logging, self.session
+        wandb_options = dict(entity=c.wandb_entity, group=c.wandb_group, tags=c.wandb_tags,
+                             continues=s.wandb.continues, skip_through_step=s.wandb.skip_through_step,
+                             rewind_to_step=s.wandb.rewind_to_step)
+        return make_sinks(global_rank=self.mesh.rank, wandb_mode=c.wandb_mode, project=c.wandb_project,
+                          run_name=s.identity.name, config=self.cfg.to_dict(),
+                          output_dir=self.cfg.train.output_dir, jsonl=c.jsonl,
+                          wandb_run_id=s.identity.wandb_run_id, wandb_options=wandb_options)
+
     def _watch_gradients(self) -> None:
         """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
         def hook(grad):
@@ -141,10 +163,13 @@ class Trainer:
                 # A non-finite loss must poison every gradient it touches (an additive NaN would
                 # not), so DeepSpeed's overflow check, agreed over dp and tsp, skips the update.
                 local_bad, loss = True, loss * float("nan")
-            self.engine.backward(loss)
+            with mesh.dp.foreign_ops("DeepSpeed ZeRO gradient reduction (engine.backward)"):
+                self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary():
                 self._check_finite(local_bad)
-            self.engine.step()
+            with mesh.dp.foreign_ops("DeepSpeed ZeRO step (engine.step: norm and overflow "
+                                     "all-reduces, parameter all-gather)", also=[mesh.tsp]):
+                self.engine.step()
             loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
             tokens += int(total)
         skipped = self._after_update(skipped_before)
@@ -174,11 +199,20 @@ class Trainer:
                                "applied the update; refusing to continue from a poisoned state")
         if skipped:
             self.state.skipped_steps += 1
+            self._consecutive_skips += 1
             self.log.warning(f"step {self.state.step + 1}: non-finite loss or gradient, update skipped "
                              f"({self.state.skipped_steps} skipped so far)")
         else:
             self.scheduler.step()
+            self._consecutive_skips = 0
         self.state.step += 1
+        limit = self.cfg.train.max_consecutive_skips
+        if self._consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{limit} steps in a row (steps {self.state.step - limit + 1}-{self.state.step}) had a "
+                f"non-finite loss or gradient and were skipped (train.max_consecutive_skips={limit}): "
+                f"the run is not recovering; the latest checkpoint is {self.ckpt.latest()}; resume "
+                "from it with a lower optim.lr, or look at the data of these steps")
         return skipped
 
     def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool) -> dict:
@@ -209,29 +243,43 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
+        """Train to train.steps, or until a preemption signal / train.max_runtime_min stops every
+        rank after the same step (self.stop_reason says which); either way the state is saved."""
         c, history = self.cfg, []
         bar = ProgressBar(c.train.steps, initial=self.state.step, rank=self.mesh.rank,
                           enabled=None if c.logging.progress_bar else False)
-        with bar:
-            while self.state.step < c.train.steps:
+        with bar, self.watchdog, self.stopper:
+            while self.state.step < c.train.steps and self.stop_reason is None:
+                t0 = time.perf_counter()
+                self.watchdog.step_started(self.state.step + 1)
                 metrics = self.train_step()
                 step = self.state.step
                 if c.train.eval_every and step % c.train.eval_every == 0:
                     metrics["eval_loss"] = self.evaluate()
+                self.watchdog.step_finished()
+                self._slowest["step"] = max(self._slowest["step"], time.perf_counter() - t0)
                 if step % c.logging.log_every == 0 or step == c.train.steps:
                     self.sinks.log(step, metrics)
                 bar.update(loss=metrics["loss"], tokens_per_s=metrics.get("tokens_per_s"))
                 history.append(metrics)
                 if c.checkpoint.enabled and c.checkpoint.every and step % c.checkpoint.every == 0:
                     self.save()
+                if step < c.train.steps:          # collective: all ranks stop after the same step
+                    self.stop_reason = self.stopper.agree(step_s=self._slowest["step"],
+                                                          save_s=self._slowest["save"])
         if c.checkpoint.enabled and self.state.step != self._saved_step:
             self.save()          # the final state, unless that exact checkpoint already exists
+        if self.stop_reason:
+            self.log.warning(f"stopped after step {self.state.step} of {c.train.steps}: "
+                             f"{self.stop_reason}; continue with train.resume=auto")
+            self.sinks.mark_preempting()
         self.sinks.close()
         return history
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self):
-        step = self.state.step
+        step, t0 = self.state.step, time.perf_counter()
+        self._refuse_nonfinite_weights(step)
         tmp = self.ckpt.begin(step)
         try:
             self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
@@ -244,13 +292,24 @@ class Trainer:
                                       "latest complete checkpoint") from err
         path = self.ckpt.publish(tmp, step, self._meta())
         self._saved_step = step
+        self._slowest["save"] = max(self._slowest["save"], time.perf_counter() - t0)
         return path
+
+    def _refuse_nonfinite_weights(self, step: int) -> None:
+        """Collective: a checkpoint is never published with NaN/inf weights (every rank checks its
+        shards; one host sync). The previous checkpoint stays `latest`."""
+        finite = [torch.isfinite(p).all() for p in self.par.model.parameters()]
+        bad = torch.stack(finite).logical_not().any().float().reshape(1).to(self.device)
+        self.mesh.world.all_reduce(bad, tag="nonfinite.weights", op=torch.distributed.ReduceOp.MAX)
+        if bool(bad.item()):
+            raise NonFiniteError(f"refusing to checkpoint step {step}: the weights hold NaN or inf; "
+                                 f"{self.ckpt.latest()} stays the latest checkpoint")
 
     def _meta(self) -> dict:
         c = self.cfg
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.state.skipped_steps,
-                "layout": self._layout(),
+                "layout": self._layout(), "run": self.session.identity.as_dict(),
                 "model": self.model_cfg.__dict__, "config_yaml": config_to_yaml(c)}
 
     def _rank_state(self) -> dict:
@@ -259,8 +318,7 @@ class Trainer:
                         "numpy": np.random.get_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
 
-    def _resume(self) -> None:
-        path = self.ckpt.resolve(self.cfg.train.resume)
+    def _resume(self, path) -> None:
         if path is None:
             return
         meta = self.ckpt.verify(path)
@@ -290,11 +348,7 @@ class Trainer:
     def _check_compatible(self, meta: dict, path) -> bool:
         """Raises for another model shape or a refused layout change; True if the layout is the
         saved one (DeepSpeed's own files load as they are)."""
-        if meta["model"] != self.model_cfg.__dict__:
-            diff = {k: (v, self.model_cfg.__dict__.get(k)) for k, v in meta["model"].items()
-                    if self.model_cfg.__dict__.get(k) != v}
-            raise ValueError(f"checkpoint {path} is of another model shape: "
-                             + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint" for k, (a, b) in diff.items()))
+        check_same_model(meta, self.model_cfg, path)
         reshard.check_layout_change(meta["layout"], self._layout(),
                                     policy=self.cfg.data.on_layout_change, path=path)
         return not reshard.layout_changed(meta["layout"], self._layout())
