@@ -64,7 +64,8 @@ def check_output_dir(output_dir: str, *, resume: str, resume_path: Path | None, 
     if overwrite and (resume == "auto" or inside):
         raise ValueError(f"train.overwrite_output_dir=true would delete the checkpoints of "
                          f"{output_dir!r} that train.resume={resume!r} continues from; drop one of them")
-    if existing is not None and not overwrite and (resume == "none" or not inside):
+    foreign = resume not in ("none", "auto") and not inside      # another folder's checkpoint
+    if existing is not None and not overwrite and (resume == "none" or foreign):
         what = ("train.resume=none starts a new run" if resume == "none" else
                 f"train.resume={resume!r} continues another run's checkpoint")
         raise ValueError(f"train.output_dir={output_dir!r} already holds checkpoints of a run (latest "

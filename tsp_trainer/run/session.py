@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tsp_trainer.config import TrainConfig
 from tsp_trainer.parallel.comm import Comm
-from tsp_trainer.run.identity import RunIdentity, WandbResume, resolve_identity, wandb_resume
+from tsp_trainer.run.identity import (RunIdentity, WandbResume, read_identity, resolve_identity,
+                                     wandb_resume)
 from tsp_trainer.run.rundir import (METRICS, abandoned_checkpoints, checkpoints_root,
                                     claim_output_dir, is_inside, rewrite_metrics)
 
@@ -49,9 +50,9 @@ def _open_on_rank0(cfg: TrainConfig, resume_path: Path | None, resume_meta: dict
                      "the first save")
     last_logged = rewrite_metrics(Path(out) / METRICS, up_to_step=resumed_step)
     # The folder's run continues when this launch resumes one of its checkpoints, or when
-    # resume=auto found none yet (a requeue before the first save).
+    # resume=auto found none but the run exists (a requeue before its first save).
     continues = (resume_path is not None and is_inside(resume_path, checkpoints_root(out))) or (
-        resume_path is None and t.resume == "auto")
+        resume_path is None and t.resume == "auto" and read_identity(out) is not None)
     identity = resolve_identity(out, run_name=cfg.logging.run_name, continues=continues,
                                 checkpoint_meta=resume_meta)
     plan = wandb_resume(replay=cfg.logging.wandb_replay, continues=continues,
