@@ -267,8 +267,10 @@ class Trainer:
                 if step < c.train.steps:          # collective: all ranks stop after the same step
                     self.stop_reason = self.stopper.agree(step_s=self._slowest["step"],
                                                           save_s=self._slowest["save"])
-        if c.checkpoint.enabled and self.state.step != self._saved_step:
-            self.save()          # the final state, unless that exact checkpoint already exists
+            # Still under the signal handlers: a second SIGTERM (the scheduler's own, after the
+            # launcher's) must not kill the final save.
+            if c.checkpoint.enabled and self.state.step != self._saved_step:
+                self.save()      # the final state, unless that exact checkpoint already exists
         if self.stop_reason:
             self.log.warning(f"stopped after step {self.state.step} of {c.train.steps}: "
                              f"{self.stop_reason}; continue with train.resume=auto")

@@ -12,7 +12,7 @@ from tests.distributed.trainer_cases import config
 
 def preempted_rank(rank, world, overrides, at_step=None, victim=None, signame="SIGTERM"):
     """Train; the victim rank sends itself `signame` at the start of step `at_step` (the other ranks
-    learn of it only through the agreement). Returns losses, the stop reason, the step reached,
+    learn of it only through the agreement), and again when the final save starts. Returns losses, the stop reason, the step reached,
     the weights (rank 0) and, on the victim, the seconds from the signal to fit()'s return."""
     from tsp_trainer.trainer import Trainer
 
@@ -27,12 +27,21 @@ def preempted_rank(rank, world, overrides, at_step=None, victim=None, signame="S
                 os.kill(os.getpid(), getattr(signal, signame))
             return train_step()
         trainer.train_step = signalled_step
+        save = trainer.save
+
+        def signalled_again_in_save():
+            if sent:                 # a second signal (the scheduler's, after the launcher's)
+                os.kill(os.getpid(), getattr(signal, signame))
+            return save()
+        trainer.save = signalled_again_in_save
+    marked = []
+    trainer.sinks.mark_preempting = lambda: marked.append(True)     # what W&B would be told
     history = trainer.fit()
     returned = time.monotonic()
     weights = trainer.par.gather_full_state_dict()
     return {"losses": [h["loss"] for h in history], "stop_reason": trainer.stop_reason,
             "step": trainer.state.step, "weights": weights if rank == 0 else None,
-            "signal_to_return_s": returned - sent["t"] if sent else None,
+            "signal_to_return_s": returned - sent["t"] if sent else None, "marked_preempting": bool(marked),
             "handlers_restored": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}
 
 

@@ -33,7 +33,7 @@ def test_signal_on_one_rank_checkpoints_step_k_and_resume_is_exact(tmp_path, uni
     step = stopped_at.pop()
     for o in first:
         assert o["stop_reason"] == f"signal {signame}", o["stop_reason"]
-        assert o["handlers_restored"]
+        assert o["handlers_restored"] and o["marked_preempting"]
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == f"step_{step:08d}"
     assert first[0]["losses"] == uninterrupted["losses"][:step]
@@ -44,6 +44,7 @@ def test_signal_on_one_rank_checkpoints_step_k_and_resume_is_exact(tmp_path, uni
 
     resumed = run_on_ranks(preempted_rank, 4, overrides)[0]                # the requeued job
     assert resumed["stop_reason"] is None and resumed["step"] == STEPS
+    assert not resumed["marked_preempting"]
     assert resumed["losses"] == uninterrupted["losses"][step:]
     assert weights_equal(resumed["weights"], uninterrupted["weights"])
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -299,3 +299,24 @@ def test_check_inputs_reads_the_resume_checkpoint_and_refuses_another_model(tmp_
     assert inputs.resume_path == folder and inputs.resume_meta["layout"] == layout
     with pytest.raises(ValueError, match="dp_degree=2 but this run has dp_degree=1"):
         check_inputs(cfg, world_size=2)
+
+
+def test_wandb_sink_skips_logged_steps_and_marks_preemption(tmp_path, monkeypatch):
+    """The sink's side of W&B continuity, offline: steps up to skip_through_step are not sent, a
+    preempted run is marked so (MultiSink forwards it; NullSink ignores it)."""
+    import wandb
+
+    from tsp_trainer.observability import MultiSink, NullSink, WandbSink
+
+    sent, marked = [], []
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
+                        lambda run, data, step=None, **kw: sent.append(step))
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "mark_preempting", lambda run: marked.append(run.id))
+    sink = WandbSink("p", run_name="n", config={}, mode="offline", dir=tmp_path, run_id="abcd0123",
+                     continues=True, skip_through_step=5)
+    multi = MultiSink([sink, NullSink()])
+    for step in (5, 6, 7):
+        multi.log(step, {"loss": 1.0})
+    multi.mark_preempting()
+    multi.close()
+    assert sent == [6, 7] and marked == ["abcd0123"]
