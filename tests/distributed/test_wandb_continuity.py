@@ -45,6 +45,7 @@ def test_relaunch_continues_one_run_and_skips_replayed_steps(tmp_path):
     assert lines == list(range(1, 9))                          # metrics.jsonl: each step once
 
 
+@pytest.mark.slow
 def test_rewind_mode_truncates_to_the_checkpoint_and_logs_the_replay(tmp_path):
     first, second = _launches(tmp_path, "rewind")
     assert first["run_id"] == second["run_id"]

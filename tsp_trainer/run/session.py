@@ -49,6 +49,9 @@ def _open_on_rank0(cfg: TrainConfig, resume_path: Path | None, resume_meta: dict
                      f"{', '.join(later)} belong to the abandoned continuation and are removed at "
                      "the first save")
     last_logged = rewrite_metrics(Path(out) / METRICS, up_to_step=resumed_step)
+    if last_logged is not None and last_logged > resumed_step:
+        notes.append(f"{METRICS} cut back to step {resumed_step} (it held steps up to {last_logged}); "
+                     "the steps after it run again")
     # The folder's run continues when this launch resumes one of its checkpoints, or when
     # resume=auto found none but the run exists (a requeue before its first save).
     continues = (resume_path is not None and is_inside(resume_path, checkpoints_root(out))) or (
