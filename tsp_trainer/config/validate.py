@@ -62,7 +62,7 @@ _MODEL_FLOAT_RULES = {
     "init_std": (lambda v: v > 0, "must be > 0"),
 }
 # Signals a preemption may arrive with; SIGKILL and SIGSTOP cannot be caught, SIGINT stays Ctrl-C.
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGCONT", "SIGXCPU")
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
 
 
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:

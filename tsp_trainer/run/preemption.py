@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -58,6 +59,8 @@ class StopAgreement:
 
     # -- signal handlers --------------------------------------------------------------------------
     def __enter__(self) -> StopAgreement:
+        if threading.current_thread() is not threading.main_thread():
+            return self          # Python delivers signals to the main thread only; the clock still works
         for name in self.signals:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._on_signal)
