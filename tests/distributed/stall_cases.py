@@ -30,20 +30,30 @@ def _stop_self():
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def stall_before(comm, method: str, tag: str, when=lambda: True) -> None:
+def stall_before(comm, method: str, tag: str, out: str) -> None:
     """Make this rank stop itself when it is about to issue `method` with `tag` on `comm`."""
     original = getattr(comm, method)
 
     def wrapped(*args, **kwargs):
-        if kwargs.get("tag") == tag and when():
-            _stop_self()
+        if kwargs.get("tag") == tag:
+            _stop_self_noting_pid(out)
         return original(*args, **kwargs)
     setattr(comm, method, wrapped)
 
 
-def _report(out: str, rank: int, err: BaseException, waited: float) -> None:
+def _report(out: str, rank: int, err: BaseException, waited: float, world: int) -> None:
     Path(out, f"rank_{rank}.json").write_text(json.dumps(
         {"type": type(err).__name__, "message": str(err), "waited_s": waited}))
+    # Once every waiting rank has reported, end the stopped one (a scheduler would): the harness
+    # then sees every process gone instead of waiting out its own deadline.
+    victim = Path(out, "victim.pid")
+    if len(list(Path(out).glob("rank_*.json"))) == world - 1 and victim.exists():
+        os.kill(int(victim.read_text()), signal.SIGKILL)
+
+
+def _stop_self_noting_pid(out: str):
+    Path(out, "victim.pid").write_text(str(os.getpid()))
+    _stop_self()
 
 
 def stalled_block_rank(rank, world, block, victim, timeout_s, out):
@@ -59,13 +69,13 @@ def stalled_block_rank(rank, world, block, victim, timeout_s, out):
     x = model.embed_tokens(local_ids)
     rope = Rotary.build(pos, cfg.head_dim, cfg.rope_theta)
     if rank == victim:
-        stall_before(mesh.tsp, *STALL_POINTS[block])
+        stall_before(mesh.tsp, *STALL_POINTS[block], out)
     layer = model.layers[0]
     t0 = time.monotonic()
     try:
         layer.mlp(x) if block == "mlp" else layer.self_attn(x, rope)
     except CommError as err:
-        _report(out, rank, err, time.monotonic() - t0)
+        _report(out, rank, err, time.monotonic() - t0, world)
         raise
     return "no error"
 
@@ -82,7 +92,7 @@ def stalled_reduction_rank(rank, world, overrides, victim, at_step, out):
 
         def stop_then_reduce(*args, **kwargs):
             if trainer.state.step + 1 == at_step:
-                _stop_self()
+                _stop_self_noting_pid(out)
             return reduce(*args, **kwargs)
         zero.reduce_ipg_grads = stop_then_reduce
     step_started = {}
@@ -95,6 +105,6 @@ def stalled_reduction_rank(rank, world, overrides, victim, at_step, out):
     try:
         trainer.fit()
     except CommError as err:
-        _report(out, rank, err, time.monotonic() - step_started["t"])
+        _report(out, rank, err, time.monotonic() - step_started["t"], world)
         raise
     return "no error"
