@@ -1,5 +1,7 @@
-"""The Trainer: builds, in order, mesh -> model with its parallel scheme -> DeepSpeed engine under
-Accelerate -> data -> checkpoints -> logging; then fit() runs train_step() / evaluate().
+"""The Trainer: checks its inputs (run/inputs.py), then builds, in order, mesh -> model with its
+parallel scheme -> DeepSpeed engine under Accelerate -> data -> checkpoints -> run folder and
+logging; then fit() runs train_step() / evaluate() under the run's lifecycle guards (run/: the
+preemption agreement at step boundaries and the hang watchdog).
 
 One optimizer step = grad_accum micro-batches per DP rank. Every rank of a TSP group reads the same
 micro-batch (the loader is split by dp rank only) and takes its zigzag slice. The loss backpropagated
