@@ -21,6 +21,7 @@ import torch
 from tsp_trainer.checkpoint import reshard
 from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import TrainConfig, config_to_yaml, hang_dump_after_s, save_resolved_config
+from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_loader, iterate_eval_batches
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
@@ -57,9 +58,10 @@ class Trainer:
                  inputs: CheckedInputs | None = None):
         # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
         inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size)
-        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()
+        self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
         self.tokenizer = inputs.tokenizer
         self.log = get_logger(__name__, rank=global_rank)
+        self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
         dp = world_size // cfg.parallel.tsp_degree
@@ -314,7 +316,7 @@ class Trainer:
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.state.skipped_steps,
                 "layout": self._layout(), "run": self.session.identity.as_dict(),
-                "model": self.model_cfg.__dict__, "config_yaml": config_to_yaml(c)}
+                "model": self.model_cfg.to_dict(), "config_yaml": config_to_yaml(c)}
 
     def _rank_state(self) -> dict:
         return {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),

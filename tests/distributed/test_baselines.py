@@ -9,9 +9,10 @@ import functools
 import pytest
 import torch
 
-from tests.distributed.tsp_cases import make_batch, reference
+from tests.distributed.tsp_cases import init_model, make_batch, reference
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import RopeScaling
 from tsp_trainer.model import Transformer
 from tsp_trainer.parallel.baselines.comm_model import bytes_by_op, expected_ledger_bytes
 from tsp_trainer.parallel.comm import Comm
@@ -28,12 +29,29 @@ CFGS = {
                        intermediate_size=128, max_seq_len=64),
     "gqa": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
                        intermediate_size=128, max_seq_len=64),
+    # Llama with attention_bias + mlp_bias (every bias kind: sharded q/k/v/gate/up, replicated
+    # o/down) and llama3 RoPE scaling from an 8-token original context (positions up to 31).
+    "llama_bias": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                              intermediate_size=128, max_seq_len=64, qkv_bias=True, o_bias=True,
+                              mlp_bias=True, rope_scaling=RopeScaling(
+                                  "llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8)),
+    # Qwen2: q/k/v biases only, yarn scaling.
+    "qwen2": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                         intermediate_size=128, max_seq_len=64, family="qwen2", qkv_bias=True,
+                         rope_theta=1e6, rope_scaling=RopeScaling(
+                             "yarn", factor=4.0, original_max_position_embeddings=8)),
 }
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 CASES = [(scheme, world, cfg, {}) for world in (2, 4) for scheme in ("tp", "tp_sp", "sp")
          for cfg in ("mha", "gqa")]
+CASES += [(scheme, world, cfg, {}) for world in (2, 4) for scheme in ("tp", "tp_sp", "sp")
+          for cfg in ("llama_bias", "qwen2")]
 CASES += [("tp_x_sp", 4, "mha", {"tp_degree": 2, "sp_degree": 2}),
+          ("tp_x_sp", 4, "llama_bias", {"tp_degree": 2, "sp_degree": 2}),
+          ("tp_x_sp", 4, "llama_bias", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}),
+          ("tp_x_sp", 4, "qwen2", {"tp_degree": 2, "sp_degree": 2}),
           ("tp_x_sp", 4, "gqa", {"tp_degree": 2, "sp_degree": 2}),
           ("tp_x_sp", 4, "gqa", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}),
           ("tp_x_sp", 2, "gqa", {"tp_degree": 1, "sp_degree": 2}),
@@ -50,7 +68,7 @@ def _reference(cfg_name: str):
 def _baseline_rank(rank, world, cfg, scheme, options, ids, labels, ref_logits):
     mesh = build_mesh(world)
     model = Transformer(cfg)
-    model.init_weights(SEED)
+    init_model(model, SEED)
     par = parallelize(model, scheme, mesh, seq_len=ids.shape[1], **options)
     local_ids, local_labels, pos = par.local_batch(ids, labels)
 
@@ -77,7 +95,7 @@ def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
     results = run_on_ranks(_baseline_rank, world, cfg, scheme, options, ids, labels, ref["logits"])
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     t = results[0]["info"]["tp_degree"]
-    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
+    replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * cfg.replicated_biases
     for rank, out in enumerate(results):
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"rank {rank} loss"
         assert out["grads"].keys() == ref["grads"].keys()
@@ -85,8 +103,9 @@ def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
             torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
         assert out["ledger"] == expected_comm, f"rank {rank}: ledger {out['ledger']} != formula {expected_comm}"
         assert bytes_by_op(out["ledger"]) == bytes_by_op(expected_comm)
-        # Weights: 1/T of every matrix on each rank, norms replicated (SP: T = 1, everything).
-        assert out["param_numel"] == (cfg.num_params() - norms) // t + norms
+        # Weights: 1/T of every matrix (and of the q/k/v, gate/up biases) on each rank, norms and
+        # o/down biases replicated (SP: T = 1, everything).
+        assert out["param_numel"] == (cfg.num_params() - replicated) // t + replicated
 
 
 def test_registered():

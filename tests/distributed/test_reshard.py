@@ -1,5 +1,6 @@
-"""Resuming a DP=2 x TSP=2 checkpoint under DP=1 x TSP=4 and DP=4 x TSP=1: model weights, AdamW
-moments and step count, LR schedule, step counter and tokens seen carry over (4 CPU processes)."""
+"""Resuming a DP=2 x TSP=2 checkpoint under DP=1 x TSP=4 and DP=4 x TSP=1: model weights (biases
+included), AdamW moments and step count, LR schedule, step counter and tokens seen carry over
+(4 CPU processes)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from tsp_trainer.data import build_loader, load_tokenizer
 pytestmark = pytest.mark.distributed
 
 # MHA so that D=4 divides the KV heads; 5 scheduled steps, the checkpoint is taken at step 3.
-COMMON = ["model.num_kv_heads=4", "train.steps=5", "checkpoint.keep_last=5"]
+# Every bias kind (sharded q/k/v, gate/up; replicated o, down) and a scaled RoPE, so that their
+# shard specs, moments and resharding are covered too.
+COMMON = ["model.num_kv_heads=4", "train.steps=5", "checkpoint.keep_last=5", "model.qkv_bias=true",
+          "model.o_bias=true", "model.mlp_bias=true", "model.rope_scaling.rope_type=yarn",
+          "model.rope_scaling.factor=4", "model.rope_scaling.original_max_position_embeddings=16"]
 GLOBAL_BATCH = 4          # sequences per step in every layout: micro_batch_size x dp
 
 

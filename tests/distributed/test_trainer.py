@@ -17,6 +17,13 @@ pytestmark = pytest.mark.distributed
     (1, "tsp", []), (2, "tsp", []),
     (1, "tp", []), (1, "tp_sp", []), (1, "sp", []),
     (2, "tp_x_sp", ["parallel.tsp_degree=4", "parallel.tp_degree=2", "parallel.sp_degree=2"]),
+    # every bias kind, a scaled RoPE and activation checkpointing: the grad-norm counts sharded
+    # biases once per shard and replicated ones once
+    (1, "tsp", ["model.qkv_bias=true", "model.o_bias=true", "model.mlp_bias=true",
+                "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8",
+                "model.rope_scaling.low_freq_factor=1", "model.rope_scaling.high_freq_factor=4",
+                "model.rope_scaling.original_max_position_embeddings=16",
+                "train.activation_checkpointing=true"]),
 ])
 def test_dp2_tsp2_matches_single_process(stage, scheme, layout):
     """5 steps of DP=2 x TSP=2 (and of each baseline scheme on 4 ranks) equal one process on the
@@ -28,7 +35,7 @@ def test_dp2_tsp2_matches_single_process(stage, scheme, layout):
     and require 99.9% of all elements to agree to 1e-6, which a real error would break."""
     overrides = ["train.steps=5", "checkpoint.enabled=false", f"zero.stage={stage}",
                  f"parallel.scheme={scheme}"] + layout
-    dp = 1 if layout else 2
+    dp = 1 if any(k.startswith("parallel.") for k in layout) else 2
     ref_losses, ref_weights, ref_norms = reference_run(overrides, dp_degree=dp)
     outs = run_on_ranks(train_rank, 4, overrides)
     assert outs[0]["dp_world_size"] == dp                     # ZeRO sees dp only, via the mpu

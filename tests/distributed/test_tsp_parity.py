@@ -11,6 +11,7 @@ import torch
 from tests.distributed.tsp_cases import make_batch, reference, tsp_rank
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.config import model_config
+from tsp_trainer.config.model import RopeScaling
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
 
@@ -39,6 +40,34 @@ def test_tsp_matches_single_process(degree, kv_heads, buckets, seq_len):
     ref = reference(cfg, 7, ids, labels)
     outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets)
     _assert_parity(ref, outs)
+
+
+# Families as data: Llama attention_bias + mlp_bias (sharded q/k/v, gate/up biases travel in the
+# packed shards; replicated o/down biases summed over the group) and Qwen2 (q/k/v biases only),
+# each with a scaled RoPE whose original context (8) is far below the positions used (up to 47).
+FAMILY_CFGS = {
+    "llama_bias_llama3": dict(qkv_bias=True, o_bias=True, mlp_bias=True, rope_theta=500000.0,
+                              rope_scaling=RopeScaling("llama3", factor=8.0, low_freq_factor=1.0,
+                                                       high_freq_factor=4.0,
+                                                       original_max_position_embeddings=8)),
+    "qwen2_yarn": dict(family="qwen2", qkv_bias=True, rope_theta=1e6,
+                       rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=8)),
+    "mistral_linear": dict(family="mistral", rope_scaling=RopeScaling("linear", factor=2.0)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CFGS))
+@pytest.mark.parametrize("degree,buckets,seq_len", [(2, 2, 32), (4, 1, 48)])
+def test_tsp_families_biases_and_scaled_rope(family, degree, buckets, seq_len):
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, **FAMILY_CFGS[family])
+    ids, labels = make_batch(cfg, 2, seq_len)
+    ref = reference(cfg, 7, ids, labels)
+    assert any(n.endswith(".bias") for n in ref["grads"]) or family == "mistral_linear"
+    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets)
+    _assert_parity(ref, outs)
+    expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=seq_len, head_buckets=buckets)
+    for o in outs:
+        assert ledger_totals(o["ledger"]) == expected
 
 
 def test_tsp_gqa_on_four_ranks():
@@ -88,11 +117,12 @@ def test_ledger_equals_closed_form(degree, buckets):
                for r in outs[0]["ledger"])
 
 
-@pytest.mark.parametrize("degree", [2, 4])
-def test_per_rank_parameter_bytes(degree):
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=4)
+@pytest.mark.parametrize("degree,biases", [(2, False), (4, False), (2, True)])
+def test_per_rank_parameter_bytes(degree, biases):
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, qkv_bias=biases, o_bias=biases,
+                       mlp_bias=biases)
     ids, labels = make_batch(cfg, 1, 16)
     outs = run_on_ranks(tsp_rank, degree, cfg, 1, ids, labels, 1)
-    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size
-    expected = ((cfg.num_params() - norms) // degree + norms) * 4
+    replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * cfg.replicated_biases
+    expected = ((cfg.num_params() - replicated) // degree + replicated) * 4
     assert all(o["param_bytes"] == expected for o in outs)

@@ -19,6 +19,17 @@ def make_batch(cfg, batch: int, seq_len: int, seed: int = 123):
     return tokens[:, :-1].contiguous(), labels
 
 
+def init_model(model, seed: int) -> None:
+    """init_weights, then random biases (init_weights gives zeros, as transformers does, which
+    would leave the bias paths untested): N(0, 0.1) from a generator seeded by (seed, name)."""
+    model.init_weights(seed)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if name.endswith(".bias"):
+                gen = torch.Generator().manual_seed(seed * 1000 + i)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
 def make_optimizer(name: str, params, lr: float):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.1)
@@ -29,7 +40,7 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
     """One process: logits, loss, grads of the plain model; optionally `steps` AdamW steps."""
     torch.manual_seed(0)
     model = Transformer(cfg)
-    model.init_weights(seed)
+    init_model(model, seed)
     logits = model(ids).detach()
     loss = model.loss(ids, labels)
     loss.backward()
@@ -54,7 +65,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
             model = Transformer(cfg)
     else:
         model = Transformer(cfg)
-        model.init_weights(seed)
+        init_model(model, seed)
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
                       init_seed=seed if meta else None)
     local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, mesh.dims.tsp)

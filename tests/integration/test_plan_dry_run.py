@@ -63,3 +63,29 @@ def test_dry_run_7b_128k_recipe_world_1024(tmp_path):
     # TSP at 128K: weights move ~(D-1)/D of a layer per broadcast; K/V bytes dominate
     comm = report["schemes"]["tsp"]["comm"]
     assert comm["all_gather/attn.kv"]["bytes"] > 5 * comm["broadcast/attn.weights"]["bytes"]
+
+
+def test_dry_run_of_a_config_folder_with_biases(tmp_path):
+    """`--model` names a Hugging Face config.json (here a small Llama with attention_bias, mlp_bias
+    and llama3 RoPE scaling): the ledger equals the analytic model exactly for TSP and SP with
+    every bias kind (sharded q/k/v and gate/up biases in the moving shards, replicated o/down
+    biases summed like norms), and the parameter count is the model's."""
+    config = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "attention_bias": True,
+              "mlp_bias": True, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 1024},
+              "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    report = _dry_run(tmp_path, "--model", str(tmp_path / "config.json"), "--seq-len", "1024",
+                      "--degree", "4", "--nodes", "1", "--head-buckets", "1", "--schemes", "tsp,sp",
+                      timeout=600)
+    for scheme, r in report["schemes"].items():
+        assert r["comm_equals_model"], (scheme, r["comm_diff"])
+        assert r["param_count"] == r["param_count_model"]
+        assert r["activations_stored"] == pytest.approx(r["activations_stored_model"], rel=0.01)
+    tsp = report["schemes"]["tsp"]
+    assert tsp["param_shapes"]["layers.0.self_attn.q_proj.bias"] == [256 // 4]
+    assert tsp["param_shapes"]["layers.0.self_attn.o_proj.bias"] == [256]
+    assert tsp["comm"]["all_reduce/bias.grad"]["count"] == 2 * 2          # o and down, 2 layers

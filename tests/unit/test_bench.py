@@ -23,7 +23,7 @@ def _spec(argv: str):
 @pytest.mark.parametrize("argv,match", [
     ("--schemes tsp,ring", r"unknown scheme 'ring'"),
     ("--schemes ,", r"--schemes is empty"),
-    ("--model huge", r"--model='huge' is not a known size"),
+    ("--model huge", r"--model=.huge. is neither a named size"),
     ("--degree 0", r"--degree=0 must be >= 1"),
     ("--steps -1", r"--steps=-1 must be >= 0"),
     ("--warmup 0", r"--warmup=0 must be >= 1"),
@@ -119,8 +119,22 @@ def test_tracker_matches_torch_memtracker_on_a_training_step():
     assert sizes["optim_bytes"] >= 2 * sizes["param_bytes"]
 
 
-def test_hf_llama_with_our_weights_gives_our_logits():
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama_biases_yarn"])
+def test_hf_llama_with_our_weights_gives_our_logits(family):
+    """The comparison model of tsp-bench is transformers' class of the model's family."""
+    from tests.distributed.tsp_cases import init_model
+    from tsp_trainer.config.model import RopeScaling
+
     cfg, model, ids, _ = _tiny()
+    changes = {"llama": {}, "qwen2": {"family": "qwen2", "qkv_bias": True},
+               "llama_biases_yarn": {"qkv_bias": True, "o_bias": True, "mlp_bias": True,
+                                     "rope_scaling": RopeScaling("yarn", factor=4.0,
+                                                                 original_max_position_embeddings=8)}}
+    if changes[family]:
+        cfg = cfg.replace(**changes[family])
+        model = Transformer(cfg)
+        init_model(model, 0)
     hf = build_hf_llama(cfg, ids.shape[1], to_hf_state_dict(model.state_dict()))
+    assert type(hf).__name__ == ("Qwen2" if family == "qwen2" else "Llama") + "ForCausalLM"
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-5)

@@ -59,7 +59,9 @@ def test_defaults_load_and_validate():
 
 
 def test_model_section_overrides_every_model_config_field():
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    from tsp_trainer.config.model_source import FOLDER_ONLY
+
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - set(FOLDER_ONLY)
     assert names <= {f.name for f in dataclasses.fields(ModelSection)}
 
 
@@ -315,15 +317,34 @@ def test_resume_and_init_paths(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
-def test_shipped_recipes_load_and_validate(recipe):
+def test_shipped_recipes_load_and_validate(recipe, tmp_path):
     cfg = load_config(recipe)
+    if cfg.model.init_from is not None:      # a placeholder the user edits: stand in a folder
+        with pytest.raises(ValueError, match=f"model.init_from='{cfg.model.init_from}' is not an existing folder"):
+            validate_config(cfg, world_size=RECIPE_WORLD.get(recipe.stem, 8))
+        cfg = load_config(recipe, [f"model.init_from={_llama31_folder(tmp_path)}"])
+        assert cfg.model.to_model_config().rope_scaling.rope_type == "llama3"
     validate_config(cfg, world_size=RECIPE_WORLD.get(recipe.stem, 8))
+
+
+def _llama31_folder(path: Path) -> Path:
+    """Llama-3.1-8B's config.json (no weights) and the bundled tokenizer, as a stand-in folder."""
+    import json
+    import shutil
+
+    from tests.helpers.hf_models import LLAMA31_8B
+
+    (path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    for f in (RECIPES.parent / "data" / "tokenizer").iterdir():
+        shutil.copy(f, path / f.name)
+    return path
 
 
 def test_expected_recipes_are_shipped():
     names = {p.stem for p in RECIPES.glob("*.yaml")}
     assert names >= {"base", "tiny_cpu", "7b_128k_8gpu", "7b_128k_1024gpu", "7b_128k_8gpu_tp",
-                     "7b_128k_8gpu_tp_sp", "7b_128k_8gpu_sp", "7b_128k_8gpu_tp4xsp2"}
+                     "7b_128k_8gpu_tp_sp", "7b_128k_8gpu_sp", "7b_128k_8gpu_tp4xsp2",
+                     "llama3_8b_128k_continue"}
 
 
 def test_tiny_cpu_recipe_shape():

@@ -73,13 +73,14 @@ def test_mismatching_config_names_the_field(tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     ({"num_key_value_heads": 4}, "model.num_kv_heads=2 but"),
-    ({"rope_theta": 500000.0, "rope_parameters": None}, "model.rope_theta=10000.0 but"),
     ({"rms_norm_eps": 1e-6}, "model.norm_eps=1e-05 but"),
-    ({"tie_word_embeddings": True}, "model.tie_embeddings=False but"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
-    ({"attention_bias": True}, "attention_bias=True"),
+    ({"tie_word_embeddings": True}, "model.tie_embeddings=false but"),
+    ({"model_type": "mistral"}, "model.family='llama' but"),
+    ({"model_type": "gemma"}, "model_type='gemma'; tsp_trainer imports 'llama', 'mistral', 'qwen2'"),
+    ({"attention_bias": True}, "model.qkv_bias=false but"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type='linear'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope_type='dynamic'; tsp_trainer supports default, linear, llama3, yarn"),
 ])
 def test_config_checks(tmp_path, change, message):
     _hf_folder(tmp_path, **change)
@@ -87,9 +88,17 @@ def test_config_checks(tmp_path, change, message):
         load_hf_state_dict(tmp_path, TINY)
 
 
-def test_other_context_length_only_warns(tmp_path):
-    _hf_folder(tmp_path, max_position_embeddings=4096)
-    with pytest.warns(UserWarning, match="max_position_embeddings=4096"):
+@pytest.mark.parametrize("change,message", [
+    ({"max_position_embeddings": 4096}, "max_seq_len: 4096 -> 1024"),
+    ({"rope_theta": 500000.0, "rope_parameters": None}, "rope_theta: 500000.0 -> 10000.0"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope_scaling: RopeScaling(rope_type='linear'"),
+])
+def test_other_rope_or_context_only_warns(tmp_path, change, message):
+    """Training with another RoPE or context than the source model's is how a context is
+    extended (model.rope_* / max_seq_len override the folder's): a warning, not an error."""
+    _hf_folder(tmp_path, **change)
+    with pytest.warns(UserWarning, match=message.replace("(", r"\(")):
         load_hf_state_dict(tmp_path, TINY)
 
 

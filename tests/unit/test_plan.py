@@ -212,7 +212,7 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
      r"--global-batch=3 sequences.*multiple of the data-parallel degree"),
     (["--seq-len", "4096"], r"--global-batch .* is required"),
     (["--global-batch", "8", "--gpu", "a100"], r"--gpu='a100' is not a known profile"),
-    (["--global-batch", "8", "--model", "70b"], r"--model='70b' is not a known size"),
+    (["--global-batch", "8", "--model", "70b"], r"--model='70b' is neither a named size"),
     (["--global-batch", "8", "--schemes", "tsp,ring"], r"--schemes='tsp,ring'"),
     (["--global-batch", "8", "--efficiency", "1.5"], r"--efficiency=1.5 must be in \(0, 1\]"),
     (["--global-batch", "8", "--nodes", "0"], r"--nodes=0 must be >= 1"),

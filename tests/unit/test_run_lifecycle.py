@@ -288,12 +288,12 @@ def test_check_inputs_reads_the_resume_checkpoint_and_refuses_another_model(tmp_
     root = tmp_path / "checkpoints"
     folder = fake_checkpoint(root, 4)
     cfg = config([f"train.output_dir={tmp_path}", "train.resume=auto"])
-    model = dict(cfg.model.to_model_config().__dict__, hidden_size=32)
+    model = dict(cfg.model.to_model_config().to_dict(), hidden_size=32)
     layout = {"scheme": "tsp", "tsp_degree": 2, "dp_degree": 2, "world_size": 4, "zero_stage": 1}
     (folder / "meta.json").write_text(json.dumps({"model": model, "layout": layout}))
     with pytest.raises(ValueError, match="another model shape: model.hidden_size=64 here vs 32"):
         check_inputs(cfg, world_size=4)
-    (folder / "meta.json").write_text(json.dumps({"model": cfg.model.to_model_config().__dict__,
+    (folder / "meta.json").write_text(json.dumps({"model": cfg.model.to_model_config().to_dict(),
                                                   "layout": layout}))
     inputs = check_inputs(cfg, world_size=4)
     assert inputs.resume_path == folder and inputs.resume_meta["layout"] == layout

@@ -1,7 +1,8 @@
 """tsp-bench: run TSP and the baselines side by side on the same model and measure, per rank,
 parameter/gradient/optimizer bytes, peak activation + transient bytes, communication bytes by op
 kind (ledger), step time and tokens/s; and time the single-process model against transformers'
-LlamaForCausalLM. Every check on the request runs before any process starts.
+CausalLM of the model's family (Llama, Mistral, Qwen2). Every check on the request runs before any
+process starts.
 
     tsp-bench --model tiny --seq-len 4096 --degree 4 --schemes tsp,tp,tp_sp,sp,tp_x_sp \\
               --tp-degree 2 --sp-degree 2 --steps 3 --json out.json --plot out.png
@@ -30,7 +31,9 @@ _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_hea
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tsp-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="named size (tiny, 125m, 1b, 7b, 7b_ffn4x)")
+    p.add_argument("--model", default="tiny",
+                   help="named size (tiny, 125m, 1b, 7b, 7b_ffn4x, llama3_8b, qwen2_5_7b, mistral_7b) "
+                        "or a Hugging Face model folder / config.json (shape only)")
     for flag in _OVERRIDES:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
                        help=f"override model.{_OVERRIDES[flag]}")
@@ -109,7 +112,7 @@ def run(spec: BenchSpec, *, log=print) -> tuple[list[dict], dict | None, dict]:
         rows.append(summarize_scheme(spec, scheme, ranks))
     single = None
     if spec.compare_hf:
-        log("[tsp-bench] single process: ours vs transformers LlamaForCausalLM ...")
+        log(f"[tsp-bench] single process: ours vs transformers {spec.model.family} CausalLM ...")
         # As many threads as one rank: a shared or loaded machine punishes multi-threaded
         # processes far more than single-threaded ones (measured: 15x at 2 threads under load).
         out = launch.run_on_ranks(single_process, 1, _common(spec), backend=spec.backend,

@@ -108,7 +108,8 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
     out += [fmt.format(*map(str, line)) for line in lines]
     if single and single.get("ours_over_hf_speed"):
         out.append(f"single process: ours is {single['ours_over_hf_speed']:.2f}x the speed of "
-                   "transformers LlamaForCausalLM (same config, weights, batch; fwd+bwd+AdamW)")
+                   f"transformers' {spec.model.family} CausalLM (same config, weights, batch; "
+                   "fwd+bwd+AdamW)")
     bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
     if bad:
         out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")

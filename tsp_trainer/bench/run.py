@@ -1,5 +1,5 @@
 """What each benchmark process runs: one rank of a scheme (`scheme_rank`), or the single-process
-model against transformers' LlamaForCausalLM (`single_process`). Both return plain dicts.
+model against transformers' CausalLM of its family (`single_process`). Both return plain dicts.
 
 One training step = forward + backward of the summed token loss over the global token count
 (parallel/loss.py) + AdamW. The first warm-up step doubles as the memory step: gradients are
@@ -65,7 +65,8 @@ def scheme_rank(rank: int, world: int, job: dict) -> dict:
 
 
 def single_process(rank: int, world: int, job: dict) -> dict:
-    """Our plain model and transformers' LlamaForCausalLM, same config, weights and batch."""
+    """Our plain model and transformers' CausalLM (Llama / Mistral / Qwen2), same config, weights
+    and batch."""
     cfg, device = job["model"], _device(job["backend"], rank)
     ids, labels = make_batch(cfg, job["micro_batch"], job["seq_len"], job["seed"])
     batch = [ids.to(device), labels.to(device)]
@@ -197,23 +198,18 @@ def _device(backend: str, rank: int) -> torch.device:
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our names are LlamaForCausalLM's minus the "model." prefix (lm_head.weight is top level)."""
+    """Our names are transformers' minus the "model." prefix (lm_head.weight is top level)."""
     return {(name if name == "lm_head.weight" else "model." + name): t for name, t in state.items()}
 
 
 def build_hf_llama(cfg: ModelConfig, seq_len: int, state: dict[str, torch.Tensor] | None = None):
-    """transformers.LlamaForCausalLM with the same shape (SDPA attention, no biases), optionally
-    loaded with our weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' CausalLM of cfg.family (LlamaForCausalLM, MistralForCausalLM,
+    Qwen2ForCausalLM) with the same config (SDPA attention), optionally loaded with our weights."""
+    from tsp_trainer.checkpoint.hf import hf_config, hf_model_class
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-                         max_position_embeddings=max(seq_len, cfg.max_seq_len), rms_norm_eps=cfg.norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
-                         attention_bias=False, mlp_bias=False)
+    hf_cfg = hf_config(cfg.replace(max_seq_len=max(seq_len, cfg.max_seq_len)))
     hf_cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(hf_cfg)
+    model = hf_model_class(cfg)(hf_cfg)
     if state is not None:
         model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model

@@ -9,8 +9,9 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from tsp_trainer.config.model import MODEL_SIZES, ModelConfig, model_config
-from tsp_trainer.config.validate import check_parallel_shapes
+from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.config.model_source import model_from_name_or_path
+from tsp_trainer.config.validate import check_parallel_shapes, check_sliding_window
 from tsp_trainer.parallel.schemes import SCHEMES
 
 ALL_SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")   # the order tables and plots use
@@ -18,7 +19,7 @@ ALL_SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")   # the order tables and p
 
 @dataclass(frozen=True)
 class BenchSpec:
-    model_name: str               # named size (config/model.py) the overrides apply to
+    model_name: str               # named size (config/model.py) or HF folder the overrides apply to
     model: ModelConfig            # resolved shape
     seq_len: int                  # tokens per sequence (N)
     micro_batch: int              # sequences per step (B); dp = 1
@@ -33,7 +34,7 @@ class BenchSpec:
     backend: str                  # gloo (CPU) | nccl (one GPU per rank)
     threads: int                  # torch threads per rank
     activation_checkpointing: bool  # wrap every block in torch.utils.checkpoint, all schemes alike
-    compare_hf: bool              # time the single-process model against transformers' Llama
+    compare_hf: bool              # time the single-process model against transformers' (its family)
     seed: int
 
     def options(self, scheme: str) -> dict:
@@ -52,14 +53,14 @@ class BenchSpec:
 
 
 def resolve_model(name: str, overrides: dict[str, int | None], seq_len: int) -> ModelConfig:
-    """Named size + non-None overrides; max_seq_len raised to seq_len if needed."""
-    if name not in MODEL_SIZES:
-        raise ValueError(f"--model={name!r} is not a known size; use one of {', '.join(sorted(MODEL_SIZES))}")
+    """Named size or Hugging Face folder / config.json, + non-None overrides; max_seq_len raised
+    to seq_len if needed."""
+    base = model_from_name_or_path(name)
+    check_sliding_window(base, seq_len, key="--seq-len")
     changes = {k: v for k, v in overrides.items() if v is not None}
-    base = MODEL_SIZES[name]
     changes["max_seq_len"] = max(seq_len, base.max_seq_len)
     try:
-        return model_config(name, **changes)
+        return base.replace(**changes)
     except ValueError as err:
         raise ValueError(f"model overrides {changes} for --model={name}: {err}") from None
 

@@ -1,10 +1,12 @@
-"""Hugging Face Llama interop, in one process with no process group: export a checkpoint's model
-to a folder `transformers.LlamaForCausalLM.from_pretrained` loads (config.json + safetensors,
-split above a size with model.safetensors.index.json), and import such a folder as a full state
-dict in our names. Must not import trainer, engine or deepspeed.
+"""Hugging Face interop (Llama 2/3.x, Mistral, Qwen2/2.5), in one process with no process group:
+export a checkpoint's model to a folder transformers' `AutoModelForCausalLM.from_pretrained` loads as
+the family it was imported from (config.json + generation_config.json + safetensors, split above a
+size with model.safetensors.index.json), and import such a folder as a full state dict in our names.
+Must not import trainer, engine or deepspeed.
 
 Our parameter names are Hugging Face's minus the leading "model." (`lm_head.weight` unchanged) and
-RoPE uses its rotate_half convention (model/layers.py), so tensors map 1:1 with no permutation.
+RoPE uses its rotate_half convention (model/rope.py), so tensors map 1:1 with no permutation. The
+config.json <-> ModelConfig mapping and what is refused live in config/hf_model.py.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from safetensors.torch import save_file
 from tsp_trainer.checkpoint.manager import LATEST, read_verified_meta
 from tsp_trainer.checkpoint.shards import read_full_state_dict
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.hf_model import HF_FAMILIES, hf_config_dict, is_close, model_fields_from_hf
+from tsp_trainer.config.model_source import CONTEXT_KEYS, SHAPE_KEYS, hf_key_of
 from tsp_trainer.model import Transformer
 
 HF_PREFIX = "model."
@@ -36,14 +40,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-
-# (ModelConfig field, LlamaConfig attribute): must be equal for the weights to mean the same thing.
-_MATCHED = [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
-            ("intermediate_size", "intermediate_size"), ("num_layers", "num_hidden_layers"),
-            ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
-            ("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps"),
-            ("tie_embeddings", "tie_word_embeddings")]
-
 
 def to_hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else HF_PREFIX + name
@@ -62,9 +58,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # -- import -----------------------------------------------------------------------------------------
 def load_hf_state_dict(path: str | os.PathLike, model_cfg: ModelConfig) -> Mapping[str, torch.Tensor]:
-    """A Hugging Face Llama folder (config.json + model.safetensors, sharded safetensors with an
-    index, or pytorch_model.bin) as a full state dict in our names, after checking that its config
-    and tensor shapes describe `model_cfg`. Raises ValueError naming what does not match.
+    """A Hugging Face Llama / Mistral / Qwen2 folder (config.json + model.safetensors, sharded
+    safetensors with an index, or pytorch_model.bin) as a full state dict in our names, after
+    checking that its config and tensor shapes describe `model_cfg`. Raises ValueError naming what
+    does not match.
 
     The mapping reads each tensor from its file when it is looked up (safetensors; pytorch bin
     files are memory-mapped), so a rank that copies its slices out one parameter at a time
@@ -73,7 +70,7 @@ def load_hf_state_dict(path: str | os.PathLike, model_cfg: ModelConfig) -> Mappi
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(f"model.init_from={str(path)!r} is not a Hugging Face model folder "
-                         f"(no config.json); save one with LlamaForCausalLM.save_pretrained")
+                         f"(no config.json); save one with save_pretrained")
     check_hf_config(json.loads(config_path.read_text()), model_cfg, config_path)
     sources = {from_hf_name(n): src for n, src in _hf_sources(folder).items()
                if not n.endswith("rotary_emb.inv_freq")}       # a buffer older transformers saved
@@ -101,47 +98,27 @@ class _LazyTensors(Mapping):
 
 
 def check_hf_config(raw: dict, model_cfg: ModelConfig, config_path: Path) -> None:
-    """Every field that changes the math must agree; max_position_embeddings only warns (training
-    at another context length than the source model is a choice, not a mismatch)."""
-    from transformers import LlamaConfig
-
-    if raw.get("model_type") != "llama":
-        raise ValueError(f"{config_path} has model_type={raw.get('model_type')!r}; only Llama "
-                         "(model_type 'llama') folders can be imported")
-    hf = LlamaConfig.from_dict(raw)        # fills Llama defaults, folds legacy rope_theta/rope_scaling
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
-    values = {attr: getattr(hf, attr, None) for _, attr in _MATCHED}
-    values["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta"))
-    wrong = []
-    for ours, attr in _MATCHED:
-        mine, theirs = getattr(model_cfg, ours), values[attr]
-        same = (math.isclose(float(mine), float(theirs), rel_tol=1e-9) if isinstance(mine, float)
-                and theirs is not None else mine == theirs)
-        if not same:
-            wrong.append(f"model.{ours}={mine} but {config_path} has {attr}={theirs}")
+    """The folder's config.json must describe `model_cfg`'s weights: every shape field equal
+    (config/model_source.py SHAPE_KEYS), else one ValueError listing each mismatch. Variants the
+    model cannot represent are refused by name (config/hf_model.py). RoPE settings and the context
+    length may differ: training with another RoPE than the source model's is how a context is
+    extended (docs/long_context.md); that only warns."""
+    folder_cfg = ModelConfig(**model_fields_from_hf(raw, config_path))
+    wrong = [f"model.{k}={_show(getattr(model_cfg, k))} but {config_path} has "
+             f"{hf_key_of(k)}={_show(getattr(folder_cfg, k))}"
+             for k in SHAPE_KEYS if not is_close(getattr(model_cfg, k), getattr(folder_cfg, k))]
     if wrong:
-        raise ValueError("; ".join(wrong) + " (set the model.* keys to the folder's values)")
-    _check_supported(hf, rope, model_cfg, config_path)
-    if hf.max_position_embeddings != model_cfg.max_seq_len:
-        warnings.warn(f"model.max_seq_len={model_cfg.max_seq_len} but {config_path} has "
-                      f"max_position_embeddings={hf.max_position_embeddings}; training at another "
-                      "context length than the source model", stacklevel=3)
+        raise ValueError("; ".join(wrong) + " (set the model.* keys to the folder's values, or "
+                         "leave them unset: model.init_from takes them from config.json)")
+    changed = [f"{k}: {_show(getattr(folder_cfg, k))} -> {_show(getattr(model_cfg, k))}"
+               for k in CONTEXT_KEYS if not is_close(getattr(model_cfg, k), getattr(folder_cfg, k))]
+    if changed:
+        warnings.warn(f"{config_path}: the model is trained with other RoPE / context settings than "
+                      f"the source model ({'; '.join(changed)})", stacklevel=3)
 
 
-def _check_supported(hf, rope: dict, model_cfg: ModelConfig, config_path: Path) -> None:
-    """Llama variants our model does not implement."""
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    problems = {
-        "hidden_act": (hf.hidden_act, "silu"),
-        "attention_bias": (bool(getattr(hf, "attention_bias", False)), False),
-        "mlp_bias": (bool(getattr(hf, "mlp_bias", False)), False),
-        "rope_type": (rope.get("rope_type", "default"), "default"),
-        "head_dim": (head_dim, model_cfg.head_dim),
-    }
-    for key, (theirs, supported) in problems.items():
-        if theirs != supported:
-            raise ValueError(f"{config_path} has {key}={theirs!r}; tsp_trainer's Llama supports "
-                             f"only {key}={supported!r}")
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def _hf_sources(folder: Path) -> dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]:
@@ -222,14 +199,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                       max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None,
                       dtype: str | None = None, overwrite: bool = False) -> Path:
-    """Consolidate a checkpoint saved under any layout into a Hugging Face Llama folder `out`.
-    Everything is checked (manifest, shapes, options) before anything is written, and the folder
-    is written under a temporary name next to `out` and renamed at the end."""
+    """Consolidate a checkpoint saved under any layout into a Hugging Face folder `out` of the
+    model's family (a Qwen2 stays a Qwen2). Everything is checked (manifest, shapes, options)
+    before anything is written, and the folder is written under a temporary name next to `out` and
+    renamed at the end."""
     folder = resolve_checkpoint(checkpoint)
     meta = read_verified_meta(folder)
     try:
-        cfg = ModelConfig(**meta["model"])
-    except (KeyError, TypeError) as err:
+        cfg = ModelConfig.from_dict(meta["model"])
+    except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"checkpoint {folder}: meta.json has no usable model config ({err})") from err
     full = read_full_state_dict(folder / "model")
     check_shapes({n: tuple(t.shape) for n, t in full.items()}, cfg, where=f"checkpoint {folder}")
@@ -240,7 +218,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
 def save_hf_folder(full: dict[str, torch.Tensor], cfg: ModelConfig, out: str | os.PathLike, *,
                    max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None,
                    dtype: str | None = None, overwrite: bool = False) -> Path:
-    """Write a full state dict (our names) as a Hugging Face Llama folder, atomically."""
+    """Write a full state dict (our names) as a Hugging Face folder of cfg.family, atomically:
+    weights, config.json, generation_config.json (bos/eos/pad) and the tokenizer files. Token ids
+    come from the model config (an imported folder's) and, where it has none, from the tokenizer."""
     out = Path(out)
     limit = parse_size(max_shard_size)
     if dtype is not None and dtype not in DTYPES:
@@ -254,11 +234,17 @@ def save_hf_folder(full: dict[str, torch.Tensor], cfg: ModelConfig, out: str | o
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         _write_weights(tensors, tmp, limit)
-        special = _special_token_ids(tok_files)
+        cfg = with_token_ids(cfg, _special_token_ids(tok_files))
         for f in tok_files:
             shutil.copy2(f, tmp / f.name)
         dtype_name = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-        hf_config(cfg, dtype=dtype_name, **special).save_pretrained(str(tmp))
+        config = hf_config(cfg, dtype=dtype_name)
+        config.save_pretrained(str(tmp))
+        if any(i is not None for i in (cfg.bos_token_id, cfg.pad_token_id)) or cfg.eos_token_id:
+            from transformers import GenerationConfig
+
+            GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=config.eos_token_id,
+                             pad_token_id=cfg.pad_token_id).save_pretrained(str(tmp))
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -266,21 +252,32 @@ def save_hf_folder(full: dict[str, torch.Tensor], cfg: ModelConfig, out: str | o
     return out
 
 
-def hf_config(cfg: ModelConfig, *, dtype: str = "float32", bos_token_id: int | None = None,
-              eos_token_id: int | None = None, pad_token_id: int | None = None):
-    """The transformers.LlamaConfig describing `cfg` (no biases, SwiGLU, default RoPE)."""
-    from transformers import LlamaConfig
+def hf_config(cfg: ModelConfig, *, dtype: str = "float32"):
+    """The transformers config (LlamaConfig, MistralConfig or Qwen2Config, by cfg.family)
+    describing `cfg`: biases, RoPE type and parameters, sliding window, token ids."""
+    from transformers import AutoConfig
 
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False, mlp_bias=False, hidden_act="silu", initializer_range=cfg.init_std,
-        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        architectures=["LlamaForCausalLM"], dtype=dtype)
+    values = hf_config_dict(cfg)
+    return AutoConfig.for_model(values.pop("model_type"), **values, dtype=dtype)
+
+
+def hf_model_class(cfg: ModelConfig):
+    """transformers' CausalLM class of cfg.family (LlamaForCausalLM, ...)."""
+    import transformers
+
+    return getattr(transformers, HF_FAMILIES[cfg.family].architecture)
+
+
+def with_token_ids(cfg: ModelConfig, from_tokenizer: dict[str, int]) -> ModelConfig:
+    """cfg with the tokenizer's bos/eos/pad ids filled in where cfg (an imported config.json)
+    has none; the imported ids win (they are what the source model's generation config uses)."""
+    changes = {}
+    for kind in ("bos", "pad"):
+        if getattr(cfg, f"{kind}_token_id") is None and f"{kind}_token_id" in from_tokenizer:
+            changes[f"{kind}_token_id"] = from_tokenizer[f"{kind}_token_id"]
+    if not cfg.eos_token_id and "eos_token_id" in from_tokenizer:
+        changes["eos_token_id"] = (from_tokenizer["eos_token_id"],)
+    return cfg.replace(**changes) if changes else cfg
 
 
 def parse_size(size: int | str) -> int:

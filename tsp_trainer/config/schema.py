@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tsp_trainer.config.model import ModelConfig, model_config
+from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer
 
 Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "hub"]
@@ -20,13 +21,34 @@ DType = Literal["auto", "fp32", "bf16"]
 NonFinite = Literal["skip", "stop"]
 WandbMode = Literal["disabled", "offline", "online"]
 WandbReplay = Literal["skip", "rewind"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+Family = Literal["llama", "mistral", "qwen2"]
+
+
+@dataclass(frozen=True)
+class RopeScalingSection:
+    """model.rope_scaling: transformers' rope_parameters keys. Unset (all null) keeps the size's or
+    folder's scaling; any key set replaces it and needs rope_type (docs/long_context.md)."""
+
+    rope_type: RopeType | None = None          # default (no scaling) | linear | llama3 | yarn
+    factor: float | None = None                # context extension ratio (new / original context)
+    original_max_position_embeddings: int | None = None   # llama3, yarn: the pretraining context
+    low_freq_factor: float | None = None       # llama3 (Llama 3.1: 1)
+    high_freq_factor: float | None = None      # llama3 (Llama 3.1: 4)
+    attention_factor: float | None = None      # yarn: cos/sin scale (default 0.1 ln(factor) + 1)
+    beta_fast: float | None = None             # yarn: default 32
+    beta_slow: float | None = None             # yarn: default 1
+    mscale: float | None = None                # yarn, DeepSeek-style attention_factor
+    mscale_all_dim: float | None = None        # yarn
+    truncate: bool | None = None               # yarn: default true
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    """A named size plus optional overrides; None means "take the value from the size"."""
+    """A named size or a Hugging Face folder, plus optional overrides; None means "not set": take
+    the value from the size or the folder (config/model_source.py states the rule)."""
 
-    size: str = "tiny"                         # a key of config.model.MODEL_SIZES
+    size: str | None = None                    # a key of config.model.MODEL_SIZES (null: "tiny", or the folder)
     vocab_size: int | None = None              # tokens in the embedding / LM head
     hidden_size: int | None = None             # h, the residual width
     num_layers: int | None = None              # decoder blocks
@@ -35,19 +57,21 @@ class ModelSection:
     intermediate_size: int | None = None       # gated-MLP width I
     max_seq_len: int | None = None             # longest sequence RoPE is set up for (tokens)
     rope_theta: float | None = None            # RoPE base
+    rope_scaling: RopeScalingSection = field(default_factory=RopeScalingSection)
     norm_eps: float | None = None              # RMSNorm epsilon
     tie_embeddings: bool | None = None         # share the embedding and LM-head matrix
+    family: Family | None = None               # Hugging Face model_type export writes
+    qkv_bias: bool | None = None               # q/k/v_proj biases (Qwen2; Llama attention_bias)
+    o_bias: bool | None = None                 # o_proj bias (Llama attention_bias)
+    mlp_bias: bool | None = None               # gate/up/down_proj biases (Llama mlp_bias)
     init_std: float | None = None              # std of the normal weight init
-    init_from: str | None = None               # Hugging Face Llama folder to start from (None = random)
+    init_from: str | None = None               # Hugging Face folder to start from: shape + weights
+    config_from: str | None = None             # Hugging Face folder or config.json: shape only
     seed: int = 0                              # RNG seed for the weight init
 
-    def overrides(self) -> dict[str, Any]:
-        """The ModelConfig fields this section sets explicitly."""
-        names = [f.name for f in dataclasses.fields(ModelConfig)]
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
     def to_model_config(self) -> ModelConfig:
-        return model_config(self.size, **self.overrides())
+        """Named size or folder + the keys set here (reads the folder's config.json)."""
+        return resolve_model(self)
 
 
 @dataclass(frozen=True)
@@ -71,7 +95,7 @@ class DataSection:
     text_field: str = "text"                   # column holding the raw text
     train_split: str = "train"
     eval_split: str | None = "validation"      # None = no evaluation data
-    tokenizer: str = "data/tokenizer"          # tokenizer folder or hub name
+    tokenizer: str | None = None               # folder or hub name; null: the model folder's, else data/tokenizer
     seq_len: int = 256                         # tokens per packed sequence (before the zigzag split)
     micro_batch_size: int = 2                  # sequences per DP rank per forward/backward
     shuffle: bool = False                      # buffered shuffle of the stream
@@ -161,3 +185,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def tokenizer_source(self) -> str:
+        """data.tokenizer, else the model folder's tokenizer, else the bundled one (model_source.py)."""
+        return resolve_tokenizer(self.data.tokenizer, self.model)

@@ -74,7 +74,10 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError("train.nonfinite='skip' needs zero.stage 1 or 2 (their overflow check, agreed "
                          "over all ranks, is what skips the update); zero.stage=0 has none: use "
                          "zero.stage 1 or 2, or train.nonfinite='stop'")
-    model = cfg.model.to_model_config()   # ModelConfig checks its own shape (head_dim, GQA groups)
+    # The named size or the folder's config.json with the recipe's keys (model_source.py); the
+    # ModelConfig checks its own shape (head_dim, GQA groups, family rules).
+    model = cfg.model.to_model_config()
+    cfg.tokenizer_source()                # a model folder without a tokenizer needs data.tokenizer
     _check_model_floats(model)
     _check_lifecycle(cfg)
     p = cfg.parallel
@@ -110,6 +113,16 @@ def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, s
         _check_sequence_split(seq_len, *seq_axis, chunks=chunks)
     if scheme == "tsp":
         _check_head_buckets(model_cfg, degree, head_buckets)
+
+
+def check_sliding_window(model_cfg: ModelConfig, seq_len: int, *, key: str = "data.seq_len") -> None:
+    """A source model with an attention window (Mistral v0.1: 4096) is computed with full causal
+    attention, which equals the windowed one only while the sequence fits in the window."""
+    window = model_cfg.sliding_window
+    if window is not None and seq_len > window:
+        raise ValueError(f"{key}={seq_len} exceeds the model's sliding_window={window} "
+                         f"({model_cfg.family}): tsp_trainer computes full causal attention, which "
+                         f"equals the windowed one only up to the window; use {key} <= {window}")
 
 
 def resolve_dp_degree(parallel: ParallelSection, world_size: int | None) -> int | None:
@@ -297,7 +310,9 @@ def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
     if cfg.data.seq_len > model.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model.max_seq_len} "
                          f"(RoPE is set up for that many positions); lower data.seq_len or raise "
-                         f"model.max_seq_len")
+                         f"model.max_seq_len (with model.rope_scaling to extend a trained context, "
+                         "see docs/long_context.md)")
+    check_sliding_window(model, cfg.data.seq_len)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ValueError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the "
                          "schedule decays from lr down to min_lr")
@@ -314,10 +329,6 @@ def _check_paths(cfg: TrainConfig) -> None:
     if resume not in ("none", "auto") and not os.path.exists(resume):
         raise ValueError(f"train.resume={resume!r} is not 'none', 'auto' or an existing checkpoint "
                          "path; check the path (relative paths start from the working directory)")
-    init_from = cfg.model.init_from
-    if init_from is not None and not os.path.isdir(init_from):
-        raise ValueError(f"model.init_from={init_from!r} is not an existing folder; give a Hugging "
-                         "Face Llama folder (config.json + safetensors) or null for a random init")
 
 
 # ---------------------------------------------------------------------------------------------

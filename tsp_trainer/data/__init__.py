@@ -15,14 +15,17 @@ never torch.distributed: the caller passes dp_rank and dp_degree as plain intege
 from tsp_trainer.data.loader import PackedLoader, build_loader, iterate_eval_batches
 from tsp_trainer.data.packing import pack_documents
 from tsp_trainer.data.streaming import open_text_stream
-from tsp_trainer.data.tokenize import TextTokenizer, check_tokenizer_fits, load_tokenizer
+from tsp_trainer.data.tokenize import (TextTokenizer, check_same_tokenizer, check_tokenizer_fits,
+                                       load_run_tokenizer, load_tokenizer)
 
 __all__ = [
     "PackedLoader",
     "TextTokenizer",
     "build_loader",
+    "check_same_tokenizer",
     "check_tokenizer_fits",
     "iterate_eval_batches",
+    "load_run_tokenizer",
     "load_tokenizer",
     "open_text_stream",
     "pack_documents",

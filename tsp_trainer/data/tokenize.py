@@ -2,7 +2,8 @@
 
 A local tokenizer.json (or a folder holding one) loads with `tokenizers` alone; any other folder or a
 Hugging Face Hub name goes through `transformers.AutoTokenizer` (imported lazily: it takes seconds).
-Imports nothing of ours but `tsp_trainer.data.streaming`'s path helper; never torch.distributed.
+Imports nothing of ours but `tsp_trainer.data.streaming`'s path helper and the config's rule for
+which tokenizer a run uses; never torch.distributed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from tsp_trainer.config.model_source import folder_tokenizer, model_folder, resolve_tokenizer
 from tsp_trainer.data.streaming import looks_like_local_path
 
 # Tried in order when a tokenizer.json comes without a tokenizer_config.json naming its EOS token.
@@ -110,3 +112,34 @@ def _from_transformers(name: str) -> TextTokenizer:
         name=name, eos_id=int(tok.eos_token_id), vocab_size=len(tok),
         _encode=lambda text: tok.encode(text, add_special_tokens=False),
         _decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+
+
+# Text every tokenizer can encode: words, digits, punctuation, whitespace runs, non-ASCII.
+_PROBE = ("The quick brown fox jumps over the lazy dog. 0123456789 -- x=y+1; print('hi')\n\t"
+          "  naive cafe: naïve café, Grüße, 東京, Москва, emoji 🙂. <|end_of_text|> </s>")
+
+
+def check_same_tokenizer(a: TextTokenizer, b: TextTokenizer, *, a_key: str, b_key: str) -> None:
+    """ValueError naming both unless `a` and `b` tokenize alike: same vocab size, end-of-text id
+    and ids for a probe text (a copy of the same tokenizer elsewhere passes)."""
+    diffs = [f"{what} {x} vs {y}" for what, x, y in (("vocab_size", a.vocab_size, b.vocab_size),
+                                                     ("eos id", a.eos_id, b.eos_id))
+             if x != y]
+    if not diffs and a.encode(_PROBE) != b.encode(_PROBE):
+        diffs.append("different token ids for the same text")
+    if diffs:
+        raise ValueError(f"{a_key}={a.name!r} and the tokenizer of {b_key}={b.name!r} differ "
+                         f"({'; '.join(diffs)}); leave data.tokenizer unset to use the model "
+                         "folder's tokenizer, or point it at the same tokenizer")
+
+
+def load_run_tokenizer(data_tokenizer: str | None, model_section) -> TextTokenizer:
+    """The run's tokenizer: data.tokenizer, else the model folder's, else the bundled one
+    (config/model_source.py). When data.tokenizer is set and the model folder (init_from /
+    config_from) holds a tokenizer too, both must tokenize alike."""
+    tokenizer = load_tokenizer(resolve_tokenizer(data_tokenizer, model_section))
+    source = model_folder(model_section)
+    folder = folder_tokenizer(source[1]) if source else None
+    if data_tokenizer is not None and folder is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(folder), a_key="data.tokenizer", b_key=source[0])
+    return tokenizer

@@ -1,14 +1,13 @@
-"""Decoder layers: RMSNorm, RoPE, GQA causal attention (torch SDPA), SwiGLU gated MLP.
+"""Decoder layers: RMSNorm, GQA causal attention (torch SDPA), SwiGLU gated MLP; RoPE is in rope.py.
 
 Conventions: activations are [B, T, h]; heads are split with view(B, T, -1, head_dim) so the same
 code runs on a full model or on any contiguous head shard (TSP and the TP baselines reuse it).
-Weights follow nn.Linear: [out_features, in_features], y = x @ W.T. RoPE uses Hugging Face's
-rotate_half convention so weights export to transformers' LlamaForCausalLM unchanged.
+Weights follow nn.Linear: [out_features, in_features], y = x @ W.T (+ b). RoPE uses Hugging Face's
+rotate_half convention so weights export to transformers' Llama / Mistral / Qwen2 unchanged.
+Biases are data (ModelConfig.qkv_bias / o_bias / mlp_bias): an nn.Linear gets one or not.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.rope import Rotary, apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -31,42 +31,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * w
-
-
-@dataclass
-class Rotary:
-    """Global positions [T] of the tokens in hand and their RoPE tables cos, sin [T, head_dim].
-    A sequence-parallel caller passes the positions of its own slice (e.g. two zigzag chunks)."""
-
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    @classmethod
-    def build(cls, positions: torch.Tensor, head_dim: int, theta: float) -> "Rotary":
-        cos, sin = rope_cos_sin(positions, head_dim, theta)
-        return cls(positions, cos, sin)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, head_dim] for integer positions [T] (global token positions)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / head_dim))
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]      # [T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)                                # [T, d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, d]; cos/sin: [T, d] (fp32 tables, applied in x's dtype as HF does)."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
 
 
 # Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
@@ -129,10 +93,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.head_dim = d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         b, t, _ = x.shape
@@ -142,20 +106,24 @@ class Attention(nn.Module):
         return self.o_proj(attention_core(q, k, v))
 
 
-def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-              w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: (silu(x W_gate^T) * (x W_up^T)) W_down^T. Works on any block of the intermediate
-    dim: the sum over blocks of this function is the full MLP (TSP's ring relies on it)."""
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+              b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+              b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU: (silu(x W_gate^T + b_gate) * (x W_up^T + b_up)) W_down^T + b_down. Works on any
+    block of the intermediate dim (with the same block of the gate/up biases) and b_down=None: the
+    sum over blocks is then the full MLP less down_proj's bias, which the caller adds once (TSP's
+    ring and the row-parallel baselines rely on it)."""
+    return F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
 
 
 class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, inter = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, inter, bias=False)
-        self.up_proj = nn.Linear(h, inter, bias=False)
-        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.gate_proj = nn.Linear(h, inter, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, h, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
+                         self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)

@@ -75,7 +75,7 @@ class Transformer(nn.Module):
         tokens (default 0..T-1); a sequence-parallel caller passes the positions of its slice."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        rope = Rotary.build(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rope = Rotary.for_model(positions, self.cfg)
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             x = block(x, rope) if self.block_wrapper is None else self.block_wrapper(block, x, rope)
@@ -105,10 +105,13 @@ class Transformer(nn.Module):
 
 
 def init_parameter(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
-    """The full initial value of parameter `name`: ones for norms, N(0, std) otherwise, drawn from
-    a generator seeded by (seed, name) so the value does not depend on the order of construction."""
+    """The full initial value of parameter `name`: ones for norms, zeros for biases (as transformers
+    initialises them), N(0, std) otherwise, drawn from a generator seeded by (seed, name) so the
+    value does not depend on the order of construction."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     return torch.empty(shape).normal_(0.0, std, generator=gen)

@@ -6,7 +6,7 @@ The formula, per token, for a sequence of S tokens, L layers, hidden size h, voc
     N_matmul = L * (2*h*h + 2*h*kv + 3*h*I) + V*h
                (Wq, Wo: h x h; Wk, Wv: h x kv with kv = num_kv_heads * head_dim; gate/up/down:
                h x I; the LM head: V x h, counted even when tied to the embedding, because the
-               head is a matmul and the embedding lookup is not. Norms and RoPE are ignored.)
+               head is a matmul and the embedding lookup is not. Norms, biases and RoPE are ignored.)
 
     forward  = 2 * N_matmul                              (one multiply-add = 2 FLOPs)
              + L * 2 * 2 * S * h * c                     (attention scores Q K^T and A V)

@@ -43,13 +43,21 @@ class ShardSpec:
 
 
 # FQN pattern -> split dim, for TSP (and TP, which shards weights the same way: Megatron 1-D).
+# Biases follow their outputs: q/k/v and gate/up biases are split with their rows (they travel with
+# the weight shard); o_proj and down_proj biases are added once per token after the sum over
+# shards, so they are replicated and their gradient is summed over the group like a norm's.
 TSP_PLAN: list[tuple[str, int | None]] = [
     ("embed_tokens.weight", 0),                 # vocab rows
     ("layers.*.self_attn.[qkv]_proj.weight", 0),  # head rows (column parallel)
+    ("layers.*.self_attn.[qkv]_proj.bias", 0),  # the same heads
     ("layers.*.self_attn.o_proj.weight", 1),    # head columns (row parallel)
+    ("layers.*.self_attn.o_proj.bias", None),   # replicated
     ("layers.*.mlp.gate_proj.weight", 0),
     ("layers.*.mlp.up_proj.weight", 0),
+    ("layers.*.mlp.gate_proj.bias", 0),         # intermediate rows, with their weights
+    ("layers.*.mlp.up_proj.bias", 0),
     ("layers.*.mlp.down_proj.weight", 1),
+    ("layers.*.mlp.down_proj.bias", None),      # replicated
     ("lm_head.weight", 0),                      # vocab rows
     ("*norm.weight", None),                     # replicated
 ]
@@ -82,10 +90,15 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     local = LocalShards(model, specs, comm.rank, init_seed)
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
-        block.self_attn = TSPAttention(*(local(pre + f"self_attn.{n}_proj.weight") for n in "qkvo"),
-                                       head_dim=cfg.head_dim, comm=comm, head_buckets=head_buckets)
-        block.mlp = TSPGatedMLP(*(local(pre + f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
-                                comm=comm)
+        attn, mlp = pre + "self_attn.", pre + "mlp."
+        block.self_attn = TSPAttention(*(local(attn + f"{n}_proj.weight") for n in "qkvo"),
+                                       head_dim=cfg.head_dim, comm=comm, head_buckets=head_buckets,
+                                       qkv_bias=local.biases(attn, "qkv") if cfg.qkv_bias else None,
+                                       o_bias=local(attn + "o_proj.bias") if cfg.o_bias else None)
+        block.mlp = TSPGatedMLP(*(local(mlp + f"{n}_proj.weight") for n in ("gate", "up", "down")),
+                                comm=comm,
+                                gate_up_bias=local.biases(mlp, ("gate", "up")) if cfg.mlp_bias else None,
+                                down_bias=local(mlp + "down_proj.bias") if cfg.mlp_bias else None)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
                                                         pre + "input_layernorm"), comm=comm)
         block.post_attention_layernorm = TSPRMSNorm(
@@ -116,6 +129,10 @@ class LocalShards:
         else:
             full = p.detach()
         return self.specs[name].local(full, self.rank)
+
+    def biases(self, prefix: str, projections) -> tuple[torch.Tensor, ...]:
+        """This rank's shards of `prefix + "{p}_proj.bias"` for each projection p."""
+        return tuple(self(f"{prefix}{p}_proj.bias") for p in projections)
 
 
 def materialize_norm(norm: nn.Module, local: LocalShards, prefix: str) -> nn.Module:

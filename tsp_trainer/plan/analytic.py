@@ -129,12 +129,14 @@ class Assumptions:
 
 
 def param_count(cfg: ModelConfig, layout: Layout) -> int:
-    """Parameters held by one rank: the matrices split over T (heads, intermediate block, vocab
-    rows), norms replicated (parallel/apply.py TSP_PLAN, baselines/apply.py: the same plan)."""
+    """Parameters held by one rank: the matrices and the q/k/v, gate/up biases split over T (heads,
+    intermediate block, vocab rows), norms and the o_proj / down_proj biases replicated
+    (parallel/apply.py TSP_PLAN, baselines/apply.py: the same plan)."""
     t, _, _ = layout.axes
     h, L = cfg.hidden_size, cfg.num_layers
-    matrices = block_matmul_params(cfg) + cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2)
-    return matrices // t + (2 * L + 1) * h
+    split = (L * (cfg.attn_sharded_params + cfg.mlp_sharded_params)
+             + cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2))
+    return split // t + (2 * L + 1) * h + L * cfg.replicated_biases
 
 
 def state_bytes(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dict[str, int]:
@@ -198,7 +200,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     tok = _tokens(layout, seq_len)
     n_r, n_n = tok["region"], tok["norm"]
     tsp = layout.scheme == "tsp"
-    p_attn = 2 * h * h + 2 * h * hkv
+    p_attn = cfg.attn_sharded_params                             # W_q, W_k, W_v, W_o (+ q/k/v biases)
 
     def norm_saved(tokens: int, output_kept: bool) -> int:
         # fp32 input (x.float(): a copy in bf16, the input itself in fp32), the normalised
@@ -311,7 +313,7 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device)
     n = tok["region"]
     z = _zigzag_attention(e, b, seq_len, d_, h // (d_ * nb), hkv // (d_ * nb), n,
                           recomputed_qkv=True, scatter_copies=4, device=device)
-    w_attn, w_mlp = p_attn // d_ * ew, 3 * h * inter // d_ * ew
+    w_attn, w_mlp = p_attn // d_ * ew, cfg.mlp_sharded_params // d_ * ew
     own = norm_saved(n, True)                           # norm's saved tensors + X_p
     acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
     mid = e * n * inter // d_                           # one [N/D, I/D] MLP intermediate
@@ -399,8 +401,7 @@ def model_parallel_comm(cfg: ModelConfig, layout: Layout, seq_len: int,
             add(f"{op}/{tag}", v["count"], v["bytes"], layout.degree)
         if layout.activation_checkpointing and layout.degree > 1:
             d, nb = layout.degree, layout.head_buckets
-            p_attn = 2 * cfg.hidden_size ** 2 + 2 * cfg.hidden_size * cfg.kv_hidden_size
-            p_mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+            p_attn, p_mlp = cfg.attn_sharded_params, cfg.mlp_sharded_params
             kv_bucket = b * seq_len * 2 * (cfg.kv_hidden_size // (d * nb)) * e
             add("broadcast/attn.weights", L * d, L * d * (p_attn // d) * ew, d)
             add("all_gather/attn.kv", L * d * nb, L * d * nb * kv_bucket, d)
@@ -435,13 +436,15 @@ def _baseline_ledger(cfg, layout, seq_len, prec):
         "reduce_scatter/embed.tp": 1, "all_gather/head.tp": 1, "reduce_scatter/head.tp": 1,
         "all_reduce/head.ce": 3, "all_gather/attn.kv": 2 * L, "reduce_scatter/attn.dkv": L,
         "all_reduce/loss.count": 1, "all_reduce/norm.grad": 2 * L + 1,
-        # one all-reduce per replicated weight use: 7 per layer + embedding + head
-        "all_reduce/wgrad": 7 * L + 2,
+        # one all-reduce per replicated weight use: 7 per layer + embedding + head, + each bias
+        # that is split with its weight (q, k, v; gate, up)
+        "all_reduce/wgrad": 7 * L + 2 + L * (3 * int(cfg.qkv_bias) + 2 * int(cfg.mlp_bias)),
+        "all_reduce/bias.grad": L * (int(cfg.o_bias) + int(cfg.mlp_bias)),
     }
     rows = []
     for key, nbytes in base.items():
         group = s_p if key.endswith((".kv", ".dkv", "wgrad", "loss.count")) else t
-        if key == "all_reduce/norm.grad":
+        if key in ("all_reduce/norm.grad", "all_reduce/bias.grad"):
             group = layout.degree if (seqpar and s_p > 1) else (s_p if s_p > 1 else t)
         rows.append((key, nbytes, per_op_counts[key], group))
     if layout.activation_checkpointing:

@@ -24,7 +24,9 @@ _DEFAULT_ASSUMPTIONS = Assumptions()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tsp-plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="7b", help="named size: tiny, 125m, 1b, 7b, 7b_ffn4x (default 7b)")
+    p.add_argument("--model", default="7b",
+                   help="named size (tiny, 125m, 1b, 7b, 7b_ffn4x, llama3_8b, qwen2_5_7b, mistral_7b; "
+                        "default 7b) or a Hugging Face model folder / config.json (shape only)")
     p.add_argument("--seq-len", type=int, default=131072, help="tokens per sequence (default 131072)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (required unless --dry-run)")
@@ -67,13 +69,18 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> None:
 
 
 def _model(parser, name: str, seq_len: int):
-    from tsp_trainer.config.model import MODEL_SIZES, model_config
+    """--model: a named size or a Hugging Face folder / config.json (its shape, no weights)."""
+    from tsp_trainer.config.model_source import model_from_name_or_path
+    from tsp_trainer.config.validate import check_sliding_window
 
-    if name not in MODEL_SIZES:
-        _fail(parser, f"--model={name!r} is not a known size; use one of {', '.join(sorted(MODEL_SIZES))}")
     if seq_len < 1:
         _fail(parser, f"--seq-len={seq_len} must be a positive number of tokens")
-    return model_config(name, max_seq_len=max(seq_len, MODEL_SIZES[name].max_seq_len))
+    try:
+        cfg = model_from_name_or_path(name)
+        check_sliding_window(cfg, seq_len, key="--seq-len")
+    except ValueError as err:
+        _fail(parser, str(err))
+    return cfg.replace(max_seq_len=max(seq_len, cfg.max_seq_len))
 
 
 def _schemes(parser, text: str | None, default) -> tuple[str, ...]:

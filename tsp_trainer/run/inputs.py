@@ -21,7 +21,7 @@ from tsp_trainer.checkpoint.manager import META
 from tsp_trainer.checkpoint.reshard import check_layout_change
 from tsp_trainer.config import TrainConfig, validate_config
 from tsp_trainer.config.model import ModelConfig
-from tsp_trainer.data import check_tokenizer_fits, load_tokenizer
+from tsp_trainer.data import check_tokenizer_fits, load_run_tokenizer
 from tsp_trainer.data.streaming import looks_like_local_path, resolve_local_files
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.run.rundir import check_output_dir, resolve_resume
@@ -38,7 +38,7 @@ def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
     """Raise ValueError naming the key, the value and the rule on the first bad input."""
     validate_config(cfg, world_size)
     model_cfg = cfg.model.to_model_config()
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size)
     check_data_sources(cfg)
     resume_path = resolve_resume(cfg.train.resume, cfg.train.output_dir)
@@ -84,9 +84,9 @@ def read_meta(path: Path) -> dict:
 
 def check_same_model(meta: dict, model_cfg: ModelConfig, path: Path) -> None:
     """The checkpoint must hold this model's shape; the message names every field that differs."""
-    mine = model_cfg.__dict__
-    if meta["model"] != mine:
-        diff = {k: (v, mine.get(k)) for k, v in meta["model"].items() if mine.get(k) != v}
+    saved, mine = ModelConfig.from_dict(meta["model"]).to_dict(), model_cfg.to_dict()
+    if saved != mine:
+        diff = {k: (v, mine.get(k)) for k, v in saved.items() if mine.get(k) != v}
         raise ValueError(f"checkpoint {path} is of another model shape: "
                          + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint"
                                      for k, (a, b) in diff.items()))

@@ -18,6 +18,8 @@ TP = (T=D, S=1), TP+SP = (T=D, S=1, sequence_parallel), SP = (T=1, S=D), TP x SP
 | embedding | vocab rows p*V/T..            | masked lookup; leave TP region     | local rows; summed over sp      |
 | LM head   | vocab rows p*V/T..            | enter; logits [.., V/T]; vocab-    | local (softmax - onehot)        |
 |           |                               | parallel cross-entropy             |                                 |
+| biases    | q/k/v, gate/up: with their    | added in the column-parallel       | as their weights (summed over sp)|
+|           | rows; o, down: full           | matmul; o/down after leaving TP    | o, down: as the norms           |
 "enter"/"leave" are copy_to_region / reduce_from_region (all-reduce), or with sequence_parallel
 gather_from_sequence / reduce_scatter_to_sequence (all-gather / reduce-scatter): megatron.py.
 """
@@ -61,51 +63,69 @@ class Groups:
             return reduce_scatter_to_sequence(y, self.tp, tag)
         return reduce_from_region(y, self.tp, tag)
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
+    def weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
         """A weight replicated over sp: its gradient is summed over sp inside autograd."""
-        return copy_to_region(w, self.sp, "wgrad")
+        return None if w is None else copy_to_region(w, self.sp, "wgrad")
+
+    def add_replicated_bias(self, y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """y + b for a bias added once per token after leaving the TP region (o_proj, down_proj):
+        replicated like a norm weight, its gradient summed over the same token-splitting groups."""
+        if b is None:
+            return y
+        return y + (b if self.norm_grad is None else copy_to_region(b, self.norm_grad, "bias.grad"))
 
 
-def _holder(w: torch.Tensor) -> nn.Module:
-    """A submodule with a `.weight` Parameter, so names match model.layers (q_proj.weight, ...)."""
+def _holder(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Module:
+    """A submodule with `.weight` (and `.bias`, None when absent), so names match model.layers
+    (q_proj.weight, q_proj.bias, ...)."""
     m = nn.Module()
     m.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w)
+    m.bias = None if b is None else (b if isinstance(b, nn.Parameter) else nn.Parameter(b))
     return m
 
 
 class ParallelAttention(nn.Module):
     """q/k/v_proj.weight [n_h/T * d | n_kv/T * d, h] (column parallel), o_proj.weight
-    [h, n_h/T * d] (row parallel): the heads of group tp_rank, whole for T = 1."""
+    [h, n_h/T * d] (row parallel): the heads of group tp_rank, whole for T = 1. Biases: q/k/v
+    [n_h/T * d | n_kv/T * d] with their heads, o_proj.bias [h] replicated."""
 
-    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups):
+    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups, qkv_bias=None, o_bias=None):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (_holder(w) for w in (q, k, v, o))
+        bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            _holder(w, b) for w, b in ((q, bq), (k, bk), (v, bv), (o, o_bias)))
         self.head_dim, self.groups = head_dim, groups
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         g, d = self.groups, self.head_dim
         wq, wk, wv, wo = (g.weight(m.weight) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+        bq, bk, bv = (g.weight(m.bias) for m in (self.q_proj, self.k_proj, self.v_proj))
         x = g.enter_tp(x, "attn.tp")                           # [B, T_region, h]
         b, t, _ = x.shape
-        q = apply_rope(F.linear(x, wq).view(b, t, -1, d), rope.cos, rope.sin)
-        k = apply_rope(F.linear(x, wk).view(b, t, -1, d), rope.cos, rope.sin)
-        v = F.linear(x, wv).view(b, t, -1, d)
+        q = apply_rope(F.linear(x, wq, bq).view(b, t, -1, d), rope.cos, rope.sin)
+        k = apply_rope(F.linear(x, wk, bk).view(b, t, -1, d), rope.cos, rope.sin)
+        v = F.linear(x, wv, bv).view(b, t, -1, d)
         out = context_attention(q, k, v, rope.positions, g.sp)   # [B, T_region, n_h/T * d]
-        return g.leave_tp(F.linear(out, wo), "attn.tp")
+        return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
 
 
 class ParallelMLP(nn.Module):
-    """gate/up_proj.weight [I/T, h] (column parallel), down_proj.weight [h, I/T] (row parallel)."""
+    """gate/up_proj.weight [I/T, h] (column parallel), down_proj.weight [h, I/T] (row parallel);
+    gate/up_proj.bias [I/T] with their rows, down_proj.bias [h] replicated."""
 
-    def __init__(self, gate, up, down, *, groups: Groups):
+    def __init__(self, gate, up, down, *, groups: Groups, gate_up_bias=None, down_bias=None):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = (_holder(w) for w in (gate, up, down))
+        bg, bu = gate_up_bias if gate_up_bias is not None else (None, None)
+        self.gate_proj, self.up_proj, self.down_proj = (
+            _holder(w, b) for w, b in ((gate, bg), (up, bu), (down, down_bias)))
         self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.groups
         ws = [g.weight(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
-        return g.leave_tp(gated_mlp(g.enter_tp(x, "mlp.tp"), *ws), "mlp.tp")
+        bs = [g.weight(m.bias) for m in (self.gate_proj, self.up_proj)]
+        y = g.leave_tp(gated_mlp(g.enter_tp(x, "mlp.tp"), *ws, *bs), "mlp.tp")
+        return g.add_replicated_bias(y, self.down_proj.bias)
 
 
 class ParallelRMSNorm(RMSNorm):

@@ -5,7 +5,10 @@ same formulas; the planner builds on them.
 
 Notation: D degree, B micro-batch, S sequence length, h hidden, h_kv = n_kv * head_dim,
 I intermediate, V vocab, L layers, n_b head buckets, b_w / b_a bytes per weight / activation
-element. P_attn = 2 h^2 + 2 h h_kv and P_mlp = 3 h I (per layer).
+element. P_attn = 2 h^2 + 2 h h_kv (+ h + 2 h_kv with q/k/v biases) and P_mlp = 3 h I (+ 2 I with
+gate/up biases) per layer: what one packed shard carries (ModelConfig.attn_sharded_params,
+mlp_sharded_params). Replicated o_proj / down_proj biases add one all-reduce of h elements each per
+layer ("bias.grad"), as the norms do.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         out[(op, tag)]["count"] += count
         out[(op, tag)]["bytes"] += count * nbytes_each
 
-    h, h_kv, inter, L = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.num_layers
-    p_attn, p_mlp = 2 * h * h + 2 * h * h_kv, 3 * h * inter
+    h, h_kv, L = cfg.hidden_size, cfg.kv_hidden_size, cfg.num_layers
+    p_attn, p_mlp = cfg.attn_sharded_params, cfg.mlp_sharded_params
     kv_bucket = batch * seq_len * 2 * (h_kv // (d * nb)) * act_bytes   # gathered K and V, one bucket
     for _ in range(L):
         # attention: owner r's packed shard broadcast in forward and again in backward
@@ -48,6 +51,9 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         add(op, "head.weights", 2 * (d - 1), vocab_shard)
         add(op, "head.weights.grad", d, vocab_shard)
     add("all_reduce", "norm.grad", 2 * L + 1, h * (norm_bytes or weight_bytes))
+    replicated_biases = int(cfg.o_bias) + int(cfg.mlp_bias)
+    if replicated_biases:
+        add("all_reduce", "bias.grad", replicated_biases * L, h * (norm_bytes or weight_bytes))
     if loss_count_reduces:
         add("all_reduce", "loss.count", loss_count_reduces, 8)     # float64 token count
     return {k: dict(v) for k, v in out.items()}

@@ -1,0 +1,139 @@
+"""Rotary position embeddings: plain RoPE and its context-extension scalings (linear, llama3, yarn),
+numerically identical to transformers' implementation (modeling_rope_utils.py and
+LlamaRotaryEmbedding.forward in transformers 5.24: same fp32 operations in the same order; tests
+compare the tables bit for bit).
+
+The tables are built for any integer position tensor [T]: a sequence-parallel rank passes the
+global positions of the tokens it holds (two zigzag chunks), not 0..T-1.
+
+    inv_freq, scale = rope_frequencies(head_dim, theta, scaling)      # [d/2], float
+    cos, sin = rope_cos_sin(positions, head_dim, theta, scaling)      # [T, d] each, fp32
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tsp_trainer.config.model import ModelConfig, RopeScaling
+
+
+@dataclass
+class Rotary:
+    """Global positions [T] of the tokens in hand and their RoPE tables cos, sin [T, head_dim].
+    A sequence-parallel caller passes the positions of its own slice (e.g. two zigzag chunks)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, head_dim: int, theta: float,
+              scaling: RopeScaling | None = None) -> "Rotary":
+        cos, sin = rope_cos_sin(positions, head_dim, theta, scaling)
+        return cls(positions, cos, sin)
+
+    @classmethod
+    def for_model(cls, positions: torch.Tensor, cfg: ModelConfig) -> "Rotary":
+        return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [T, head_dim] for integer positions [T] (global token positions), scaled
+    by the RoPE type's attention factor (yarn; 1 otherwise) as transformers does."""
+    inv_freq, attention_scaling = rope_frequencies(head_dim, theta, scaling, device=positions.device)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]      # [T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                                # [T, d]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     device=None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2] fp32, attention scaling of cos/sin)."""
+    if scaling is None:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        return 1.0 / (theta ** exponents), 1.0
+    return _SCALINGS[scaling.rope_type](head_dim, theta, scaling, device)
+
+
+def _base_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    # transformers builds the scaled types from an int64 arange cast to fp32 (same values)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32)
+    return 1.0 / (theta ** (exponents / head_dim))
+
+
+def _linear(head_dim: int, theta: float, s: RopeScaling, device) -> tuple[torch.Tensor, float]:
+    """Position interpolation (Chen et al. 2023): every frequency divided by `factor`."""
+    inv_freq = _base_inv_freq(head_dim, theta, device)
+    inv_freq /= s.factor
+    return inv_freq, 1.0
+
+
+def _llama3(head_dim: int, theta: float, s: RopeScaling, device) -> tuple[torch.Tensor, float]:
+    """Llama 3.1: wavelengths longer than original / low_freq_factor are divided by `factor`,
+    shorter than original / high_freq_factor kept, a smooth blend in between."""
+    inv_freq = _base_inv_freq(head_dim, theta, device)
+    old_context = s.original_max_position_embeddings
+    low_freq_wavelen = old_context / s.low_freq_factor
+    high_freq_wavelen = old_context / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn(head_dim: int, theta: float, s: RopeScaling, device) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023, arXiv 2309.00071): NTK-by-parts interpolation between the original
+    frequencies (fast dimensions, > beta_fast rotations over the original context) and the
+    interpolated ones (slow dimensions, < beta_slow rotations), plus an attention factor on cos/sin."""
+    factor, orig = s.factor, s.original_max_position_embeddings
+    attention_factor = s.attention_factor
+    if attention_factor is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, s.mscale) / _yarn_mscale(factor, s.mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = s.beta_fast or 32, s.beta_slow or 1
+    truncate = True if s.truncate is None else s.truncate
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001                                       # transformers: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float32) / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float32)
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor
+
+
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+_SCALINGS = {"linear": _linear, "llama3": _llama3, "yarn": _yarn}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, d]; cos/sin: [T, d] (fp32 tables, applied in x's dtype as HF does)."""
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
