@@ -115,6 +115,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues(tmp_path)
     assert len(runs) == 2 and all(r.name.endswith(first_id) for r in runs)
 
 
+@pytest.mark.slow
 def test_two_jobs_on_one_machine_do_not_collide(tmp_path):
     """launch/accelerate/cpu_4proc.yaml used to fix port 29511; two launches at once both finish."""
     procs = [subprocess.Popen(_accelerate(["train.steps=2", f"train.output_dir={tmp_path / str(i)}"]
@@ -138,20 +139,36 @@ def test_two_torchrun_jobs_on_one_machine_do_not_collide(tmp_path):
         assert proc.returncode == 0, stderr[-3000:]
 
 
-def test_input_errors_are_one_line_from_rank_0_before_start_up(tmp_path):
-    """A relaunch into a used folder with resume=none: tsp-train exits 2 with one line; under
-    accelerate launch (4 ranks) rank 0 prints the same one line, the other ranks nothing, and no
-    DeepSpeed or Accelerate start-up happened; the launcher adds its ChildFailedError summary."""
+def _used_folder(tmp_path):
     out = tmp_path / "used"
     (out / "checkpoints" / "step_00000040").mkdir(parents=True)
     (out / "checkpoints" / "step_00000040" / "manifest.json").write_text("{}")
     (out / "checkpoints" / "latest").write_text("step_00000040\n")
+    return out
+
+
+def _single_process_error(out):
     single = subprocess.run([str(BIN / "tsp-train"), "recipes/tiny_cpu.yaml", "parallel.tsp_degree=1",
                              f"train.output_dir={out}"], cwd=REPO, env=_env(), capture_output=True,
                             text=True, timeout=300)
     assert single.returncode == 2 and single.stdout == ""
     errors = [x for x in single.stderr.splitlines() if x.startswith("tsp-train: error:")]
     assert len(errors) == 1 and "already holds checkpoints" in errors[0], single.stderr
+    return errors
+
+
+def test_input_error_is_one_line_and_exit_code_2(tmp_path):
+    """A relaunch into a used folder with resume=none: tsp-train exits 2 with one line."""
+    _single_process_error(_used_folder(tmp_path))
+
+
+@pytest.mark.slow
+def test_input_errors_are_one_line_from_rank_0_before_start_up(tmp_path):
+    """The same under accelerate launch (4 ranks): rank 0 prints the same one line, the other ranks
+    nothing, and no DeepSpeed or Accelerate start-up happened; the launcher adds its
+    ChildFailedError summary."""
+    out = _used_folder(tmp_path)
+    errors = _single_process_error(out)
     t0 = time.monotonic()
     launched = subprocess.run(_accelerate([f"train.output_dir={out}"]), cwd=REPO, env=_env(),
                               capture_output=True, text=True, timeout=300)
