@@ -1,4 +1,5 @@
-"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export.
+"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-dashboard,
+tsp-report, tsp-tokenize.
 
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
@@ -161,8 +162,8 @@ def _summary(trainer, history: list[dict]) -> str:
                 f"{where}; relaunch with train.resume=auto to continue (exit code {EXIT_PREEMPTED})")
     if not history:
         return f"tsp-train: done: nothing to do, the run is at step {step} of {cfg.train.steps}; {where}"
-    return (f"tsp-train: done: {step} steps, loss {history[0]['loss']:.4f} -> "
-            f"{history[-1]['loss']:.4f}, {where}")
+    return (f"tsp-train: done: {step} steps, loss {history[0]['train/loss']:.4f} -> "
+            f"{history[-1]['train/loss']:.4f}, {where}")
 
 
 def bench_main(argv: list[str] | None = None) -> None:
@@ -183,8 +184,27 @@ def export_main(argv: list[str] | None = None) -> None:
     raise SystemExit(main(argv))
 
 
+def dashboard_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.observability.dashboard import main
+
+    raise SystemExit(main(argv))
+
+
+def report_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.observability.report import main
+
+    raise SystemExit(main(argv))
+
+
+def tokenize_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.data.tokenize_cli import main
+
+    raise SystemExit(main(argv))
+
+
 COMMANDS = {"train": train_main, "bench": bench_main, "plan": plan_main,
-            "export": export_main}
+            "export": export_main, "dashboard": dashboard_main, "report": report_main,
+            "tokenize": tokenize_main}
 
 
 def main(argv: list[str] | None = None) -> None:

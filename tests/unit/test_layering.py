@@ -44,6 +44,8 @@ def test_omegaconf_only_in_config_load_and_wandb_only_in_its_sink():
             assert rel == "config/load.py", rel
         if _uses(names, "wandb"):
             assert rel == "observability/wandb_sink.py", rel
+        if _uses(names, "wandb_workspaces"):
+            assert rel == "observability/dashboard.py", rel
 
 
 def test_config_imports_no_runtime_code():
@@ -57,7 +59,8 @@ def test_config_imports_no_runtime_code():
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
                "reduce", "isend", "irecv", "send", "recv", "batch_isend_irecv", "all_to_all",
-               "all_to_all_single", "barrier", "broadcast_object_list", "all_gather_object"}
+               "all_to_all_single", "barrier", "broadcast_object_list", "all_gather_object",
+               "gather_object"}
 
 
 def _distributed_calls(path: pathlib.Path) -> list[str]:
@@ -93,3 +96,13 @@ def test_run_package_is_called_by_the_conductors_only():
             for forbidden in ("tsp_trainer.engine", "tsp_trainer.observability", "tsp_trainer.trainer",
                               "tsp_trainer.cli", "accelerate", "deepspeed", "wandb"):
                 assert not _uses(names, forbidden), (rel, forbidden)
+
+
+def test_data_knows_nothing_of_distribution():
+    """The data package takes dp_rank and dp_degree as integers (STYLE.md section 2): no
+    torch.distributed, and none of parallel/, engine/, checkpoint/ or the trainer."""
+    for rel, names in _modules():
+        if rel.startswith("data/"):
+            assert not _uses(names, "torch.distributed"), rel
+            ours = {n for n in names if n.startswith("tsp_trainer.")}
+            assert all(n.startswith(("tsp_trainer.data", "tsp_trainer.config")) for n in ours), rel

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.distributed.trainer_cases import config
-from tsp_trainer.checkpoint.manager import CheckpointManager, find_checkpoint, latest_checkpoint
+from tsp_trainer.checkpoint.manager import (CheckpointManager, file_entry, find_checkpoint,
+                                            latest_checkpoint)
 from tsp_trainer.config import load_config, validate_config
 from tsp_trainer.parallel.comm import Comm, CommError, _Work
 from tsp_trainer.parallel.ledger import CommLedger
@@ -130,7 +131,7 @@ def test_publish_never_prunes_the_checkpoint_latest_names(tmp_path):
     def save(step):
         tmp = manager.begin(step)
         (tmp / "model" / "w").write_bytes(b"w")
-        return manager.publish(tmp, step, {"step": step})
+        return manager.publish(tmp, step, {"step": step}, {"model/w": file_entry(tmp / "model" / "w")})
     for step in (10, 20, 30, 40):
         save(step)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000020", "step_00000030",
@@ -211,7 +212,7 @@ class _FailingWork:
 def test_a_backend_timeout_in_wait_becomes_commerror_and_leaves_the_in_flight_record():
     ledger = CommLedger()
     work = _Work(_FailingWork(), lambda: "all_gather of 'attn.kv' (8 bytes) on axis 'tsp'",
-                 ledger.in_flight)
+                 ledger)
     assert ledger.in_flight.describe()[0].startswith("all_gather of 'attn.kv'")
     with pytest.raises(CommError, match="all_gather of 'attn.kv'.*timed out in blocking wait"):
         work.wait()

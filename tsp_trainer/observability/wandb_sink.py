@@ -15,6 +15,8 @@ import math
 import os
 from typing import Any
 
+from tsp_trainer.observability.metric_names import METRICS
+
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -40,6 +42,15 @@ def _refuse_off_rank0() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         raise RuntimeError(f"WandbSink built on global rank {dist.get_rank()}; build it on rank 0 only "
                            "(use observability.make_sinks, which returns a NullSink elsewhere)")
+
+
+def define_metrics(run) -> None:
+    """Declare every row of metric_names.METRICS on the run: the summary W&B keeps for it (min loss,
+    max memory, ...). W&B takes a glob only as a suffix, so a family (`comm/*/*_bytes`) is
+    declared by its prefix (`comm/*`)."""
+    for metric in METRICS:
+        name = metric.name.split("*")[0] + "*" if metric.is_family else metric.name
+        run.define_metric(name, summary=metric.summary)
 
 
 class WandbSink:
@@ -74,6 +85,7 @@ class WandbSink:
             kwargs.update(id=run_id, resume="allow" if (run_id and continues) else None)
         self.run = wandb.init(**kwargs)
         self.skip_through_step = skip_through_step
+        define_metrics(self.run)
         self._closed = False
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are co
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,17 +38,19 @@ class _Work:
     """An async Work whose wait() re-raises failures as CommError with the op's context, and takes
     the op out of the in-flight set once it completed (or failed)."""
 
-    def __init__(self, work, describe, in_flight):
-        self._work, self._describe, self._in_flight = work, describe, in_flight
-        self._token = in_flight.begin(describe)
+    def __init__(self, work, describe, ledger: CommLedger):
+        self._work, self._describe, self._ledger = work, describe, ledger
+        self._token = ledger.in_flight.begin(describe)
 
     def wait(self) -> bool:
+        start = time.perf_counter()
         try:
             return self._work.wait()
         except Exception as err:                 # gloo/NCCL raise RuntimeError subclasses
             raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
         finally:
-            self._in_flight.end(self._token)
+            self._ledger.add_blocked(time.perf_counter() - start)
+            self._ledger.in_flight.end(self._token)
 
 
 class Comm:
@@ -75,14 +78,16 @@ class Comm:
                     f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
         in_flight = self.ledger.in_flight
         token = in_flight.begin(describe)        # until the call returns (sync) or is issued (async)
+        start = time.perf_counter()
         try:
             result = call()
         except Exception as err:
             raise CommError(f"{describe()} failed: {_first_line(err)}") from err
         finally:
+            self.ledger.add_blocked(time.perf_counter() - start)
             in_flight.end(token)
         if async_op:
-            return _Work(result, describe, in_flight)
+            return _Work(result, describe, self.ledger)
         return result
 
     @contextlib.contextmanager
@@ -160,6 +165,16 @@ class Comm:
             box, src=self.ranks[src], group=self.group), role=f"source global rank {self.ranks[src]}")
         return box[0]
 
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        """Every rank's obj, in group order, on group rank `dst` (None elsewhere); pickled, for
+        small control messages (e.g. the checkpoint files each rank wrote, with their sha256)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == dst else None
+        self._run("gather_object", "control", 0, lambda: dist.gather_object(
+            obj, out, dst=self.ranks[dst], group=self.group), role=f"destination global rank {self.ranks[dst]}")
+        return out
+
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]
@@ -187,7 +202,7 @@ class Comm:
             return (f"send/recv of {tag!r} ({_nbytes(send)} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} sending to global rank {dst}, receiving from global "
                     f"rank {src}")
-        return [_Work(w, describe, self.ledger.in_flight) for w in works]
+        return [_Work(w, describe, self.ledger) for w in works]
 
 
 def _nbytes(t: torch.Tensor) -> int:

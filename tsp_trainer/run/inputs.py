@@ -4,8 +4,8 @@ Accelerate or DeepSpeed starts (seconds instead of the tens of seconds of start-
     inputs = check_inputs(cfg, world_size=world)     # ValueError: one line, the CLI exits 2
 
 In order, each cheap: the config against the world size (config/validate.py); the tokenizer loads
-and fits the model's vocabulary; the data sources resolve (local files exist, the splits needed are
-there); the resume path names a checkpoint whose model shape and layout this run accepts; the
+and fits the model's vocabulary; the data (data/checks.py check_data_config: sources, format,
+columns, eval split and source, token budget); the resume path names a checkpoint whose model shape and layout this run accepts; the
 output folder is writable and not another run's (run/rundir.py). The cli runs it on every rank and
 hands the result to the Trainer (the tokenizer is not loaded twice); a Trainer built directly runs
 it itself. Never imports torch.distributed, accelerate or deepspeed.
@@ -21,8 +21,7 @@ from tsp_trainer.checkpoint.manager import META
 from tsp_trainer.checkpoint.reshard import check_layout_change
 from tsp_trainer.config import TrainConfig, validate_config
 from tsp_trainer.config.model import ModelConfig
-from tsp_trainer.data import check_tokenizer_fits, load_run_tokenizer
-from tsp_trainer.data.streaming import looks_like_local_path, resolve_local_files
+from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, load_run_tokenizer
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.run.rundir import check_output_dir, resolve_resume
 
@@ -30,6 +29,7 @@ from tsp_trainer.run.rundir import check_output_dir, resolve_resume
 @dataclass(frozen=True)
 class CheckedInputs:
     tokenizer: TextTokenizer
+    data_plan: DataPlan             # data/checks.py: shares, epochs, eval layout, notes
     resume_path: Path | None        # the checkpoint to continue from (None: start at step 0)
     resume_meta: dict | None        # its meta.json (read here; the manifest is verified at load)
 
@@ -40,7 +40,7 @@ def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
     model_cfg = cfg.model.to_model_config()
     tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size)
-    check_data_sources(cfg)
+    data_plan = check_data_config(cfg, world_size // cfg.parallel.tsp_degree, tokenizer=tokenizer)
     resume_path = resolve_resume(cfg.train.resume, cfg.train.output_dir)
     meta = None
     if resume_path is not None:
@@ -50,24 +50,7 @@ def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
                             policy=cfg.data.on_layout_change, path=resume_path)
     check_output_dir(cfg.train.output_dir, resume=cfg.train.resume, resume_path=resume_path,
                      overwrite=cfg.train.overwrite_output_dir)
-    return CheckedInputs(tokenizer, resume_path, meta)
-
-
-def check_data_sources(cfg: TrainConfig) -> None:
-    """Local sources: the files of the training split (and of the eval split when evaluating)
-    exist and are of one known format. Hub names are left to the loader (needs the network).
-
-    HOOK (data branch, issue 14): its check_data_config(cfg.data, eval_every=...) - data.format
-    honoured, eval source and split rules - belongs here, in place of this function's body."""
-    source = cfg.data.source
-    splits = [cfg.data.train_split]
-    if cfg.train.eval_every and cfg.data.eval_split is not None:
-        splits.append(cfg.data.eval_split)
-    local = Path(source).expanduser().exists() or looks_like_local_path(source)
-    if not local:
-        return
-    for split in splits:
-        resolve_local_files(source, split=split)
+    return CheckedInputs(tokenizer, data_plan, resume_path, meta)
 
 
 def read_meta(path: Path) -> dict:
