@@ -50,13 +50,45 @@ def nccl_env(*, blocking_wait: bool) -> dict[str, str]:
     return {"TORCH_NCCL_BLOCKING_WAIT": "1"} if blocking_wait else {}
 
 
+# Against fragmentation of the CUDA caching allocator (long-context steps free and reallocate
+# buffers of many sizes); applied before CUDA initialises, unless the user set an allocator config.
+DEFAULT_CUDA_ALLOC_CONF = "expandable_segments:True"
+_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")   # torch reads both names
+
+
+def default_allocator_env(environ) -> dict[str, str]:
+    """The allocator settings to add to `environ`: expandable segments unless the user set one of
+    torch's allocator variables (their value is kept as it is)."""
+    if any(name in environ for name in _ALLOC_CONF_VARS):
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": DEFAULT_CUDA_ALLOC_CONF}
+
+
+def cuda_device_index(local_rank: int, visible: int, local_world_size: int | None) -> int:
+    """Which visible GPU this process uses. One GPU per task (SLURM --gpus-per-task=1, or a
+    launcher that sets CUDA_VISIBLE_DEVICES per process) shows each process one device: index 0
+    whatever LOCAL_RANK is. When every process sees the node's GPUs (torchrun), LOCAL_RANK."""
+    if visible < 1:
+        raise ValueError("no CUDA device is visible to this process (CUDA_VISIBLE_DEVICES?)")
+    if visible == 1:
+        return 0
+    if local_rank < visible and (local_world_size is None or local_world_size <= visible):
+        return local_rank
+    raise ValueError(f"LOCAL_RANK={local_rank} with {visible} visible GPUs and LOCAL_WORLD_SIZE="
+                     f"{local_world_size}: give each process one GPU (CUDA_VISIBLE_DEVICES) or every "
+                     f"process all of the node's GPUs (at most {visible} processes per node)")
+
+
 def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bool = False) -> bool:
-    """Device and threads; returns whether CUDA is used."""
+    """Device, allocator and threads; returns whether CUDA is used."""
+    os.environ.update(default_allocator_env(os.environ))      # before CUDA initialises
     import torch
 
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(local_rank)
+        local_world = os.environ.get("LOCAL_WORLD_SIZE")
+        torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count(),
+                                                int(local_world) if local_world else None))
         os.environ.update(nccl_env(blocking_wait=nccl_blocking_wait))
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -25,15 +25,18 @@ from tsp_trainer.checkpoint.manager import CheckpointManager
 from tsp_trainer.config import (TrainConfig, config_to_yaml, hang_dump_after_s, resolve_config, run_facts,
                                 save_resolved_config)
 from tsp_trainer.config.model_source import describe_source
+from tsp_trainer.config.validate import check_precision
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.attention_route import check_cuda_attention
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks, model_and_hardware_flops_per_token)
 from tsp_trainer.optim import build_optimizer, build_scheduler
-from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.loss import global_count, reduce_loss_sum, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
+from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs, check_same_model
 from tsp_trainer.run.session import open_run_folder
@@ -65,9 +68,11 @@ class Trainer:
         self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
+        self._check_device_support()                     # still before any process group
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
-        self.mesh = build_mesh(cfg.parallel.tsp_degree, timeout_s=cfg.train.collective_timeout_s)
+        self.mesh = build_mesh(cfg.parallel.tsp_degree, timeout_s=cfg.train.collective_timeout_s,
+                               device=self.device)
         self.par = self._build_model()
         self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
         self.optimizer = build_optimizer(self.par.model, cfg.optim)
@@ -80,11 +85,11 @@ class Trainer:
         self.checkpointer = Checkpointer(self.ckpt, world=self.mesh.world, device=self.device,
                                          async_save=cfg.checkpoint.async_save)
         self.state = TrainState()
-        self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
+        self.nonfinite = NonFiniteFlags(self.mesh.world)     # device flag, agreed once per step
+        self.nonfinite.watch(self.par.model.parameters())
         self._poisoned = False
         self._saved_step = -1                # step of the newest checkpoint this run wrote or loaded
         self._consecutive_skips = 0
-        self._watch_gradients()
         self._resume(inputs.resume_path)
         self.session = open_run_folder(cfg, world=self.mesh.world, resume_path=inputs.resume_path,
                                        resume_meta=inputs.resume_meta, resumed_step=self.state.step)
@@ -117,6 +122,14 @@ class Trainer:
         self._save_started: float | None = None      # an async save in flight since then
 
     # -- building ---------------------------------------------------------------------------------
+    def _check_device_support(self) -> None:
+        """What this device and dtype cannot run is refused here, naming shape and dtype."""
+        check_precision(zero_stage=self.cfg.zero.stage, bf16=self.bf16)
+        if self.device.type == "cuda":
+            m = self.model_cfg
+            check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                                 head_dim=m.head_dim, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+
     def _ds_config(self, dp: int) -> dict:
         c = self.cfg
         return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
@@ -157,44 +170,36 @@ class Trainer:
                           run_name=s.identity.name, config=config, output_dir=self.cfg.train.output_dir,
                           jsonl=c.jsonl, wandb_run_id=s.identity.wandb_run_id, wandb_options=wandb_options)
 
-    def _watch_gradients(self) -> None:
-        """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
-        def hook(grad):
-            if not torch.isfinite(grad).all():
-                self._nonfinite_grad.fill_(True)
-            return grad
-        for p in self.par.model.parameters():
-            p.register_hook(hook)
-
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         c, mesh = self.cfg, self.mesh
         self.checkpointer.poll()                           # publish a finished background save
         self.metrics.begin_step()
-        loss_value, tokens = 0.0, 0
         lr = self.optimizer.param_groups[0]["lr"]          # the rate this step's update uses
-        self._nonfinite_grad.fill_(False)
-        local_bad, skipped_before = False, self.engine.skipped_steps
+        self.nonfinite.reset()
+        skipped_before = self.engine.skipped_steps
+        # Loss and token sums stay on the device until the step ends: no host sync per micro-step.
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)   # [mean loss, tokens]
         for _ in range(c.train.grad_accum):
             with self.metrics.waiting_for_data():
                 batch = next(self.loader)
             seq_len = batch["input_ids"].shape[1]           # follows data.seq_len_schedule
             loss_sum, total = self._batch_loss(batch)
-            loss = loss_sum * mesh.dims.dp / total
-            if not bool(torch.isfinite(loss_sum)):
-                # A non-finite loss must poison every gradient it touches (an additive NaN would
-                # not), so DeepSpeed's overflow check, agreed over dp and tsp, skips the update.
-                local_bad, loss = True, loss * float("nan")
+            # A non-finite loss poisons every gradient (NaN scale), so DeepSpeed's overflow check,
+            # agreed over dp and tsp, skips the update.
+            loss = self.nonfinite.poison_if_nonfinite(loss_sum, loss_sum * mesh.dims.dp / total)
             with mesh.dp.foreign_ops("DeepSpeed ZeRO gradient reduction (engine.backward)"):
                 self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary():
-                self._check_finite(local_bad)
+                self._check_finite()
             self.checkpointer.before_update()              # an async snapshot has been copied
             with mesh.dp.foreign_ops("DeepSpeed ZeRO step (engine.step: norm and overflow "
                                      "all-reduces, parameter all-gather)", also=[mesh.tsp]):
                 self.engine.step()
-            loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
-            tokens += int(total)
+            sums[0] += reduce_loss_sum(loss_sum, self._loss_comms) / total.clamp(min=1) / c.train.grad_accum
+            sums[1] += total
+        loss_value, tokens = sums.tolist()                  # the step's one read of its sums
+        tokens = int(tokens)
         skipped = self._after_update(skipped_before)
         self.state.tokens_seen += tokens
         grad_norm = self.engine.get_global_grad_norm()
@@ -208,16 +213,15 @@ class Trainer:
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
-        ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device),
-                                                batch["labels"].to(self.device))
+        # non_blocking: a host-to-device copy that does not wait for the GPU's queue (no sync)
+        ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device, non_blocking=True),
+                                                batch["labels"].to(self.device, non_blocking=True))
         loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
         return loss_sum, global_count(count, self._loss_comms)
 
-    def _check_finite(self, local_bad: bool) -> None:
+    def _check_finite(self) -> None:
         """All ranks agree, before the update, whether this step is poisoned."""
-        flag = torch.tensor(float(local_bad or bool(self._nonfinite_grad)))
-        self.mesh.world.all_reduce(flag, tag="nonfinite.flag", op=torch.distributed.ReduceOp.MAX)
-        self._poisoned = bool(flag)
+        self._poisoned = self.nonfinite.agree()
         if self._poisoned and self.cfg.train.nonfinite == "stop":
             raise NonFiniteError(f"non-finite loss or gradient at step {self.state.step + 1} "
                                  "(train.nonfinite=stop): stopped before the optimizer update")
@@ -350,7 +354,8 @@ class Trainer:
         return {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                         "numpy": np.random.get_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+                        # this process's device only: a resume may see fewer GPUs (one per task)
+                        "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
 
     def _resume(self, path) -> None:
         if path is None:
@@ -404,6 +409,19 @@ def _set_rng(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    cuda = cuda_rng_state_for_this_device(rng.get("cuda"), torch.cuda.current_device()
+                                          if torch.cuda.is_available() else None)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def cuda_rng_state_for_this_device(saved, device_index: int | None):
+    """The saved CUDA generator state this process restores into its current device: the single
+    state a checkpoint holds, or (checkpoints that saved every visible GPU) this device's entry.
+    None when there is nothing to restore or no CUDA device here."""
+    if saved is None or device_index is None:
+        return None
+    if isinstance(saved, (list, tuple)):
+        return saved[device_index] if device_index < len(saved) else None
+    return saved
 

@@ -18,6 +18,14 @@ Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub"]
 LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
+
+
+def resolved_dtype(dtype: str, cuda: bool) -> str:
+    """"bf16" or "fp32": what train.dtype (or tsp-bench --dtype) means on this device; "auto"
+    is bf16 on GPUs and fp32 on CPUs (bf16 matmuls are slow and imprecise there)."""
+    return ("bf16" if cuda else "fp32") if dtype == "auto" else dtype
+
+
 NonFinite = Literal["skip", "stop"]
 WandbMode = Literal["disabled", "offline", "online"]
 WandbReplay = Literal["skip", "rewind"]

@@ -75,6 +75,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_numbers(cfg)
     _check_zero(cfg.zero.stage)
+    check_precision(zero_stage=cfg.zero.stage, bf16=cfg.train.dtype == "bf16")
     if cfg.zero.stage == 0 and cfg.train.nonfinite == "skip":
         raise ValueError("train.nonfinite='skip' needs zero.stage 1 or 2 (their overflow check, agreed "
                          "over all ranks, is what skips the update); zero.stage=0 has none: use "
@@ -221,6 +222,15 @@ def _check_zero(stage: Any) -> None:
                          "sharded weights (DESIGN.md section 7); use zero.stage 0, 1 or 2")
     if stage not in (0, 1, 2) or isinstance(stage, bool):
         raise ValueError(f"zero.stage={stage!r} must be 0, 1 or 2 (DeepSpeed ZeRO stage over the DP axis)")
+
+
+def check_precision(*, zero_stage: int, bf16: bool) -> None:
+    """bf16 needs fp32 gradient accumulation, which DeepSpeed provides with ZeRO 1 and 2 only
+    (train.dtype=auto resolves to bf16 on GPUs: the Trainer calls this again once it knows)."""
+    if bf16 and zero_stage == 0:
+        raise ValueError("zero.stage=0 with bf16 (train.dtype=bf16, or auto on GPUs) would accumulate "
+                         "and reduce gradients in bf16 (DeepSpeed has no fp32 gradient accumulation "
+                         "without ZeRO); use zero.stage 1 or 2, or train.dtype=fp32")
 
 
 def _require_int(key: str, value: Any, minimum: int) -> None:

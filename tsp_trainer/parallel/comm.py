@@ -10,7 +10,12 @@ rank and the peers involved, instead of a bare backend message (or, with no time
 In flight: every op is entered into `ledger.in_flight` when issued and removed when it returns (or
 its Work is waited), so the hang watchdog can name the op a stalled step is waiting on. Ops another
 library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are covered by
-`Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError."""
+`Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
+
+Device guard: a Comm knows the compute device of the run (cuda:<local device> under NCCL, cpu
+under gloo). Every tensor op checks its tensors are there before it is issued, also on groups of
+size 1, and raises WrongDeviceError naming the op: NCCL serves only CUDA tensors, and a host tensor
+handed to it fails deep inside the backend ("No backend type associated with device type cpu")."""
 
 from __future__ import annotations
 
@@ -25,6 +30,10 @@ from tsp_trainer.parallel.ledger import CommLedger
 
 class CommError(RuntimeError):
     """A collective or P2P op failed (peer gone, timeout, broken connection)."""
+
+
+class WrongDeviceError(RuntimeError):
+    """A tensor handed to a collective is not on the run's compute device (a programming error)."""
 
 
 class _Done:
@@ -56,21 +65,34 @@ class _Work:
 class Comm:
     """A process group seen from one rank: its global ranks, this rank's index, and a ledger."""
 
-    def __init__(self, group, ranks: list[int], rank: int, ledger: CommLedger, axis: str):
+    def __init__(self, group, ranks: list[int], rank: int, ledger: CommLedger, axis: str, *,
+                 device: torch.device | str = "cpu"):
         self.group = group
         self.ranks = list(ranks)      # global rank of each group member, in group order
         self.rank = rank              # this process's index in `ranks`
         self.size = len(ranks)
         self.ledger = ledger
         self.axis = axis
+        self.device = torch.device(device)    # where every tensor of this group's ops must live
 
     def __repr__(self) -> str:
-        return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks})"
+        return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks}, device={self.device})"
+
+    def check_device(self, op: str, tag: str, *tensors: torch.Tensor) -> None:
+        """Raise WrongDeviceError unless every tensor is on this run's compute device."""
+        for i, t in enumerate(tensors):
+            if not on_device(t, self.device):
+                raise WrongDeviceError(
+                    f"{op} of {tag!r} on axis {self.axis!r}: tensor {i} {tuple(t.shape)} "
+                    f"{t.dtype} is on {t.device}, but this run computes on {self.device} (the "
+                    f"process group serves that device; NCCL rejects host tensors): create it "
+                    f"on the compute device (device=...)")
 
     def _run(self, op: str, tag: str, nbytes: int, call, *, peers=None, async_op: bool = False,
-             role: str = ""):
+             role: str = "", dtype: torch.dtype | None = None):
         """Record the op, issue it, and attach context to any failure."""
-        self.ledger.record(op, axis=self.axis, tag=tag, group_size=self.size, nbytes=nbytes)
+        self.ledger.record(op, axis=self.axis, tag=tag, group_size=self.size, nbytes=nbytes,
+                           dtype=_dtype_name(dtype))
 
         def describe() -> str:
             who = f"group global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
@@ -115,42 +137,49 @@ class Comm:
 
     # -- collectives ------------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int, *, tag: str, async_op: bool = False):
+        self.check_device("broadcast", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         return self._run("broadcast", tag, _nbytes(tensor), lambda: dist.broadcast(
             tensor, src=self.ranks[src], group=self.group, async_op=async_op),
-            async_op=async_op, role=f"source global rank {self.ranks[src]}")
+            async_op=async_op, role=f"source global rank {self.ranks[src]}", dtype=tensor.dtype)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """out: [D * inp.shape[0], ...] (rank-major concatenation)."""
+        self.check_device("all_gather", tag, out, inp)
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
         return self._run("all_gather", tag, _nbytes(out), lambda: dist.all_gather_single(
-            out, inp.contiguous(), group=self.group, async_op=async_op), async_op=async_op)
+            out, inp.contiguous(), group=self.group, async_op=async_op), async_op=async_op,
+            dtype=out.dtype)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """Sum over the group of inp [D * out.shape[0], ...]; this rank keeps block `rank`."""
+        self.check_device("reduce_scatter", tag, out, inp)
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
         return self._run("reduce_scatter", tag, _nbytes(inp), lambda: dist.reduce_scatter_single(
             out, inp.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            async_op=async_op)
+            async_op=async_op, dtype=inp.dtype)
 
     def reduce(self, tensor: torch.Tensor, dst: int, *, tag: str, async_op: bool = False):
         """Sum into `tensor` on group rank `dst` (other ranks' buffers are left undefined)."""
+        self.check_device("reduce", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         return self._run("reduce", tag, _nbytes(tensor), lambda: dist.reduce(
             tensor, dst=self.ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            async_op=async_op, role=f"destination global rank {self.ranks[dst]}")
+            async_op=async_op, role=f"destination global rank {self.ranks[dst]}", dtype=tensor.dtype)
 
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self.check_device("all_reduce", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         return self._run("all_reduce", tag, _nbytes(tensor), lambda: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op)
+            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op,
+            dtype=tensor.dtype)
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -188,21 +217,32 @@ class Comm:
                  tag: str, p2p_tag: int = 0) -> list:
         """Post one isend and one irecv (batch_isend_irecv) to/from group ranks; returns works.
         `p2p_tag` keeps concurrent exchanges between the same pair apart (gloo matches by tag)."""
+        self.check_device("send/recv", tag, send, recv)
         if self.size == 1:
             recv.copy_(send)
             return []
-        self.ledger.record("send", axis=self.axis, tag=tag, group_size=self.size, nbytes=_nbytes(send))
+        self.ledger.record("send", axis=self.axis, tag=tag, group_size=self.size, nbytes=_nbytes(send),
+                           dtype=_dtype_name(send.dtype))
         dst, src = self.ranks[send_to], self.ranks[recv_from]
         ops = [dist.P2POp(dist.isend, send, dst, self.group, p2p_tag),
                dist.P2POp(dist.irecv, recv, src, self.group, p2p_tag)]
         works = self._run("recv", tag, _nbytes(recv), lambda: dist.batch_isend_irecv(ops),
-                          peers=[dst, src])
+                          peers=[dst, src], dtype=recv.dtype)
 
         def describe() -> str:
             return (f"send/recv of {tag!r} ({_nbytes(send)} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} sending to global rank {dst}, receiving from global "
                     f"rank {src}")
         return [_Work(w, describe, self.ledger) for w in works]
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """t lives on `device` (an index-less device such as "cuda" matches any index)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _nbytes(t: torch.Tensor) -> int:

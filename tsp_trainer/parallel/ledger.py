@@ -30,6 +30,7 @@ class CommRecord:
     tag: str          # what moved, e.g. "attn.weights", "attn.kv", "mlp.ring"
     group_size: int
     nbytes: int
+    dtype: str = ""   # element type of the payload, e.g. "float32" ("" for control messages)
 
 
 class InFlight:
@@ -70,9 +71,17 @@ class CommLedger:
         self.in_flight = InFlight()
         self.blocked_s = 0.0          # host seconds blocked in ops since the last reset()
 
-    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int) -> None:
+    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int,
+               dtype: str = "") -> None:
         if self.enabled:
-            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes)))
+            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes), dtype))
+
+    def dtypes_by_tag(self) -> dict[str, set[str]]:
+        """tag -> element types its payloads had (tests assert e.g. fp32 gradient reductions)."""
+        out: dict[str, set[str]] = collections.defaultdict(set)
+        for r in self.records:
+            out[r.tag].add(r.dtype)
+        return dict(out)
 
     def add_blocked(self, seconds: float) -> None:
         self.blocked_s += seconds

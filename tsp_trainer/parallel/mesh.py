@@ -57,6 +57,7 @@ class Mesh:
     def __init__(self, dims: ParallelDims, rank: int, tsp: Comm, dp: Comm, world: Comm,
                  ledger: CommLedger):
         self.dims, self.rank, self.ledger = dims, rank, ledger
+        self.device = tsp.device                  # the run's compute device (all Comms share it)
         self.dp_rank, self.tsp_rank = dims.coords(rank)
         self.tsp, self.dp, self.world = tsp, dp, world
 
@@ -64,15 +65,26 @@ class Mesh:
         return f"Mesh(rank={self.rank}, dp={self.dims.dp}, tsp={self.dims.tsp})"
 
 
+def compute_device() -> torch.device:
+    """The device the default process group serves: CUDA (this process's current device) under
+    NCCL, the CPU otherwise (gloo, the dry run's fake group)."""
+    if "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def build_mesh(tsp_degree: int, *, ledger: CommLedger | None = None,
-               timeout_s: float | None = None) -> Mesh:
+               timeout_s: float | None = None, device: torch.device | str | None = None) -> Mesh:
     """Create the dp and tsp groups of the already-initialised default process group.
 
     Args:
         timeout_s: collective timeout of every group created (train.collective_timeout_s); None
             takes the default group's timeout.
+        device: the run's compute device, which every Comm op checks its tensors against
+            (default: the one the default group serves, `compute_device()`).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = compute_device() if device is None else torch.device(device)
     dims = ParallelDims(world, tsp_degree)
     ledger = ledger if ledger is not None else CommLedger()
     timeout = group_timeout(timeout_s)
@@ -80,9 +92,10 @@ def build_mesh(tsp_degree: int, *, ledger: CommLedger | None = None,
     # Every rank must call new_group for every group, in the same order.
     tsp_groups = [_new_group(dims.tsp_group_ranks(d), "tsp", timeout) for d in range(dims.dp)]
     dp_groups = [_new_group(dims.dp_group_ranks(t), "dp", timeout) for t in range(dims.tsp)]
-    tsp = Comm(tsp_groups[dp_rank], dims.tsp_group_ranks(dp_rank), tsp_rank, ledger, "tsp")
-    dp = Comm(dp_groups[tsp_rank], dims.dp_group_ranks(tsp_rank), dp_rank, ledger, "dp")
-    world_comm = Comm(dist.group.WORLD, list(range(world)), rank, ledger, "world")
+    tsp = Comm(tsp_groups[dp_rank], dims.tsp_group_ranks(dp_rank), tsp_rank, ledger, "tsp",
+               device=device)
+    dp = Comm(dp_groups[tsp_rank], dims.dp_group_ranks(tsp_rank), dp_rank, ledger, "dp", device=device)
+    world_comm = Comm(dist.group.WORLD, list(range(world)), rank, ledger, "world", device=device)
     return Mesh(dims, rank, tsp, dp, world_comm, ledger)
 
 
@@ -107,7 +120,7 @@ def _new_group(ranks: list[int], axis: str, timeout: datetime.timedelta | None):
 def axis_view(comm: Comm, axis: str) -> Comm:
     """The same process group under another axis name (no new group): the baselines name the D
     ranks of the inner axis "tp" or "sp" so the ledger and the ShardSpecs say which role they play."""
-    return Comm(comm.group, comm.ranks, comm.rank, comm.ledger, axis)
+    return Comm(comm.group, comm.ranks, comm.rank, comm.ledger, axis, device=comm.device)
 
 
 def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int, *,
@@ -137,5 +150,6 @@ def _member_comm(groups: list[list[int]], mesh: Mesh, axis: str, timeout) -> Com
     handles = [_new_group(g, axis, timeout) if len(g) > 1 else None for g in groups]
     for ranks, handle in zip(groups, handles):
         if mesh.rank in ranks:
-            return Comm(handle, ranks, ranks.index(mesh.rank), mesh.ledger, axis)
+            return Comm(handle, ranks, ranks.index(mesh.rank), mesh.ledger, axis,
+                        device=mesh.tsp.device)
     raise AssertionError(f"rank {mesh.rank} is in no {axis} group of {groups}")
