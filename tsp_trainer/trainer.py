@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
