@@ -39,7 +39,7 @@ def preempted_rank(rank, world, overrides, at_step=None, victim=None, signame="S
     history = trainer.fit()
     returned = time.monotonic()
     weights = trainer.par.gather_full_state_dict()
-    return {"losses": [h["loss"] for h in history], "stop_reason": trainer.stop_reason,
+    return {"losses": [h["train/loss"] for h in history], "stop_reason": trainer.stop_reason,
             "step": trainer.state.step, "weights": weights if rank == 0 else None,
             "signal_to_return_s": returned - sent["t"] if sent else None, "marked_preempting": bool(marked),
             "handlers_restored": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL}

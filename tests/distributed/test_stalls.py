@@ -79,7 +79,9 @@ def test_stalled_peer_in_zero_gradient_reduction(tmp_path):
         assert rep["type"] == "CommError", rep
         assert rep["waited_s"] < TIMEOUT_S + 4 + MARGIN_S, rep
     dumps = {r: (out / "hang_dumps" / f"rank_{r:05d}.txt") for r in range(4)}
-    assert not dumps[3].exists()                            # the stopped rank cannot dump itself
+    # The stopped rank cannot dump the stuck step itself (on a loaded machine its slow first step
+    # may have passed hang_dump_s and been dumped, which is what the watchdog is for).
+    assert not dumps[3].exists() or "step 2 has run" not in dumps[3].read_text()
     for r in (0, 1, 2):
         text = dumps[r].read_text()
         assert f"[rank {r}] hang watchdog: step 2 has run" in text, text
