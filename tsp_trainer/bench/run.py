@@ -84,6 +84,10 @@ def _build_scheme(rank: int, world: int, job: dict):
     model.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
         model.block_wrapper = _checkpoint_block
+    if job.get("offload_activations"):                  # train.offload_activations (model/offload.py)
+        from tsp_trainer.model.offload import ActivationOffload
+
+        model.block_wrapper = ActivationOffload(model.block_wrapper)
     ids, labels = make_batch(cfg, job["micro_batch"], job["seq_len"], job["seed"])
     local_ids, local_labels, positions = par.local_batch(ids.to(device), labels.to(device))
     batch = [local_ids, local_labels, positions]
