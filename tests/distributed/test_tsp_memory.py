@@ -1,10 +1,12 @@
 """Transient memory of the TSP blocks, measured (live tensor bytes allocated inside one forward +
 backward of a block, minus its output, input gradient and parameter gradients).
 
-Measured at h = 512, I = 2048, 64 tokens (weights dominate): attention ~6.3 and MLP ~6.0 packed
-shards at D = 4 and 8 (two weight buffers, this rank's packed copy, gradient packs /
-accumulators in flight and autograd's per-shard gradients), independent of D in units of a shard,
-so the transient is a fixed number of shards (P/D), never the full layer once D >= 8."""
+Measured at h = 512, I = 2048, 64 tokens (weights dominate): attention ~6.3 packed shards at D = 4
+and 8 (two weight buffers, this rank's packed copy, gradient packs / accumulators in flight and
+autograd's per-shard gradients); the MLP ~3.1 (issue 12: its weight gradients go straight into the
+ring's fp32 accumulator and the sent accumulator is the next receive buffer: the shard in use, the
+one arriving and two accumulators; before: 6.0), independent of D in units of a shard, so the
+transient is a fixed number of shards (P/D), never the full layer once D >= 8."""
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from tests.helpers.dist import run_on_ranks
 
 pytestmark = pytest.mark.distributed
-SHARDS_BOUND = 6.5          # measured 6.0-6.3; a schedule that held a full layer would be D
+SHARDS_BOUND = {"attn": 6.5, "mlp": 4.0}   # measured 6.3 and 3.1; a full layer would be D
 
 
 def _transient(rank, world, h, inter, seq):
@@ -50,5 +52,7 @@ def test_transient_is_a_few_shards_never_a_full_layer_at_d8():
         for name, m in o.items():
             kv_bucket = seq * 2 * h // 8 * 4 if name == "attn" else 0     # gathered K/V, one bucket
             activations = 16 * seq // 8 * max(h, inter // 8) * 4          # local [T, .] temporaries
-            assert m["transient"] <= SHARDS_BOUND * m["shard"] + 3 * kv_bucket + activations, (name, m)
+            assert m["transient"] <= SHARDS_BOUND[name] * m["shard"] + 3 * kv_bucket + activations, (name, m)
+            if name == "mlp":                  # the MLP's transient is at most 4 packed shards
+                assert m["transient"] <= 4 * m["shard"], m
             assert m["transient"] < 8 * m["shard"], (name, m)           # a full layer is 8 shards

@@ -394,12 +394,13 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device)
 
 
 def _mlp_ring_backward_shards(w: int, ew: int) -> int:
-    """Bytes of packed MLP shards alive in a step of the reverse ring (tsp/mlp.py, tsp/ring.py):
-    the shard in use and the one arriving (2 w), the step's weight gradients and their packed copy
-    (2 w), its fp32 copy in bf16 runs, and two fp32 accumulators (the one in flight to p - 1 and
-    the one arriving from p + 1)."""
+    """Bytes of packed MLP shards alive in a step of the reverse ring (tsp/mlp.py,
+    tsp/ring.py::ring_backward_into): the shard in use and the one arriving (2 w) and two fp32
+    accumulators (the one being filled, the one arriving; the sent one is reused as the next
+    receive buffer); weight gradients go straight into the accumulator (in bf16 through one
+    weight-sized product at a time)."""
     acc = w * 4 // ew
-    return 4 * w + (acc if ew != 4 else 0) + 2 * acc
+    return 2 * w + 2 * acc + (w // 3 if ew != 4 else 0)
 
 
 def _baseline_transients(cfg, layout, seq_len, prec, tok, norm_saved, layer_saved, device) -> dict[str, int]:

@@ -5,7 +5,9 @@ intermediate dim). Forward: the packed shard passes around the ring (batch_isend
 before the GEMMs so the transfer overlaps them); each step adds silu(X_p Wg_j^T) * (X_p Wu_j^T)
 Wd_j^T to the local output. The contraction over the intermediate dim completes locally: no
 all-reduce. Backward: the reverse ring carries an fp32 gradient accumulator with each shard, so the
-full weight gradient, summed over the D ranks in fp32, ends at its owner (see tsp/ring.py). Saved:
+full weight gradient, summed over the D ranks in fp32, ends at its owner (see tsp/ring.py); the
+weight gradients are written straight into that accumulator (`gated_mlp_backward_into`), and the
+accumulator sent at one step is the next step's receive buffer: 4 packed buffers per step. Saved:
 X_p only; per-shard activations are recomputed in backward. With mlp_bias (Llama), the gate/up
 biases of the block travel in the packed shard; down_proj's bias is replicated, added once per
 token after the ring, and its gradient summed over the group in fp32 (like a norm's, tag
@@ -16,12 +18,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tsp_trainer.model.layers import gated_mlp
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
-from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward, unpack
+from tsp_trainer.parallel.tsp.ring import pack, ring_backward_into, ring_forward, unpack
 
 
 class TSPGatedMLP(nn.Module):
@@ -66,16 +69,47 @@ class _TSPMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        h = x.shape[-1]
+        x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
+        dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
 
-        def grad_step(_j: int, flat: torch.Tensor) -> torch.Tensor:
-            with torch.enable_grad():
-                xl = x.detach().requires_grad_()
-                ws = [w.detach().requires_grad_() for w in unpack(flat, ctx.shapes)]
-                grads = torch.autograd.grad(gated_mlp(xl, *ws), (xl, *ws), dy)
-            dx.add_(grads[0])
-            return pack(*grads[1:]).float()      # the ring sums the D ranks' partials in fp32
+        def grad_into(_j: int, flat: torch.Tensor, acc: torch.Tensor) -> None:
+            # the weight (and gate/up bias) gradients go straight into the fp32 accumulator
+            gated_mlp_backward_into(x2, dy2, unpack(flat, ctx.shapes), unpack(acc, ctx.shapes), dx)
 
-        full = ring_backward(ctx.comm, pack(*params), grad_step, tag="mlp.weights")
+        full = ring_backward_into(ctx.comm, pack(*params), grad_into, tag="mlp.weights")
         grads = (g.to(p.dtype) for g, p in zip(unpack(full, ctx.shapes), params))   # fp32 -> params'
-        return (dx.to(x.dtype), None, *grads)
+        return (dx.view(x.shape).to(x.dtype), None, *grads)
+
+
+def gated_mlp_backward_into(x: torch.Tensor, dy: torch.Tensor, ws: list[torch.Tensor],
+                            acc: list[torch.Tensor], dx: torch.Tensor) -> None:
+    """Backward of `gated_mlp` for one block of the intermediate dim, by hand so that the weight
+    gradients are added into `acc` (fp32 views of the ring's packed accumulator) without a
+    gradient tensor of their own. x, dy [n, h]; ws = W_gate, W_up [I/D, h], W_down [h, I/D]
+    (+ b_gate, b_up [I/D]); acc the same shapes in fp32; dx [n, h] fp32 (added into).
+    Recomputes the [n, I/D] intermediates (TSP saves only X_p)."""
+    wg, wu, wd = ws[:3]
+    bg, bu = (ws[3], ws[4]) if len(ws) > 3 else (None, None)
+    g = F.linear(x, wg, bg)                      # [n, I/D] gate pre-activation
+    u = F.linear(x, wu, bu)                      # [n, I/D]
+    sig = torch.sigmoid(g)
+    a = g * sig                                  # silu(g)
+    _add_matmul(acc[2], dy.t(), a * u)           # dW_down [h, I/D] = dy^T (silu(g) * u)
+    dp = dy @ wd                                 # [n, I/D] gradient of silu(g) * u
+    du = dp * a
+    dg = dp.mul_(u).mul_(sig * (1 + g * (1 - sig)))    # silu'(g) = sig (1 + g (1 - sig))
+    _add_matmul(acc[0], dg.t(), x)               # dW_gate [I/D, h]
+    _add_matmul(acc[1], du.t(), x)               # dW_up [I/D, h]
+    if bg is not None:
+        acc[3].add_(dg.sum(0, dtype=torch.float32))
+        acc[4].add_(du.sum(0, dtype=torch.float32))
+    dx.add_(dg @ wg).add_(du @ wu)
+
+
+def _add_matmul(out32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out32 += a @ b: in place in fp32; for bf16 operands through one product in their dtype."""
+    if a.dtype == torch.float32:
+        out32.addmm_(a, b)
+    else:
+        out32.add_(a @ b)

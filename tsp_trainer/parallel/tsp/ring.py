@@ -74,6 +74,39 @@ def ring_backward(comm: Comm, own: torch.Tensor | None,
     return acc_in                                  # shard p's accumulator, home after D hops
 
 
+def ring_backward_into(comm: Comm, own: torch.Tensor,
+                       grad_into: Callable[[int, torch.Tensor, torch.Tensor], None], *,
+                       tag: str) -> torch.Tensor:
+    """`ring_backward` with the partial gradients written straight into the travelling fp32
+    accumulator: grad_into(j, shard_j, acc) adds this rank's gradient for shard j into `acc`
+    (packed, fp32). Buffers are reused: the accumulator sent at one step becomes the receive
+    buffer of the next, so a step holds 4 packed buffers: the shard in use, the one arriving, the
+    accumulator being filled and the one arriving (tests/distributed/test_tsp_memory.py)."""
+    d, p = comm.size, comm.rank
+    cur, nxt = own, (torch.empty_like(own) if d > 1 else None)
+    acc = torch.zeros(own.shape, dtype=torch.float32, device=own.device)
+    spare, acc_works = None, []
+    for k in range(d):
+        w_works = []
+        if k < d - 1:
+            w_works = comm.exchange(cur, nxt, send_to=(p - 1) % d, recv_from=(p + 1) % d, tag=tag,
+                                    p2p_tag=_WEIGHT_TAG)
+        if k > 0:
+            wait_all(acc_works)                   # acc: shard p+k's accumulator, from p+1
+        grad_into((p + k) % d, cur, acc)
+        if d == 1:
+            return acc
+        recv = spare if spare is not None else torch.empty_like(acc)
+        acc_works = comm.exchange(acc, recv, send_to=(p - 1) % d, recv_from=(p + 1) % d,
+                                  tag=tag + ".grad", p2p_tag=_GRAD_TAG)
+        wait_all(w_works)
+        if k < d - 1:
+            cur, nxt = nxt, cur
+        acc, spare = recv, acc                    # the sent buffer is the next receive buffer
+    wait_all(acc_works)
+    return acc                                     # shard p's accumulator, home after D hops
+
+
 def broadcast_shards(comm: Comm, own: torch.Tensor, *, tag: str) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (r, shard_r) for r = 0..D-1: owner r broadcasts its packed shard; shard r+1 is
     prefetched into the second buffer while the caller computes with shard r. Every rank issues the
