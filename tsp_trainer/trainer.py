@@ -24,6 +24,7 @@ from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import (build_loader, check_tokenizer_fits, iterate_eval_batches,
                               load_run_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
+from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
 from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
                                        model_and_hardware_flops_per_token, peak_memory_bytes)
@@ -57,6 +58,7 @@ class Trainer:
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
         self.tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        passkey = build_passkey_task(cfg, self.tokenizer, self.model_cfg)   # reads its filler text
         self.log = get_logger(__name__, rank=global_rank)
         self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -72,6 +74,8 @@ class Trainer:
         self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                            TSPMpu(self.mesh))
         self.loader = self._build_loader()
+        self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device,
+                                   eval_batches=self._eval_batches, passkey=passkey, log=self.log)
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
         self.state = TrainState()
@@ -196,20 +200,14 @@ class Trainer:
                 "data_wait_s": data_wait, "skipped": int(skipped),
                 "skipped_steps": self.state.skipped_steps, "tokens_seen": self.state.tokens_seen}
 
-    # -- evaluation -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> float:
+    # -- evaluation (tsp_trainer/eval: loss by position, passkey) --------------------------------
+    def _eval_batches(self):
         c = self.cfg
-        total_loss, total_tokens = 0.0, 0.0
-        for batch in iterate_eval_batches(c.data.source, tokenizer=self.tokenizer, seq_len=c.data.seq_len,
-                                          micro_batch_size=c.data.micro_batch_size,
-                                          num_batches=c.train.eval_batches, split=c.data.eval_split,
-                                          text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
-                                          dp_degree=self.mesh.dims.dp):
-            s, total = self._batch_loss(batch)
-            total_loss += reduce_loss_value(s, total, self._loss_comms) * float(total)
-            total_tokens += float(total)
-        return total_loss / max(total_tokens, 1.0)
+        return iterate_eval_batches(c.data.source, tokenizer=self.tokenizer, seq_len=c.data.seq_len,
+                                    micro_batch_size=c.data.micro_batch_size,
+                                    num_batches=c.train.eval_batches, split=c.data.eval_split,
+                                    text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
+                                    dp_degree=self.mesh.dims.dp)
 
     # -- loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -220,9 +218,9 @@ class Trainer:
             while self.state.step < c.train.steps:
                 metrics = self.train_step()
                 step = self.state.step
-                if c.train.eval_every and step % c.train.eval_every == 0:
-                    metrics["eval_loss"] = self.evaluate()
-                if step % c.logging.log_every == 0 or step == c.train.steps:
+                evaluated = self.evaluator.run(step)        # {} unless an evaluation is due
+                metrics.update(evaluated)
+                if step % c.logging.log_every == 0 or step == c.train.steps or evaluated:
                     self.sinks.log(step, metrics)
                 bar.update(loss=metrics["loss"], tokens_per_s=metrics.get("tokens_per_s"))
                 history.append(metrics)

@@ -152,6 +152,8 @@ def _accepts(value: Any, kind: Any) -> bool:
         return any(_accepts(value, a) for a in args)
     if kind is type(None):
         return value is None
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_accepts(v, args[0]) for v in value)
     if isinstance(value, bool):   # bool is an int subclass; only a bool field takes it
         return kind is bool
     if kind is float:
@@ -167,6 +169,8 @@ def _describe(kind: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0]).split(' ', 1)[-1]}s"
     names = {int: "an int", float: "a number", bool: "a bool (true/false)", str: "a string",
              type(None): "null"}
     return names.get(kind, kind.__name__)

@@ -4,6 +4,7 @@ NullSink everywhere else. wandb is imported only by wandb_sink.py, lazily.
 
 Keys the ConsoleSink knows how to print (others go to the JSONL file and W&B only):
     loss, lr, grad_norm, tokens_per_s, mfu, peak_mem_bytes
+A value may be a MetricTable (tables.py): JSONL writes its columns and rows, W&B a table and chart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from typing import IO, Any, Iterable, Protocol, runtime_checkable
 
 from tsp_trainer.observability.log import get_logger
+from tsp_trainer.observability.tables import MetricTable
 from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
 
 
@@ -26,7 +28,10 @@ class MetricsSink(Protocol):
 
 
 def _to_json_value(value: Any) -> Any:
-    """Python scalars as-is; 0-d tensors / numpy scalars via .item(); NaN and inf as null (strict JSON)."""
+    """Python scalars as-is; 0-d tensors / numpy scalars via .item(); NaN and inf as null (strict JSON);
+    a MetricTable as {"columns": [...], "rows": [...]}."""
+    if isinstance(value, MetricTable):
+        return value.to_json()
     if hasattr(value, "item") and callable(value.item):
         try:
             value = value.item()
