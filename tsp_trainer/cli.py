@@ -1,4 +1,5 @@
-"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-eval.
+"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-dashboard,
+tsp-report, tsp-tokenize, tsp-eval.
 
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
@@ -85,8 +86,9 @@ def train_main(argv: list[str] | None = None) -> None:
         trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda)
         history = trainer.fit()
         if rank == 0 and history:
-            print(f"tsp-train: done: {trainer.state.step} steps, loss {history[0]['loss']:.4f} -> "
-                  f"{history[-1]['loss']:.4f}, checkpoints in {cfg.train.output_dir}/checkpoints")
+            first, last = history[0]["train/loss"], history[-1]["train/loss"]
+            print(f"tsp-train: done: {trainer.state.step} steps, loss {first:.4f} -> {last:.4f}, "
+                  f"checkpoints in {cfg.train.output_dir}/checkpoints")
     except ValueError as err:                           # bad input found after start-up
         print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
         code = 2
@@ -160,8 +162,27 @@ def eval_main(argv: list[str] | None = None) -> None:
     _exit(code)
 
 
+def dashboard_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.observability.dashboard import main
+
+    raise SystemExit(main(argv))
+
+
+def report_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.observability.report import main
+
+    raise SystemExit(main(argv))
+
+
+def tokenize_main(argv: list[str] | None = None) -> None:
+    from tsp_trainer.data.tokenize_cli import main
+
+    raise SystemExit(main(argv))
+
+
 COMMANDS = {"train": train_main, "bench": bench_main, "plan": plan_main,
-            "export": export_main, "eval": eval_main}
+            "export": export_main, "dashboard": dashboard_main, "report": report_main,
+            "tokenize": tokenize_main, "eval": eval_main}
 
 
 def main(argv: list[str] | None = None) -> None:

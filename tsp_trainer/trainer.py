@@ -1,5 +1,6 @@
 """The Trainer: builds, in order, mesh -> model with its parallel scheme -> DeepSpeed engine under
-Accelerate -> data -> checkpoints -> logging; then fit() runs train_step() / evaluate().
+Accelerate -> data -> checkpoints -> logging; then fit() runs train_step() and, when due,
+self.evaluator.run(step) (tsp_trainer/eval: eval loss, loss by position, passkey).
 
 One optimizer step = grad_accum micro-batches per DP rank. Every rank of a TSP group reads the same
 micro-batch (the loader is split by dp rank only) and takes its zigzag slice. The loss backpropagated
@@ -9,40 +10,38 @@ grad_accum, so the update follows the mean over all tokens of the global batch.
 
 from __future__ import annotations
 
+import functools
 import random
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tsp_trainer.checkpoint import reshard
+# CheckpointSaveError is re-exported: callers and tests import it from the trainer.
+from tsp_trainer.checkpoint.async_writer import CheckpointSaveError, Checkpointer, Snapshot  # noqa: F401
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.config import (ModelConfig, TrainConfig, config_to_yaml, save_resolved_config,
-                                validate_config)
+from tsp_trainer.config import (ModelConfig, TrainConfig, config_to_yaml, resolve_config, run_facts,
+                                save_resolved_config, validate_config)
 from tsp_trainer.config.model_source import describe_source
-from tsp_trainer.data import (build_loader, check_tokenizer_fits, iterate_eval_batches,
-                              load_run_tokenizer)
+from tsp_trainer.data import (build_eval_batches, build_train_loader, check_data_config,
+                              check_tokenizer_fits, load_run_tokenizer)
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
-from tsp_trainer.observability import (ProgressBar, StepMetrics, get_logger, make_sinks,
-                                       model_and_hardware_flops_per_token, peak_memory_bytes)
+from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
+                                       make_sinks, model_and_hardware_flops_per_token)
 from tsp_trainer.optim import build_optimizer, build_scheduler
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 
-_LAYOUT_POLICY = {"refuse": "error", "restart": "restart", "resplit": "resplit"}
+_LAYOUT_POLICY = {"refuse": "error", "restart": "restart"}
 
 
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient with train.nonfinite=stop (raised before the update)."""
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written; the previous complete one stays `latest`."""
 
 
 @dataclass
@@ -55,15 +54,17 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
         validate_config(cfg, world_size)                 # bad input fails before any group exists
+        cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
         self.tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
         check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        dp = world_size // cfg.parallel.tsp_degree
+        self.data_plan = check_data_config(cfg, dp, tokenizer=self.tokenizer)   # before any group
         passkey = build_passkey_task(cfg, self.tokenizer, self.model_cfg)   # reads its filler text
         self.log = get_logger(__name__, rank=global_rank)
         self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cuda)
-        dp = world_size // cfg.parallel.tsp_degree
+        self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
         self.mesh = build_mesh(cfg.parallel.tsp_degree)
@@ -73,11 +74,13 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                            TSPMpu(self.mesh))
-        self.loader = self._build_loader()
+        self.loader, self.eval_batches = self._build_loaders()
         self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device,
-                                   eval_batches=self._eval_batches, passkey=passkey, log=self.log)
+                                   eval_batches=self.eval_batches, passkey=passkey, log=self.log)
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
+        self.checkpointer = Checkpointer(self.ckpt, world=self.mesh.world, device=self.device,
+                                         async_save=cfg.checkpoint.async_save)
         self.state = TrainState()
         self._nonfinite_grad = torch.zeros((), dtype=torch.bool)
         self._poisoned = False
@@ -86,12 +89,24 @@ class Trainer:
         self._resume()
         if self.mesh.rank == 0:
             save_resolved_config(cfg, f"{cfg.train.output_dir}/config.yaml")
+        peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else detect_peak_flops(self.device)
+        self.metrics = StepRecorder(world=self.mesh.world, peak_flops=peak, device=self.device,
+                                    rank_stats_every=cfg.logging.rank_stats_every,
+                                    flops=model_and_hardware_flops_per_token(
+                                        self.model_cfg, cfg.data.seq_len,
+                                        recompute=cfg.train.activation_checkpointing))
+        facts = run_facts(cfg, world_size=world_size, device=str(self.device),
+                          peak_tflops=None if peak is None else peak / 1e12)
         self.sinks = make_sinks(global_rank=self.mesh.rank, wandb_mode=cfg.logging.wandb_mode,
                                 project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                                config=cfg.to_dict(), output_dir=cfg.train.output_dir,
-                                jsonl=cfg.logging.jsonl)
-        self.flops = model_and_hardware_flops_per_token(
-            self.model_cfg, cfg.data.seq_len, recompute=cfg.train.activation_checkpointing)
+                                config={**cfg.to_dict(), "run": facts},
+                                output_dir=cfg.train.output_dir, jsonl=cfg.logging.jsonl)
+        self._data_epoch = 0                                  # last training-data pass logged
+        for line in self.data_plan.notes + self.loader.describe():
+            self.log.info(line)
+        if self.mesh.rank == 0:              # warnings pass on every rank; say these once
+            for line in self.data_plan.warnings:
+                self.log.warning(line)
 
     # -- building ---------------------------------------------------------------------------------
     def _ds_config(self, dp: int) -> dict:
@@ -114,13 +129,15 @@ class Trainer:
             model.block_wrapper = _checkpointed_block
         return par
 
-    def _build_loader(self):
-        c = self.cfg.data
-        return build_loader(c.source, tokenizer=self.tokenizer, seq_len=c.seq_len,
-                            micro_batch_size=c.micro_batch_size, split=c.train_split,
-                            text_field=c.text_field, dp_rank=self.mesh.dp_rank,
-                            dp_degree=self.mesh.dims.dp, seed=self.cfg.train.seed,
-                            shuffle=c.shuffle, shuffle_buffer=c.shuffle_buffer)
+    def _build_loaders(self):
+        """The training loader (prefetching) and the eval batches, each built once."""
+        c, dp_rank, dp = self.cfg, self.mesh.dp_rank, self.mesh.dims.dp
+        train = build_train_loader(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
+                                   seed=c.train.seed, grad_accum=c.train.grad_accum)
+        evals = build_eval_batches(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
+                                   num_batches=c.train.eval_batches,
+                                   replicate=self.data_plan.eval_replicate) if c.train.eval_every else None
+        return train, evals
 
     def _watch_gradients(self) -> None:
         """Flag non-finite raw gradients as autograd produces them (before DeepSpeed reduces)."""
@@ -134,15 +151,16 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         c, mesh = self.cfg, self.mesh
-        t0, data_wait, loss_value, tokens = time.perf_counter(), 0.0, 0.0, 0
+        self.checkpointer.poll()                           # publish a finished background save
+        self.metrics.begin_step()
+        loss_value, tokens = 0.0, 0
         lr = self.optimizer.param_groups[0]["lr"]          # the rate this step's update uses
-        mesh.ledger.reset()
         self._nonfinite_grad.fill_(False)
         local_bad, skipped_before = False, self.engine.skipped_steps
         for _ in range(c.train.grad_accum):
-            t = time.perf_counter()
-            batch = next(self.loader)
-            data_wait += time.perf_counter() - t
+            with self.metrics.waiting_for_data():
+                batch = next(self.loader)
+            seq_len = batch["input_ids"].shape[1]           # follows data.seq_len_schedule
             loss_sum, total = self._batch_loss(batch)
             loss = loss_sum * mesh.dims.dp / total
             if not bool(torch.isfinite(loss_sum)):
@@ -152,12 +170,20 @@ class Trainer:
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary():
                 self._check_finite(local_bad)
+            self.checkpointer.before_update()              # an async snapshot has been copied
             self.engine.step()
             loss_value += reduce_loss_value(loss_sum, total, self._loss_comms) / c.train.grad_accum
             tokens += int(total)
         skipped = self._after_update(skipped_before)
-        metrics = self._step_metrics(loss_value, tokens, time.perf_counter() - t0, data_wait, skipped)
-        return {**metrics, "lr": lr}
+        self.state.tokens_seen += tokens
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics = self.metrics.end_step(
+            self.state.step, loss=loss_value, lr=lr, tokens=tokens, skipped=skipped,
+            grad_norm=None if grad_norm is None else float(grad_norm),
+            skipped_steps=self.state.skipped_steps, tokens_seen=self.state.tokens_seen,
+            checkpoint_stall_s=self.checkpointer.take_stall_s(),
+            flops=_flops_per_token(self.model_cfg, seq_len, self.cfg.train.activation_checkpointing))
+        return {**metrics, **self._data_metrics(seq_len)}
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
@@ -189,25 +215,14 @@ class Trainer:
         self.state.step += 1
         return skipped
 
-    def _step_metrics(self, loss: float, tokens: int, dt: float, data_wait: float, skipped: bool) -> dict:
-        m = StepMetrics.compute(tokens=tokens, step_time_s=dt, world_size=self.mesh.dims.world_size,
-                                model_flops_per_token=self.flops[0], hardware_flops_per_token=self.flops[1])
-        self.state.tokens_seen += tokens
-        grad_norm = self.engine.get_global_grad_norm()
-        return {"loss": loss, "grad_norm": None if grad_norm is None else float(grad_norm),
-                **m.as_dict(), "peak_mem_bytes": peak_memory_bytes(),
-                "comm_bytes_model_parallel": self.mesh.ledger.total_bytes(),
-                "data_wait_s": data_wait, "skipped": int(skipped),
-                "skipped_steps": self.state.skipped_steps, "tokens_seen": self.state.tokens_seen}
-
-    # -- evaluation (tsp_trainer/eval: loss by position, passkey) --------------------------------
-    def _eval_batches(self):
-        c = self.cfg
-        return iterate_eval_batches(c.data.source, tokenizer=self.tokenizer, seq_len=c.data.seq_len,
-                                    micro_batch_size=c.data.micro_batch_size,
-                                    num_batches=c.train.eval_batches, split=c.data.eval_split,
-                                    text_field=c.data.text_field, dp_rank=self.mesh.dp_rank,
-                                    dp_degree=self.mesh.dims.dp)
+    def _data_metrics(self, seq_len: int) -> dict:
+        """data/epoch and data/seq_len (the length schedule's stage); logs each new data pass."""
+        epoch = self.loader.stats["epoch"]
+        if epoch > self._data_epoch:
+            self._data_epoch = epoch
+            self.log.info(f"data: epoch {epoch} of the training data began at step {self.state.step}")
+        return {"data/epoch": self.data_plan.epoch_metric(epoch, self.state.tokens_seen),
+                "data/seq_len": seq_len}
 
     # -- loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -222,31 +237,26 @@ class Trainer:
                 metrics.update(evaluated)
                 if step % c.logging.log_every == 0 or step == c.train.steps or evaluated:
                     self.sinks.log(step, metrics)
-                bar.update(loss=metrics["loss"], tokens_per_s=metrics.get("tokens_per_s"))
+                bar.update(loss=metrics["train/loss"], tokens_per_s=metrics["perf/tokens_per_s"])
                 history.append(metrics)
                 if c.checkpoint.enabled and c.checkpoint.every and step % c.checkpoint.every == 0:
                     self.save()
         if c.checkpoint.enabled and self.state.step != self._saved_step:
             self.save()          # the final state, unless that exact checkpoint already exists
+        self.checkpointer.wait()                            # publish the save in flight, if any
         self.sinks.close()
         return history
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save(self):
-        step = self.state.step
-        tmp = self.ckpt.begin(step)
-        try:
-            self.engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
-            reshard.write_layout_free_state(tmp, self.par, self.optimizer)     # model/ + optim/
-            self.ckpt.write_rank_state(tmp, self._rank_state())
-        except OSError as err:        # disk full, quota, I/O error: never publish a partial save
-            self.ckpt.abort(tmp)
-            raise CheckpointSaveError(f"saving the step-{step} checkpoint failed on rank "
-                                      f"{self.mesh.rank}: {err}; {self.ckpt.latest()} is still the "
-                                      "latest complete checkpoint") from err
-        path = self.ckpt.publish(tmp, step, self._meta())
-        self._saved_step = step
-        return path
+    def save(self) -> None:
+        """Collective: checkpoint the current state (published at once, or with
+        checkpoint.async_save when the background write completes; see checkpoint/async_writer.py)."""
+        self.checkpointer.save(self.state.step, self._snapshot)
+        self._saved_step = self.state.step
+
+    def _snapshot(self, host_copy) -> Snapshot:
+        return Snapshot(reshard.snapshot_layout_free_state(self.par, self.optimizer, host_copy=host_copy),
+                        self._rank_state(), self._meta())
 
     def _meta(self) -> dict:
         c = self.cfg
@@ -267,13 +277,13 @@ class Trainer:
             return
         meta = self.ckpt.verify(path)
         saved = meta["layout"]
-        if self._check_compatible(meta, path):
-            self.engine.load_checkpoint(str(path), tag="deepspeed", load_lr_scheduler_states=False)
-            rank_state = self.ckpt.read_rank_state(path)
-        else:       # another layout: DeepSpeed's files don't fit, read the layout-free shards
-            reshard.load_layout_free_state(path, self.par, self.optimizer)
-            rank_state = self.ckpt.read_rank_state(
-                path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
+        same_layout = self._check_compatible(meta, path)
+        # One copy of the state serves both cases: values are copied, so the same layout resumes
+        # bit for bit, and another layout reads the slices it now owns.
+        reshard.load_layout_free_state(path, self.par, self.optimizer)
+        rank_state = self.ckpt.read_rank_state(
+            path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
+        if not same_layout:
             self.log.info(f"resharded {path}: {saved} -> {self._layout()}")
         self.loader.load_state_dict(rank_state["loader"],
                                     on_layout_change=_LAYOUT_POLICY[self.cfg.data.on_layout_change])
@@ -291,7 +301,7 @@ class Trainer:
 
     def _check_compatible(self, meta: dict, path) -> bool:
         """Raises for another model shape or a refused layout change; True if the layout is the
-        saved one (DeepSpeed's own files load as they are)."""
+        saved one."""
         saved, here = ModelConfig.from_dict(meta["model"]).to_dict(), self.model_cfg.to_dict()
         if saved != here:
             diff = {k: (v, here.get(k)) for k, v in saved.items() if here.get(k) != v}
@@ -300,6 +310,12 @@ class Trainer:
         reshard.check_layout_change(meta["layout"], self._layout(),
                                     policy=self.cfg.data.on_layout_change, path=path)
         return not reshard.layout_changed(meta["layout"], self._layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _flops_per_token(model_cfg, seq_len: int, recompute: bool) -> tuple[float, float]:
+    """(model, hardware) FLOPs per token at `seq_len`: MFU follows a length schedule's stage."""
+    return model_and_hardware_flops_per_token(model_cfg, seq_len, recompute=recompute)
 
 
 def _checkpointed_block(block, x, rope):

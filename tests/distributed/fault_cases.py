@@ -16,7 +16,7 @@ def _kill_self():
 
 
 def faulty_train_rank(rank, world, overrides, fault):
-    """fault = (kind, at_step, victim_rank); kind in {"ring", "save", "nan"}."""
+    """fault = (kind, at_step, victim_rank); kind in {"ring", "save", "async_write", "nan"}."""
     from tsp_trainer.trainer import NonFiniteError, Trainer
 
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
@@ -28,7 +28,7 @@ def faulty_train_rank(rank, world, overrides, fault):
     except NonFiniteError as err:
         return {"stopped": str(err), "step": trainer.state.step}
     weights = trainer.par.gather_full_state_dict()          # a collective: every rank joins
-    return {"losses": [h["loss"] for h in history], "skipped": [h["skipped"] for h in history],
+    return {"losses": [h["train/loss"] for h in history], "skipped": [h["train/skipped"] for h in history],
             "weights": weights if rank == 0 else None,
             "step": trainer.state.step}
 
@@ -45,6 +45,15 @@ def _inject(trainer, kind, at_step):
         write = trainer.ckpt.write_rank_state
         trainer.ckpt.write_rank_state = lambda tmp, st: (
             _kill_self() if trainer.state.step == at_step else write(tmp, st))
+    elif kind == "async_write":              # die in the background writer thread of a save
+        write = trainer.ckpt.write_rank_state
+
+        def write_then_die(tmp, state):
+            if f"step_{at_step:08d}" in str(tmp):
+                assert trainer.checkpointer.async_save
+                _kill_self()
+            return write(tmp, state)
+        trainer.ckpt.write_rank_state = write_then_die
     elif kind == "nan":                      # one rank's loss turns NaN
         module = trainer.engine.module
         loss_sum = module.loss_sum

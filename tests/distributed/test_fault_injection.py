@@ -32,6 +32,22 @@ def test_sigkill_then_auto_resume_matches(tmp_path, uninterrupted, kind, at_step
     assert not list(ckpts.glob(".step_*.tmp"))                 # stale temporaries cleaned up
 
 
+def test_kill_during_background_write_never_publishes(tmp_path, uninterrupted):
+    """checkpoint.async_save=true: a rank killed while its writer thread writes the step-6
+    checkpoint (training has moved on) never gets it published; the relaunch resumes from step 4
+    and equals the uninterrupted run bit for bit."""
+    overrides = STEADY + [f"train.output_dir={tmp_path}", "train.resume=auto", "checkpoint.async_save=true"]
+    with pytest.raises(RuntimeError, match="distributed run failed"):
+        run_on_ranks(faulty_train_rank, 4, overrides, ("async_write", 6, 1), pg_timeout_s=20)
+    ckpts = tmp_path / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000004"
+    assert not (ckpts / "step_00000006").exists()
+    resumed = run_on_ranks(train_rank, 4, overrides)[0]
+    assert resumed["losses"] == uninterrupted["losses"][4:]
+    assert weights_equal(resumed["weights"], uninterrupted["weights"])
+    assert not list(ckpts.glob(".step_*.tmp"))
+
+
 CONSTANT_LR = ["optim.warmup_steps=0", "optim.min_lr=3e-3", "checkpoint.every=2",
                "checkpoint.keep_last=10"]
 

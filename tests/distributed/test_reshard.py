@@ -40,6 +40,10 @@ class _FixedBatches:
     def __next__(self):
         return next(self.it)
 
+    @property
+    def stats(self):
+        return self.real.stats
+
     def state_dict(self):
         return self.real.state_dict()
 
@@ -62,7 +66,7 @@ def _resume_rank(rank, world, overrides, batches):
         trainer.loader = _FixedBatches(batches, trainer.mesh.dp_rank, trainer.mesh.dims.dp, trainer.loader)
     history = trainer.fit()
     weights = trainer.par.gather_full_state_dict()
-    return {"losses": [h["loss"] for h in history], "lrs": [h["lr"] for h in history],
+    return {"losses": [h["train/loss"] for h in history], "lrs": [h["train/lr"] for h in history],
             "resumed": resumed, "end": (trainer.state.step, trainer.state.tokens_seen),
             "weights": weights if rank == 0 else None}
 

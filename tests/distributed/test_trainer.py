@@ -99,10 +99,11 @@ def test_wandb_offline_on_rank0_only(tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))  # one run: rank 0's
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device",
-                "tflops_per_device", "mfu", "peak_mem_bytes", "comm_bytes_model_parallel"):
+    for key in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+                "perf/tokens_per_s_per_gpu", "perf/tflops_per_gpu", "perf/mfu", "mem/peak_gib",
+                "comm/tsp/broadcast_bytes"):
         assert key in lines[-1], key
-    assert lines[-1]["comm_bytes_model_parallel"] > 0
+    assert lines[-1]["comm/tsp/broadcast_bytes"] > 0
 
 
 def test_accelerate_internal_the_mpu_shim_relies_on():

@@ -28,8 +28,8 @@ def train_rank(rank, world, overrides, return_weights=True):
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
     history = trainer.fit()
     weights = trainer.par.gather_full_state_dict() if return_weights else None
-    return {"losses": [h["loss"] for h in history], "grad_norms": [h["grad_norm"] for h in history],
-            "skipped": [h["skipped"] for h in history], "weights": weights if rank == 0 else None,
+    return {"losses": [h["train/loss"] for h in history], "grad_norms": [h["train/grad_norm"] for h in history],
+            "skipped": [h["train/skipped"] for h in history], "weights": weights if rank == 0 else None,
             "dp_world_size": trainer.engine.dp_world_size, "step": trainer.state.step}
 
 

@@ -29,7 +29,7 @@ def test_accelerate_launch_tiny_cpu_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, 61))
-    first, last = lines[0]["loss"], sum(m["loss"] for m in lines[-5:]) / 5
+    first, last = lines[0]["train/loss"], sum(m["train/loss"] for m in lines[-5:]) / 5
     assert last < first - 0.8, (first, last)              # measured 6.93 -> ~5.6
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000060"
     assert (out / "config.yaml").exists()

@@ -136,10 +136,10 @@ def _table():
 
 def test_metric_table_in_metrics_jsonl(tmp_path):
     sink = JsonlSink(tmp_path / "metrics.jsonl")
-    sink.log(5, {"eval_loss": 5.5, "eval_loss_by_position": _table()})
+    sink.log(5, {"eval/loss": 5.5, "eval/loss_by_position": _table()})
     sink.close()
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert record["eval_loss_by_position"] == {
+    assert record["eval/loss_by_position"] == {
         "columns": ["position_start", "position_end", "loss", "tokens"],
         "rows": [[0, 0, 6.5, 8], [1, 1, None, 0], [2, 3, 5.25, 16]]}
     with pytest.raises(ValueError, match="has 2 values"):
@@ -154,11 +154,11 @@ def test_metric_table_becomes_a_wandb_table_and_line_chart():
     fake = types.SimpleNamespace(
         Table=lambda columns, data: ("Table", tuple(columns), tuple(map(tuple, data))),
         plot=types.SimpleNamespace(line=lambda table, x, y, title: calls.append((table, x, y, title)) or "chart"))
-    out = _loggable({"eval_loss": 5.5, "eval_loss_by_position": _table(), "mfu": None}, fake)
-    assert out["eval_loss"] == 5.5 and "mfu" not in out
-    assert out["eval_loss_by_position"] == ("Table", ("position_start", "position_end", "loss", "tokens"),
+    out = _loggable({"eval/loss": 5.5, "eval/loss_by_position": _table(), "mfu": None}, fake)
+    assert out["eval/loss"] == 5.5 and "mfu" not in out
+    assert out["eval/loss_by_position"] == ("Table", ("position_start", "position_end", "loss", "tokens"),
                                             ((0, 0, 6.5, 8), (1, 1, None, 0), (2, 3, 5.25, 16)))
-    assert out["eval_loss_by_position_chart"] == "chart"
+    assert out["eval/loss_by_position_chart"] == "chart"
     # the chart's own table drops the empty bucket (W&B cannot draw a null)
     assert calls == [(("Table", ("position_end", "loss"), ((0, 6.5), (3, 5.25))), "position_end", "loss",
                       "eval loss by position")]
@@ -171,25 +171,8 @@ def test_real_wandb_takes_the_table_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = make_sinks(global_rank=0, wandb_mode="offline", project="tsp-test", run_name="tables",
                       config={}, output_dir=tmp_path, console=False)
-    sink.log(1, {"eval_loss": 5.5, "eval_loss_by_position": _table()})
+    sink.log(1, {"eval/loss": 5.5, "eval/loss_by_position": _table()})
     sink.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert "wandb" in sys.modules
 
-
-def test_eval_layering():
-    """The eval package is used by the trainer and the CLI, never the other way round, and
-    imports no accelerate, deepspeed or wandb (tests/unit/test_layering.py has the general rules)."""
-    import ast
-    import pathlib
-
-    import tsp_trainer
-
-    root = pathlib.Path(tsp_trainer.__file__).parent
-    for path in sorted((root / "eval").glob("*.py")):
-        tree = ast.parse(path.read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        bad = {n for n in names if n.split(".")[0] in ("accelerate", "deepspeed", "wandb", "omegaconf")
-               or n.startswith(("tsp_trainer.trainer", "tsp_trainer.engine", "tsp_trainer.cli"))}
-        assert not bad, (path.name, bad)

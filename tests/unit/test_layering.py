@@ -44,6 +44,8 @@ def test_omegaconf_only_in_config_load_and_wandb_only_in_its_sink():
             assert rel == "config/load.py", rel
         if _uses(names, "wandb"):
             assert rel == "observability/wandb_sink.py", rel
+        if _uses(names, "wandb_workspaces"):
+            assert rel == "observability/dashboard.py", rel
 
 
 def test_config_imports_no_runtime_code():
@@ -57,7 +59,8 @@ def test_config_imports_no_runtime_code():
 COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
                "reduce", "isend", "irecv", "send", "recv", "batch_isend_irecv", "all_to_all",
-               "all_to_all_single", "barrier", "broadcast_object_list", "all_gather_object"}
+               "all_to_all_single", "barrier", "broadcast_object_list", "all_gather_object",
+               "gather_object"}
 
 
 def _distributed_calls(path: pathlib.Path) -> list[str]:
@@ -81,3 +84,26 @@ def test_collectives_only_through_comm():
             continue
         calls = set(_distributed_calls(path)) - allowed.get(rel, set())
         assert not calls, (rel, calls)
+
+
+def test_data_knows_nothing_of_distribution():
+    """The data package takes dp_rank and dp_degree as integers (STYLE.md section 2): no
+    torch.distributed, and none of parallel/, engine/, checkpoint/ or the trainer."""
+    for rel, names in _modules():
+        if rel.startswith("data/"):
+            assert not _uses(names, "torch.distributed"), rel
+            ours = {n for n in names if n.startswith("tsp_trainer.")}
+            assert all(n.startswith(("tsp_trainer.data", "tsp_trainer.config")) for n in ours), rel
+
+
+def test_eval_package_is_used_by_the_trainer_and_cli_never_the_reverse():
+    """tsp_trainer/eval (loss by position, passkey) runs on the parallel model through Comm: no
+    accelerate / deepspeed / wandb / omegaconf, none of trainer, engine or cli (which import it), and
+    no module outside those two and eval itself imports it (e.g. the model or parallel code)."""
+    for rel, names in _modules():
+        if rel.startswith("eval/"):
+            assert not any(_uses(names, pkg) for pkg in ("accelerate", "deepspeed", "wandb",
+                                                         "omegaconf")), rel
+            assert not any(_uses(names, f"tsp_trainer.{m}") for m in ("trainer", "engine", "cli")), rel
+        elif rel not in ("trainer.py", "cli.py"):
+            assert not _uses(names, "tsp_trainer.eval"), rel

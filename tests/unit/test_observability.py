@@ -164,10 +164,11 @@ def test_make_sinks_rank0_disabled_wandb(tmp_path):
 
 
 def test_console_line():
-    line = format_console_line(12, {"loss": 3.45678, "lr": 3e-4, "grad_norm": 1.2345, "tokens_per_s": 12345.0,
-                                    "mfu": 0.412, "peak_mem_bytes": 12.3 * 2**30, "mystery": 1})
+    line = format_console_line(12, {"train/loss": 3.45678, "train/lr": 3e-4, "train/grad_norm": 1.2345,
+                                    "perf/tokens_per_s": 12345.0, "perf/mfu": 0.412,
+                                    "mem/peak_gib": 12.3, "mystery": 1})
     assert line == "step 12 | loss 3.4568 | lr 3.00e-04 | gnorm 1.234 | 12.35k tok/s | MFU 41.2% | mem 12.3 GiB"
-    assert format_console_line(1, {"loss": 2.0, "mfu": None}) == "step 1 | loss 2.0000"
+    assert format_console_line(1, {"train/loss": 2.0, "perf/mfu": None}) == "step 1 | loss 2.0000"
 
 
 def test_wandb_offline_run(tmp_path, monkeypatch):

@@ -3,9 +3,8 @@
 Layout of one checkpoint (all ranks write into a temporary folder on a shared filesystem):
 
     <root>/step_00000020/
-        deepspeed/...                     DeepSpeed model + ZeRO optimizer states (per rank)
-        model/model-tspXXX-of-YYY.safetensors   self-describing model shards (checkpoint/shards.py)
-        optim/optim-tspXXX-of-YYY.safetensors   self-describing optimizer state (checkpoint/reshard.py)
+        model/model-tspXXX-of-YYY[-partPPP-of-QQQ].safetensors  model shards (checkpoint/shards.py)
+        optim/optim-tspXXX-of-YYY[-partPPP-of-QQQ].safetensors  optimizer state (checkpoint/reshard.py)
         ranks/rank_XXXXX.pt               per-rank state: data loader, RNG, scheduler, counters
         meta.json                         step, tokens seen, layout, model config, resolved config
         manifest.json                     every file with its size and sha256 (written last)
@@ -14,7 +13,9 @@ Layout of one checkpoint (all ranks write into a temporary folder on a shared fi
 A checkpoint is written as `.step_00000020.tmp`, renamed to its final name only after every rank
 has finished and the manifest is written, and only then does `latest` move (os.replace). A crash
 at any point leaves `latest` naming the previous complete checkpoint; stale temporaries are removed
-by the next save. Loading verifies the manifest (sizes and checksums) before anything is read.
+by the next save. Each rank hashes the files it wrote (checkpoint/async_writer.py); rank 0 only
+merges the entries into the manifest. Loading verifies the manifest (sizes and checksums) before
+anything is read, each rank checking a share of the files.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class CheckpointManager:
         if self.world.rank == 0:
             for stale in self.root.glob(".step_*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
-            for sub in ("deepspeed", "model", "optim", "ranks"):
+            for sub in ("model", "optim", "ranks"):
                 (tmp / sub).mkdir(parents=True, exist_ok=True)
         self.world.barrier()
         return tmp
@@ -60,17 +61,24 @@ class CheckpointManager:
         """Remove a temporary folder whose save failed (any rank may; the next begin() also would)."""
         shutil.rmtree(tmp, ignore_errors=True)
 
-    def write_rank_state(self, tmp: Path, state: dict) -> None:
-        atomic_torch_save(state, tmp / "ranks" / f"rank_{self.world.rank:05d}.pt")
+    def write_rank_state(self, tmp: Path, state: dict) -> dict[str, dict]:
+        """Write this rank's ranks/rank_XXXXX.pt; returns its manifest entry {rel: {bytes, sha256}}."""
+        rel = f"ranks/rank_{self.world.rank:05d}.pt"
+        atomic_torch_save(state, tmp / rel)
+        return {rel: file_entry(tmp / rel)}
 
-    def publish(self, tmp: Path, step: int, meta: dict) -> Path:
+    def publish(self, tmp: Path, step: int, meta: dict, files: dict[str, dict]) -> Path:
         """Collective: once every rank has written into `tmp`, rank 0 writes meta + manifest,
-        renames the folder into place, moves `latest` and prunes old checkpoints."""
-        self.world.barrier()
+        renames the folder into place, moves `latest` and prunes old checkpoints.
+
+        `files`: this rank's manifest entries {rel: {bytes, sha256}} (each rank hashed what it
+        wrote), gathered to rank 0: no rank hashes the whole checkpoint."""
+        entries = self.world.gather_object(files)
         final = self.root / step_dir_name(step)
         if self.world.rank == 0:
             atomic_write_text(tmp / META, json.dumps(meta, indent=2, sort_keys=True))
-            atomic_write_text(tmp / MANIFEST, json.dumps(build_manifest(tmp), indent=1, sort_keys=True))
+            manifest = _merged_manifest(tmp, entries)
+            atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             _fsync_dir(tmp)
             old = final.with_name(f".{final.name}.replaced") if final.exists() else None
             if old is not None:           # re-saving a step: swap folders, never delete first
@@ -114,11 +122,11 @@ class CheckpointManager:
         return path
 
     def verify(self, path: Path) -> dict:
-        """Collective: rank 0 checks every file of the manifest; all ranks get meta or the error."""
-        error = None
-        if self.world.rank == 0:
-            error = verify_manifest(path)
-        error = self.world.broadcast_object(error)
+        """Collective: every rank checks a share of the manifest's files (file i on rank
+        i % world); all ranks get meta or the first error."""
+        errors = self.world.all_gather_object(
+            verify_manifest(path, share=(self.world.rank, self.world.size)))
+        error = next((e for e in errors if e), None)
         if error:
             raise ValueError(error)
         return json.loads((path / META).read_text())
@@ -150,17 +158,36 @@ def read_verified_meta(folder: Path) -> dict:
 def build_manifest(folder: Path) -> dict:
     files = {}
     for f in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(f.relative_to(folder))] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        files[str(f.relative_to(folder))] = file_entry(f)
     return {"version": 1, "files": files}
 
 
-def verify_manifest(folder: Path) -> str | None:
-    """None if every file listed exists with its size and checksum; else what is wrong."""
+def _merged_manifest(folder: Path, per_rank: list[dict[str, dict]]) -> dict:
+    """The manifest from every rank's entries plus meta.json (written by rank 0 just before).
+    Refuses a folder holding a file nobody reported: the manifest must list every file."""
+    files = {rel: entry for entries in per_rank for rel, entry in entries.items()}
+    files[META] = file_entry(folder / META)
+    on_disk = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()} - {MANIFEST}
+    if on_disk != set(files):
+        raise RuntimeError(f"checkpoint {folder}: files on disk {sorted(on_disk ^ set(files))} do "
+                           "not match what the ranks reported writing")
+    return {"version": 1, "files": dict(sorted(files.items()))}
+
+
+def file_entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def verify_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None if every file listed exists with its size and checksum; else what is wrong.
+    share=(i, n): check only the files at positions i, i+n, ... of the sorted list (one rank's
+    share of a distributed check); the manifest itself is read by every share."""
     manifest_path = folder / MANIFEST
     if not manifest_path.exists():
         return f"checkpoint {folder} has no {MANIFEST}: it is incomplete or not a checkpoint"
     manifest = json.loads(manifest_path.read_text())
-    for rel, entry in manifest["files"].items():
+    index, count = share
+    for rel, entry in sorted(manifest["files"].items())[index::count]:
         f = folder / rel
         if not f.exists():
             return f"checkpoint {folder} is missing {rel} (listed in {MANIFEST})"

@@ -1,72 +1,137 @@
-"""Layout-free training state, and resuming it under another layout (D, DP, scheme or ZeRO stage).
+"""Layout-free training state: the one copy of the model and optimizer state every checkpoint holds,
+and resuming it under the same or another layout (D, DP, scheme or ZeRO stage).
 
-DeepSpeed's own files (deepspeed/) hold ZeRO's flat optimizer partitions, which only the layout
-that wrote them can read; they stay the exact path for a same-layout resume. Beside them every
-checkpoint holds the same state in layout-free form, in the self-describing shard format of
-checkpoint/shards.py (each tensor's ShardSpec recorded, one file per model-parallel rank, written
-by dp_rank 0 of each group):
+Every checkpoint holds the state once, in the self-describing shard format of checkpoint/shards.py
+(each tensor's ShardSpec recorded):
 
-    model/model-tspXXX-of-YYY.safetensors   the (low-precision) model weights, our names
-    optim/optim-tspXXX-of-YYY.safetensors   "exp_avg/<name>", "exp_avg_sq/<name>" (AdamW moments,
-                                            fp32) and, when the weights are not fp32, the fp32
-                                            master "fp32/<name>"; extra metadata: Adam's step
-                                            count per param group
+    model/model-tspXXX-of-YYY[-partPPP-of-QQQ].safetensors   the model weights, our names
+    optim/optim-tspXXX-of-YYY[-partPPP-of-QQQ].safetensors   "exp_avg/<name>", "exp_avg_sq/<name>"
+                                            (AdamW moments, fp32) and, when the weights are not
+                                            fp32, the fp32 master "fp32/<name>"; extra metadata:
+                                            Adam's step count per param group
 
-ZeRO 1/2 shard the moments over DP; DeepSpeed's public helpers `safe_get_full_optimizer_state` /
-`safe_get_full_fp32_param` assemble one parameter's full (TSP-local) tensor with an all-reduce over
-the DP group, and `safe_set_full_*` write back this rank's fragment (no communication). Under ZeRO
-stage 0 in fp32 the torch optimizer holds the moments per parameter and is read directly.
+Who writes what: each distinct shard once. A tensor sharded on one model-parallel axis is written
+by the ranks at index 0 of the other axes; a replicated one (norms) by model-parallel rank 0 only.
+Within a dp group (same shard, other data) the tensors are dealt out by bytes over the dp ranks,
+each writing its own part file, so writing and hashing are spread over every rank.
+
+ZeRO 1/2 shard the moments over DP: saving assembles one parameter's full (TSP-local) tensor on
+the dp rank that writes it, from the ranks' fragments, with one reduce over dp into a reused buffer
+(engine/zero_state.py::full_state_on_owner; with dp = 1 the live partition is read as it is), and
+loading writes back this rank's fragment with DeepSpeed's `safe_set_full_*` (no communication).
+Under ZeRO stage 0 the torch optimizer holds the moments per parameter and is read directly.
+Loading copies values (no arithmetic), so a resume under the same layout continues bit for bit.
 
 Must not import trainer; its DeepSpeed calls live in engine/zero_state.py (imported lazily there).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from tsp_trainer.engine.zero_state import (get_full_fp32, get_full_optimizer_state,
-                                           link_optimizer_state, set_full_fp32,
-                                           set_full_optimizer_state)
+from tsp_trainer.engine.zero_state import (full_state_on_owner, link_optimizer_state,
+                                           set_full_fp32, set_full_optimizer_state)
 from tsp_trainer.checkpoint.shards import (read_extra, read_local_state_dict, shard_file_name,
-                                           write_shard)
+                                           shard_layout, write_layout_file)
 from tsp_trainer.parallel.schemes import Parallelized
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 OPTIM = "optim"
-# Layout keys that decide whether DeepSpeed's own files can be loaded as they are.
+# Layout keys that decide whether the saved per-rank state (loader, RNG) maps 1:1 onto this run.
 LAYOUT_KEYS = ("scheme", "tsp_degree", "dp_degree", "zero_stage")
+
+# (name, tensor, kind) -> the tensor to write. kind: "live" (training will change it: an async save
+# must copy it), "scratch" (a buffer the snapshot reuses: always copied) or "fresh" (nothing else
+# holds it).
+HostCopy = Callable[[str, torch.Tensor, str], torch.Tensor]
+
+
+def _sync_keep(name: str, t: torch.Tensor, kind: str) -> torch.Tensor:
+    """A synchronous save writes before training continues: only reused buffers are copied."""
+    return t.clone() if kind == "scratch" else t
+
+
+@dataclass
+class ShardFile:
+    """One file of the layout-free state that this rank writes (its tensors already snapshotted)."""
+
+    rel: str                           # path inside the checkpoint folder
+    tensors: dict[str, torch.Tensor]
+    layout: dict[str, dict]
+    extra: dict | None = None
+
+    def write(self, folder: Path) -> dict[str, dict]:
+        """Write into `folder`; returns {rel: {"bytes", "sha256"}} for the manifest."""
+        return {self.rel: write_layout_file(Path(folder) / self.rel, self.tensors, self.layout,
+                                            extra=self.extra)}
 
 
 # -- save -------------------------------------------------------------------------------------------
-def write_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.optim.Optimizer) -> None:
-    """Collective (every rank, same point): write model/ and optim/ shards into `folder`.
-    `optimizer` is the torch optimizer handed to DeepSpeed (ZeRO swaps its params for flat fp32
-    partitions)."""
+def snapshot_layout_free_state(par: Parallelized, optimizer: torch.optim.Optimizer, *,
+                               host_copy: HostCopy | None = None) -> list[ShardFile]:
+    """Collective over each dp group (every rank, same point): this rank's share of model/ and
+    optim/, as files to write. `optimizer` is the torch optimizer handed to DeepSpeed (ZeRO swaps
+    its params for flat fp32 partitions). `host_copy` copies what is kept (an async save must not
+    write live tensors); None keeps the tensors as they are (the caller writes before training
+    continues)."""
     mesh, ranks = par.mesh, _axis_ranks(par)
-    writer = mesh.dp_rank == 0
+    keep = host_copy or _sync_keep
+    owner = write_owners(par)
     steps = adam_steps(optimizer)
     if any(steps):
         link_optimizer_state(optimizer, par.model.parameters())
-    tensors = {}
-    for name, p in par.model.named_parameters():
-        for key in (MOMENTS if any(steps) else ()):     # no moments before the first update
-            t = get_full_optimizer_state(p, optimizer, key)      # collective over dp under ZeRO
-            if writer:
-                tensors[f"{key}/{name}"] = t.cpu()
-        if p.dtype != torch.float32:
-            t = get_full_fp32(p)
-            if writer:
-                tensors[f"fp32/{name}"] = t.cpu()
-    if not writer:
-        return
-    write_shard(folder / "model" / shard_file_name(mesh.tsp_rank, mesh.dims.tsp),
-                dict(par.model.state_dict()), par.specs, ranks)
-    specs = {key: par.specs[key.split("/", 1)[1]] for key in tensors}
-    write_shard(folder / OPTIM / shard_file_name(mesh.tsp_rank, mesh.dims.tsp, OPTIM), tensors,
-                specs, ranks, extra={"adam_steps": steps, "moments": list(MOMENTS) if any(steps) else [],
-                                     "fp32_master": any(k.startswith("fp32/") for k in tensors)})
+    params = [(n, p) for n, p in par.model.named_parameters() if n in owner]   # others: no collective
+    # one flat fp32 buffer on the compute device for the dp gathers, reused parameter by parameter
+    scratch = torch.empty(max((p.numel() for _, p in params), default=0), dtype=torch.float32,
+                          device=next(par.model.parameters()).device) if mesh.dims.dp > 1 else None
+    keys = (list(MOMENTS) if any(steps) else []) + [None]        # None: the fp32 master weights
+    optim: dict[str, torch.Tensor] = {}
+    for name, p in params:
+        for key in keys:
+            if key is None and p.dtype == torch.float32:         # the weights are the master
+                continue
+            t, in_scratch = full_state_on_owner(p, optimizer, key, dp=mesh.dp, owner=owner[name],
+                                                scratch=scratch)  # collective over dp under ZeRO
+            if t is not None:
+                label = f"{key or 'fp32'}/{name}"
+                optim[label] = keep(label, t, "scratch" if in_scratch else "live")
+    model = {name: keep(name, t.detach(), "live") for name, t in par.model.state_dict().items()
+             if owner.get(name) == mesh.dp_rank}
+    part = {"part": mesh.dp_rank, "parts": mesh.dims.dp}
+    extra = {"adam_steps": steps, "moments": list(MOMENTS) if any(steps) else [],
+             "fp32_master": any(p.dtype != torch.float32 for p in par.model.parameters())}
+    files = []
+    if model:
+        files.append(ShardFile(f"model/{shard_file_name(mesh.tsp_rank, mesh.dims.tsp, **part)}",
+                               model, shard_layout(model, par.specs, ranks)))
+    if optim:
+        files.append(ShardFile(f"{OPTIM}/{shard_file_name(mesh.tsp_rank, mesh.dims.tsp, OPTIM, **part)}",
+                               optim, shard_layout(optim, par.specs, ranks), extra))
+    return files
+
+
+def write_owners(par: Parallelized) -> dict[str, int]:
+    """state-dict name -> the dp rank of this rank's dp group that writes it; names this group does
+    not write (another model-parallel rank holds the same values) are absent. Deterministic, the
+    same on every rank of a dp group: tensors dealt largest first to the least loaded dp rank."""
+    ranks = _axis_ranks(par)
+    mine = []
+    for name, t in par.model.state_dict().items():
+        spec = par.specs[name]
+        others = [axis for axis in ranks if axis != spec.axis or spec.dim is None]
+        if all(ranks[axis] == 0 for axis in others):
+            mine.append((t.numel() * t.element_size(), name))
+    load = [0] * par.mesh.dims.dp
+    owner = {}
+    for nbytes, name in sorted(mine, key=lambda x: (-x[0], x[1])):
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += nbytes
+    return owner
 
 
 def adam_steps(optimizer: torch.optim.Optimizer) -> list[int]:
@@ -90,8 +155,8 @@ def check_layout_change(saved: dict, current: dict, *, policy: str, path: Path) 
         raise ValueError(
             f"checkpoint {path} was saved with dp_degree={saved['dp_degree']} but this run has "
             f"dp_degree={current['dp_degree']}: the data loaders' positions cannot carry over "
-            "exactly and data.on_layout_change=refuse; set data.on_layout_change=restart (start "
-            "the data stream over) or resplit (approximate the position), see docs/checkpoints.md")
+            "exactly and data.on_layout_change=refuse; set data.on_layout_change=restart to start "
+            "the data stream over (see docs/data.md)")
 
 
 def source_rank(saved: dict, dp_rank: int, tsp_rank: int) -> int:
@@ -106,8 +171,9 @@ def load_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.opt
     folder = Path(folder)
     if not list((folder / OPTIM).glob(f"{OPTIM}-*.safetensors")):
         raise ValueError(f"checkpoint {folder} has no layout-free optimizer state ({OPTIM}/): it "
-                         "was written before tsp_trainer saved one and can only be resumed under "
-                         "the layout that wrote it")
+                         "was written before tsp_trainer saved one (then beside DeepSpeed's own "
+                         "files, which are no longer read); export its weights with tsp-export "
+                         "and start from them with model.init_from")
     params = dict(par.model.named_parameters())
     ranks = _axis_ranks(par)
     weights = read_local_state_dict(folder / "model", par.specs, ranks, list(params))
@@ -141,7 +207,7 @@ def _init_adam_state(optimizer, params, steps: list[int], moments) -> None:
 
 def apply_scheduler_lr(optimizer: torch.optim.Optimizer, scheduler) -> None:
     """A restored LR scheduler sets the rate only at its next step(); the update about to run must
-    already use it (a same-layout resume gets it from DeepSpeed's optimizer state instead)."""
+    already use it."""
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
 

@@ -4,16 +4,28 @@ shape and how it is split (ShardSpec). Reading every file back gives the full st
 layout wrote it, which is what resharding and export need (STYLE.md section 5.8).
 
 The same format holds the layout-free optimizer state (checkpoint/reshard.py): files
-`optim-tspXXX-of-YYY.safetensors`, tensors named "<state key>/<parameter name>"."""
+`optim-tspXXX-of-YYY[-partPPP-of-QQQ].safetensors`, tensors named "<state key>/<parameter name>".
+A part suffix splits one model-parallel rank's tensors by name over several files (the dp ranks
+of its group each write one part); readers index tensors by name, so any split reads back.
+
+Files are written by `save_safetensors`, a streaming writer of the safetensors format (8-byte
+header length, JSON header, raw little-endian tensor bytes): it writes each tensor's bytes straight
+from its memory (no second copy of the whole file, as safetensors' save_file makes), releases the
+GIL while writing and hashing (a background checkpoint thread then barely slows training), and
+returns the file's sha256 computed in the same pass (the manifest needs no second read).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
+import os
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tsp_trainer.parallel.apply import ShardSpec
 
@@ -21,22 +33,73 @@ META_KEY = "tsp_trainer.shards"
 EXTRA_KEY = "tsp_trainer.extra"
 
 
-def shard_file_name(tsp_rank: int, degree: int, prefix: str = "model") -> str:
-    return f"{prefix}-tsp{tsp_rank:03d}-of-{degree:03d}.safetensors"
+# torch dtype -> safetensors dtype tag
+_DTYPE_TAGS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+               torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def shard_file_name(tsp_rank: int, degree: int, prefix: str = "model", *, part: int = 0,
+                    parts: int = 1) -> str:
+    suffix = f"-part{part:03d}-of-{parts:03d}" if parts > 1 else ""
+    return f"{prefix}-tsp{tsp_rank:03d}-of-{degree:03d}{suffix}.safetensors"
+
+
+def shard_layout(names, specs: dict[str, ShardSpec], axis_ranks: dict[str, int]) -> dict[str, dict]:
+    """For each tensor name (optionally "<state key>/<param>"), its (dim, degree, axis, index)."""
+    out = {}
+    for name in names:
+        spec = specs[name.rsplit("/", 1)[-1]] if name not in specs else specs[name]
+        out[name] = {"dim": spec.dim, "degree": spec.degree, "axis": spec.axis,
+                     "index": axis_ranks.get(spec.axis, 0)}
+    return out
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec],
-                axis_ranks: dict[str, int], *, extra: dict | None = None) -> None:
+                axis_ranks: dict[str, int], *, extra: dict | None = None) -> dict:
     """Write this rank's tensors with, for each, (dim, degree, axis, this rank's index on it).
-    `extra`: JSON-able facts stored beside the layout (e.g. the optimizer's step count)."""
-    layout = {name: {"dim": specs[name].dim, "degree": specs[name].degree, "axis": specs[name].axis,
-                     "index": axis_ranks.get(specs[name].axis, 0)} for name in tensors}
-    # safetensors refuses shared storage (tied weights): store contiguous copies.
-    data = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+    `extra`: JSON-able facts stored beside the layout (e.g. the optimizer's step count).
+    Returns {"bytes", "sha256"} of the file."""
+    return write_layout_file(path, tensors, shard_layout(tensors, specs, axis_ranks), extra=extra)
+
+
+def write_layout_file(path: Path, tensors: dict[str, torch.Tensor], layout: dict[str, dict], *,
+                      extra: dict | None = None) -> dict:
     metadata = {META_KEY: json.dumps(layout)}
     if extra is not None:
         metadata[EXTRA_KEY] = json.dumps(extra)
-    save_file(data, str(path), metadata=metadata)
+    return save_safetensors(path, tensors, metadata)
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    """Write `tensors` (any device; copied to host one at a time if needed) as a safetensors file,
+    fsynced; returns {"bytes", "sha256"} computed while writing."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_TAGS[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)          # the format aligns the data start to 8 bytes
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        chunks = itertools.chain([struct.pack("<Q", len(raw)), raw], map(_raw_bytes, tensors.values()))
+        for chunk in chunks:                # one tensor at a time (a GPU tensor is copied lazily)
+            f.write(chunk)                  # both release the GIL on large buffers
+            digest.update(chunk)
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order, without a copy when it is a contiguous host tensor
+    (tied weights sharing storage are each written in full, as safetensors requires)."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def read_extra(folder: Path, prefix: str = "model") -> dict:

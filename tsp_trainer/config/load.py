@@ -32,6 +32,13 @@ BASE_KEY = "base"   # top-level recipe key naming a recipe to merge first (path 
 
 Layer = tuple[str, dict]   # (where it came from, plain nested dict)
 
+# (key, value) of choices that existed once -> why they are gone (appended to the error).
+REMOVED_CHOICES = {
+    ("data.on_layout_change", "resplit"): " ('resplit' was removed: it only approximated the data "
+                                          "position, repeating and skipping documents; see "
+                                          "docs/data.md)",
+}
+
 
 def load_config(path: str | os.PathLike | None, overrides: Iterable[str] = ()) -> TrainConfig:
     """Schema defaults <- `base:` chain <- recipe at `path` <- overrides (`train.steps=100`)."""
@@ -138,22 +145,40 @@ def _check_section(layer: dict, cls: type, *, prefix: str, source: str) -> None:
                 raise ValueError(f"config key '{dotted}'={_show(value)} must be a section "
                                  f"(a mapping of {kind.__name__} keys); {source}")
             _check_section(value, kind, prefix=dotted + ".", source=source)
+        elif _list_of_sections(kind) and isinstance(value, list):
+            item_cls = typing.get_args(kind)[0]
+            for i, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise ValueError(f"config key '{dotted}[{i}]'={_show(item)} must be a mapping "
+                                     f"of {item_cls.__name__} keys; {source}")
+                _check_section(item, item_cls, prefix=f"{dotted}[{i}].", source=source)
         elif not _is_interpolation(value) and not _accepts(value, kind):
             raise ValueError(f"config key '{dotted}'={_show(value)} must be {_describe(kind)}"
-                             f"{_bool_trap_hint(value, kind)}; {source}")
+                             f"{_bool_trap_hint(value, kind)}{_removed_choice(dotted, value)}"
+                             f"; {source}")
+
+
+def _removed_choice(dotted: str, value: Any) -> str:
+    """The hint for a choice an older version took (REMOVED_CHOICES); a list value has none."""
+    return REMOVED_CHOICES.get((dotted, value), "") if isinstance(value, typing.Hashable) else ""
+
+
+def _list_of_sections(kind: Any) -> bool:
+    args = typing.get_args(kind)
+    return typing.get_origin(kind) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
 
 
 def _accepts(value: Any, kind: Any) -> bool:
     """Strict type match. A str field also takes a bare number (`run_name: 2024` is meant as text)."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is list:
+        return isinstance(value, list) and all(_accepts(v, args[0]) for v in value)
     if origin is Literal:
         return any(type(value) is type(a) and value == a for a in args)
     if origin in (Union, types.UnionType):
         return any(_accepts(value, a) for a in args)
     if kind is type(None):
         return value is None
-    if origin is list:
-        return isinstance(value, (list, tuple)) and all(_accepts(v, args[0]) for v in value)
     if isinstance(value, bool):   # bool is an int subclass; only a bool field takes it
         return kind is bool
     if kind is float:
@@ -170,6 +195,8 @@ def _describe(kind: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin is list:
+        if dataclasses.is_dataclass(args[0]):
+            return f"a list of {args[0].__name__} mappings"
         return f"a list of {_describe(args[0]).split(' ', 1)[-1]}s"
     names = {int: "an int", float: "a number", bool: "a bool (true/false)", str: "a string",
              type(None): "null"}

@@ -15,8 +15,8 @@ from tsp_trainer.config.model import ModelConfig
 from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer
 
 Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
-DataFormat = Literal["auto", "jsonl", "parquet", "text", "hub"]
-LayoutChange = Literal["refuse", "restart", "resplit"]
+DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub"]
+LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
 NonFinite = Literal["skip", "stop"]
 WandbMode = Literal["disabled", "offline", "online"]
@@ -86,19 +86,61 @@ class ParallelSection:
 
 
 @dataclass(frozen=True)
+class SourceSection:
+    """One source of a token-weighted mixture (`data.sources`); unset fields follow `data.*`."""
+
+    source: str = "???"                        # local file/folder/glob or a hub dataset name
+    weight: float = 1.0                        # share of the trained tokens (normalised over sources)
+    name: str | None = None                    # label in logs and metrics; None = the source
+    format: DataFormat = "auto"
+    text_field: str | None = None              # None = data.text_field
+    token_field: str | None = None             # None = data.token_field
+    split: str | None = None                   # None = data.train_split
+
+
+@dataclass(frozen=True)
+class LengthStageSection:
+    """One stage of `data.seq_len_schedule`: from optimizer step `start_step` (0-based) on."""
+
+    start_step: int = 0
+    seq_len: int = 256                         # tokens per sequence in this stage
+    micro_batch_size: int | None = None        # None = data.micro_batch_size
+
+
+@dataclass(frozen=True)
+class UpsampleSection:
+    """Repeat long documents (a long-context control); off while min_tokens is 0."""
+
+    min_tokens: int = 0                        # documents with at least this many tokens are upsampled
+    factor: float = 1.0                        # times each long document is trained on, on average
+    gap_docs: int = 16                         # documents between a long document and its next copy
+
+
+@dataclass(frozen=True)
 class DataSection:
     """Where tokens come from and how they are batched (sequences, not tokens, per micro-batch)."""
 
-    source: str = "data/corpus"                # local file/folder/glob or a hub dataset name
-    format: DataFormat = "auto"                # "auto" guesses from the file suffix; "hub" = hub name
+    source: str | None = "data/corpus"         # local file/folder/glob or a hub name; null with data.sources
+    sources: list[SourceSection] = field(default_factory=list)   # a mixture weighted by tokens
+    format: DataFormat = "auto"                # "auto" = from the file suffix; "hub" = hub name; else checked
     text_field: str = "text"                   # column holding the raw text
+    token_field: str | None = None             # column of token ids (pre-tokenized data); None = text
     train_split: str = "train"
     eval_split: str | None = "validation"      # None = no evaluation data
+    eval_source: str | None = None             # held-out data; None = data.source's eval_split
+    eval_replicate: bool = True                # fewer eval documents than DP ranks: all ranks read all
     tokenizer: str | None = None               # folder or hub name; null: the model folder's, else data/tokenizer
     seq_len: int = 256                         # tokens per packed sequence (before the zigzag split)
+    seq_len_schedule: list[LengthStageSection] = field(default_factory=list)  # short -> long by step
     micro_batch_size: int = 2                  # sequences per DP rank per forward/backward
     shuffle: bool = False                      # buffered shuffle of the stream
     shuffle_buffer: int = 1000                 # examples held by the shuffle buffer
+    prefetch: int = 2                          # micro-batches a worker thread prepares ahead; 0 = off
+    upsample: UpsampleSection = field(default_factory=UpsampleSection)
+    mixture_estimate_docs: int = 64            # documents read per source to estimate its mean length
+    max_example_split_dp: int = 8              # above this DP degree, refuse sources with < dp shards
+    dataset_tokens: int | None = None          # tokens in one epoch of the train data, if known
+    max_epochs_warning: float = 1.0            # warn at start-up when the run reads its data more often
     on_layout_change: LayoutChange = "refuse"  # resuming loader state under another DP degree
 
 
@@ -162,6 +204,7 @@ class CheckpointSection:
     every: int = 0                             # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 3                         # complete checkpoints kept on disk
     enabled: bool = True
+    async_save: bool = False                   # write in a background thread; publish when complete
 
 
 @dataclass(frozen=True)
@@ -172,6 +215,8 @@ class LoggingSection:
     log_every: int = 1                         # optimizer steps between metric lines
     progress_bar: bool = True
     jsonl: bool = True                         # metrics.jsonl in output_dir
+    peak_tflops: float | None = None           # per-device peak TFLOP/s for MFU; None = detect (GPU)
+    rank_stats_every: int = 10                 # steps between gathers of every rank's step time; 0 = off
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,14 @@ _INT_MIN = {
     "data.shuffle_buffer": 1, "optim.warmup_steps": 0, "train.steps": 1, "train.grad_accum": 1,
     "train.global_batch_size": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.seed": 0,
     "train.collective_timeout_s": 1, "checkpoint.every": 0, "checkpoint.keep_last": 1,
-    "logging.log_every": 1, "eval.passkey_every": 0, "eval.passkey_samples": 1,
-    "eval.passkey_digits": 1, "eval.passkey_seed": 0,
+    "eval.passkey_every": 0, "eval.passkey_samples": 1, "eval.passkey_digits": 1,
+    "eval.passkey_seed": 0,
+    "logging.log_every": 1, "logging.rank_stats_every": 0, "data.prefetch": 0,
+    "data.mixture_estimate_docs": 1, "data.max_example_split_dp": 1, "data.dataset_tokens": 1,
+    "data.upsample.min_tokens": 0, "data.upsample.gap_docs": 1,
 }
 _OPTIONAL_INTS = {"parallel.tp_degree", "parallel.sp_degree", "parallel.dp_degree",
-                  "train.global_batch_size"}
+                  "train.global_batch_size", "data.dataset_tokens"}
 
 # key -> (predicate, rule) for the optimizer's floats.
 _FLOAT_RULES = {
@@ -53,6 +56,9 @@ _FLOAT_RULES = {
     "optim.beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "optim.eps": (lambda v: v > 0, "must be > 0"),
     "optim.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
+    "data.max_epochs_warning": (lambda v: 0 < v < math.inf, "must be a finite number > 0"),
+    "data.upsample.factor": (lambda v: 1 <= v < math.inf, "must be a finite number >= 1 "
+                                                          "(1 = no upsampling)"),
 }
 
 
@@ -75,6 +81,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
     _check_eval(cfg, model)
+    _check_data_sources(cfg)
+    _check_length_schedule(cfg, model)
     _check_paths(cfg)
 
 
@@ -158,6 +166,11 @@ def _check_numbers(cfg: TrainConfig) -> None:
         value = _get(cfg, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ValueError(f"{key}={value!r} {rule}")
+    peak = cfg.logging.peak_tflops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                             or not math.isfinite(peak) or peak <= 0):
+        raise ValueError(f"logging.peak_tflops={peak!r} must be a finite number > 0 (one device's "
+                         "peak TFLOP/s, for MFU), or null to detect it on a known GPU")
 
 
 def _check_zero(stage: Any) -> None:
@@ -314,6 +327,63 @@ def _check_eval(cfg: TrainConfig, model: ModelConfig) -> None:
         key = f"eval.passkey_lengths[{i}]" if e.passkey_lengths else "data.seq_len"
         _require_int(key, length, 1)
         check_eval_length(model, cfg.parallel, length, key=key)
+def _check_data_sources(cfg: TrainConfig) -> None:
+    """Exactly one of data.source / data.sources; mixture weights positive; formats known."""
+    d = cfg.data
+    if d.sources and d.source is not None:
+        raise ValueError(f"data.source={d.source!r} and data.sources (a mixture of "
+                         f"{len(d.sources)}) are both set; set data.source=null to train on the "
+                         "mixture, or data.sources=[] for one source")
+    if not d.sources and d.source is None:
+        raise ValueError("data.source is null and data.sources is empty: name the training data")
+    formats = typing.get_args(typing.get_type_hints(type(d))["format"])
+    names = []
+    for i, src in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        w = src.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < math.inf:
+            raise ValueError(f"{key}.weight={w!r} must be a finite number > 0 (a share of tokens)")
+        if src.format not in formats:
+            raise ValueError(f"{key}.format={src.format!r} is not one of "
+                             f"{', '.join(map(repr, formats))}")
+        names.append(src.name or src.source)
+    if len(set(names)) != len(names):
+        raise ValueError(f"data.sources names {names} repeat; give each source a distinct name")
+    if d.eval_source is not None and cfg.train.eval_every and d.eval_split is None:
+        raise ValueError("data.eval_source is set but data.eval_split is null; name the split to "
+                         "read from it")
+
+
+def _check_length_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
+    """Every stage of data.seq_len_schedule keeps the scheme's sequence rule (2D | seq_len for
+    TSP's zigzag) and fits RoPE; stages start at step 0, in order, and end at data.seq_len."""
+    stages, d, p = cfg.data.seq_len_schedule, cfg.data, cfg.parallel
+    if not stages:
+        return
+    starts = [st.start_step for st in stages]
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"data.seq_len_schedule start_step values {starts} must begin at 0 and "
+                         "increase")
+    for i, st in enumerate(stages):
+        key = f"data.seq_len_schedule[{i}]"
+        _require_int(f"{key}.seq_len", st.seq_len, 1)
+        if st.micro_batch_size is not None:
+            _require_int(f"{key}.micro_batch_size", st.micro_batch_size, 1)
+        if st.start_step >= cfg.train.steps:
+            raise ValueError(f"{key}.start_step={st.start_step} is not before train.steps="
+                             f"{cfg.train.steps}; the stage would never run")
+        if st.seq_len > d.seq_len:
+            raise ValueError(f"{key}.seq_len={st.seq_len} exceeds data.seq_len={d.seq_len}, the "
+                             "longest sequence the run is planned for; raise data.seq_len")
+        try:
+            check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=st.seq_len,
+                                  head_buckets=p.head_buckets, tp_degree=p.tp_degree,
+                                  sp_degree=p.sp_degree)
+        except ValueError as err:
+            raise ValueError(str(err).replace("data.seq_len=", f"{key}.seq_len=")) from None
+    if stages[-1].seq_len != d.seq_len:
+        raise ValueError(f"data.seq_len_schedule ends at seq_len={stages[-1].seq_len} but "
+                         f"data.seq_len={d.seq_len}; the last stage must train at data.seq_len")
 
 
 def _check_paths(cfg: TrainConfig) -> None:

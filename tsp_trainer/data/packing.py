@@ -1,46 +1,57 @@
-"""Pack tokenised documents into fixed windows of seq_len + 1 tokens, EOS after every document.
+"""Pack tokenised documents into fixed windows of seq_len + 1 tokens, EOS after every document
+(and BOS before it when the tokenizer adds one: `TextTokenizer.bos_id`).
 
-Legend: B = micro_batch_size, S = seq_len. The token stream is doc_0 EOS doc_1 EOS ...; window k is
-stream[k*S : k*S + S + 1], so consecutive windows share one token and every token after the first is
-a label exactly once. A document longer than S continues in the next window: nothing is dropped.
-Attention is not masked at document boundaries (standard for packed pre-training); EOS tells the
-model a new document starts. Labels are already shifted over the full sequence; the parallel code
-takes its zigzag slices of both tensors later (STYLE.md 5.4). Imports torch only.
+Legend: B = micro_batch_size, S = seq_len. The token stream is [BOS] doc_0 EOS [BOS] doc_1 EOS ...;
+window k is stream[k*S : k*S + S + 1] (S may change between windows: a length schedule), so
+consecutive windows share one token and every token after the first is a label exactly once. A
+document longer than S continues in the next window: nothing is dropped. Attention is not masked at
+document boundaries (standard for packed pre-training); EOS tells the model a new document starts.
+Labels are already shifted over the full sequence; the parallel code takes its zigzag slices of
+both tensors later (STYLE.md 5.4). Imports torch only (DocumentTokenizer, which lived here, is
+re-exported from documents.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Iterable, Iterator
 
 import torch
 
-from tsp_trainer.data.tokenize import TextTokenizer
+from tsp_trainer.data.documents import DocumentTokenizer  # noqa: F401  (re-exported)
 
 
 class TokenPacker:
     """The token stream not yet emitted; `pending()` is what a loader saves to resume exactly."""
 
-    def __init__(self, *, seq_len: int, eos_id: int, pending: Iterable[int] = ()):
+    def __init__(self, *, seq_len: int, eos_id: int, bos_id: int | None = None,
+                 pending: Iterable[int] = ()):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len} must be a positive integer")
         self.seq_len = seq_len
-        self.eos_id = eos_id
+        self.eos_id, self.bos_id = eos_id, bos_id
         self._tokens = list(pending)
         self._start = 0  # tokens before _start were emitted; compacted lazily (no O(n^2) slicing)
 
     def add_document(self, ids: list[int]) -> None:
+        if self.bos_id is not None:
+            self._tokens.append(self.bos_id)
         self._tokens.extend(ids)
         self._tokens.append(self.eos_id)
 
-    def num_ready(self) -> int:
-        """Complete windows available now (each needs S + 1 tokens; they overlap by one)."""
-        return max(0, (len(self._tokens) - self._start - 1) // self.seq_len)
+    def num_pending(self) -> int:
+        return len(self._tokens) - self._start
 
-    def pop_window(self) -> list[int]:
-        assert self.num_ready() > 0, "pop_window called with fewer than seq_len + 1 tokens pending"
-        window = self._tokens[self._start:self._start + self.seq_len + 1]
+    def num_ready(self, seq_len: int | None = None) -> int:
+        """Complete windows of `seq_len` (default: the packer's) available now (each needs S + 1
+        tokens; they overlap by one)."""
+        return max(0, (len(self._tokens) - self._start - 1) // (seq_len or self.seq_len))
+
+    def pop_window(self, seq_len: int | None = None) -> list[int]:
+        seq_len = seq_len or self.seq_len
+        assert self.num_ready(seq_len) > 0, "pop_window called with fewer than seq_len + 1 tokens"
+        window = self._tokens[self._start:self._start + seq_len + 1]
         # Keep the window's last token: it is the first input of the next window.
-        self._start += self.seq_len
+        self._start += seq_len
         if self._start > len(self._tokens) // 2:
             del self._tokens[:self._start]
             self._start = 0
@@ -57,9 +68,9 @@ def windows_to_batch(windows: list[list[int]]) -> dict[str, torch.Tensor]:
 
 
 def pack_documents(docs: Iterable[list[int]], *, seq_len: int, micro_batch_size: int,
-                   eos_id: int) -> Iterator[dict[str, torch.Tensor]]:
+                   eos_id: int, bos_id: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Stateless packing of token lists into micro-batches; a last partial batch is dropped."""
-    packer = TokenPacker(seq_len=seq_len, eos_id=eos_id)
+    packer = TokenPacker(seq_len=seq_len, eos_id=eos_id, bos_id=bos_id)
     windows: list[list[int]] = []
     for ids in docs:
         packer.add_document(ids)
@@ -68,45 +79,3 @@ def pack_documents(docs: Iterable[list[int]], *, seq_len: int, micro_batch_size:
             if len(windows) == micro_batch_size:
                 yield windows_to_batch(windows)
                 windows = []
-
-
-class DocumentTokenizer:
-    """Row -> token ids, with the checks and counters a long run needs.
-
-    Empty documents are skipped (returns []) and counted. Strings that cannot be UTF-8 encoded
-    (lone surrogates from a JSON escape such as "\\udc80", which the Rust tokenizer rejects) are
-    repaired, each bad code point becoming '?', and counted. Undecodable bytes in txt files are
-    replaced at read time (see streaming.py). A missing or non-string text field is a ValueError.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer, *, text_field: str, source: str = "<dataset>"):
-        self.tokenizer = tokenizer
-        self.text_field = text_field
-        self.source = source
-        self.num_empty = 0
-        self.num_repaired = 0
-
-    def __call__(self, row: Mapping[str, Any], *, where: str) -> list[int]:
-        text = row.get(self.text_field) if isinstance(row, Mapping) else None
-        if not isinstance(text, str):
-            found = "missing" if not isinstance(row, Mapping) or self.text_field not in row \
-                else f"of type {type(text).__name__}"
-            columns = sorted(row) if isinstance(row, Mapping) else type(row).__name__
-            raise ValueError(f"text_field={self.text_field!r} is {found} in {where} of "
-                             f"{self.source!r} (columns: {columns}); it must be a string")
-        if not text:
-            self.num_empty += 1
-            return []
-        try:
-            return self.tokenizer.encode(text)
-        except (TypeError, UnicodeEncodeError):
-            self.num_repaired += 1
-            clean = text.encode("utf-8", errors="replace").decode("utf-8")
-            return self.tokenizer.encode(clean)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"num_empty": self.num_empty, "num_repaired": self.num_repaired}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.num_empty = int(state["num_empty"])
-        self.num_repaired = int(state["num_repaired"])

@@ -1,9 +1,17 @@
-"""Open a text dataset as a `datasets` streaming IterableDataset and split it by DP rank only.
+"""Open a dataset as a `datasets` streaming IterableDataset and split it by DP rank only.
 
-Sources: a Hugging Face Hub name, or a local file, folder or glob of jsonl/json, parquet or txt files
-(format inferred from the extension; a folder's splits follow the Hub's file-naming conventions,
-e.g. train-00000-of-00002.jsonl, validation.jsonl). Every TSP rank of a replica must see the same
+Sources: a Hugging Face Hub name, or a local file, folder or glob of jsonl/json, parquet, arrow,
+txt or token files (`.bin`, see tokenfile.py). The format is `data.format`, or inferred from the
+extension when it is "auto"; a folder's splits follow the Hub's file-naming conventions (e.g.
+train-00000-of-00002.jsonl, validation.jsonl). Every TSP rank of a replica must see the same
 documents, so the split is by `dp_rank` over `dp_degree`, never by global rank (STYLE.md 5.4).
+
+The split is by shards (whole files, parquet row groups, token-file ranges) so that each DP rank
+reads about 1/dp of the bytes: `IterableDataset.reshard()` first when the shard count does not
+divide the DP degree (parquet: one shard per row group), then datasets' "shards" strategy (ranks
+get floor or ceil of shards/dp). Only with fewer shards than ranks does a rank have to read every
+example and keep 1 in dp ("examples"): dp times the reading, so it is refused above
+`max_example_split_dp` with a message that says how to fix it.
 `datasets` is imported lazily (about 1.5 s). Never imports torch.distributed.
 """
 
@@ -13,38 +21,52 @@ import glob
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 if TYPE_CHECKING:
     from datasets import IterableDataset
 
-# Extension -> datasets packaged builder. Plain files only; compressed inputs are untested.
-BUILDER_BY_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+# Extension -> data format (the values of data.format); "tokens" is tokenfile.py's memory map.
+FORMAT_BY_EXTENSION = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "text",
+                       ".arrow": "arrow", ".bin": "tokens"}
+# Data format -> datasets packaged builder.
+BUILDER_BY_FORMAT = {"jsonl": "json", "parquet": "parquet", "text": "text", "arrow": "arrow"}
+LOCAL_FORMATS = ("jsonl", "parquet", "text", "arrow", "tokens")
 _GLOB_CHARS = ("*", "?", "[")
+SplitMode = Literal["train", "eval"]
 
 
 def looks_like_local_path(source: str) -> bool:
     """True when `source` cannot be a Hub id ('name' or 'org/name'), so a miss is a typo."""
-    return (source.startswith(("/", "./", "../", "~")) or Path(source).suffix in BUILDER_BY_EXTENSION
+    return (source.startswith(("/", "./", "../", "~")) or Path(source).suffix in FORMAT_BY_EXTENSION
             or any(c in source for c in _GLOB_CHARS) or source.count("/") > 1)
 
 
 def open_text_stream(source: str | os.PathLike, *, split: str = "train", text_field: str = "text",
                      dp_rank: int = 0, dp_degree: int = 1, config_name: str | None = None,
-                     load_kwargs: Mapping[str, Any] | None = None) -> "IterableDataset":
-    """This DP rank's streaming view of `source`'s `split`.
+                     load_kwargs: Mapping[str, Any] | None = None, data_format: str = "auto",
+                     max_example_split_dp: int = 8, mode: SplitMode = "train") -> "IterableDataset":
+    """This DP rank's streaming view of `source`'s `split` (`text_field` must be a column).
 
     `load_kwargs` go to `datasets.load_dataset` (e.g. `sample_by="document"` for txt files, whose
-    default is one document per line, or `revision=` for a Hub dataset).
+    default is one document per line, or `revision=` for a Hub dataset). `mode="eval"` never
+    refuses the read-everything split: an evaluation reads only its few batches.
     """
     check_dp_layout(dp_rank=dp_rank, dp_degree=dp_degree)
     dataset = load_streaming(str(source), split=split, config_name=config_name,
-                             load_kwargs=dict(load_kwargs or {}))
+                             load_kwargs=dict(load_kwargs or {}), data_format=data_format,
+                             dp_degree=dp_degree)
+    check_column(dataset, text_field, source=str(source), split=split, key="text_field")
+    return split_by_dp_rank(dataset, dp_rank=dp_rank, dp_degree=dp_degree, source=str(source),
+                            max_example_split_dp=max_example_split_dp, mode=mode)
+
+
+def check_column(dataset: "IterableDataset", column: str, *, source: str, split: str,
+                 key: str) -> None:
     features = dataset.features
-    if features is not None and text_field not in features:
-        raise ValueError(f"dataset {str(source)!r} split {split!r} has no column "
-                         f"text_field={text_field!r}; its columns are {sorted(features)}")
-    return split_by_dp_rank(dataset, dp_rank=dp_rank, dp_degree=dp_degree, source=str(source))
+    if features is not None and column not in features:
+        raise ValueError(f"dataset {source!r} split {split!r} has no column {key}={column!r}; its "
+                         f"columns are {sorted(features)}")
 
 
 def check_dp_layout(*, dp_rank: int, dp_degree: int) -> None:
@@ -55,30 +77,59 @@ def check_dp_layout(*, dp_rank: int, dp_degree: int) -> None:
 
 
 def split_by_dp_rank(dataset: "IterableDataset", *, dp_rank: int, dp_degree: int,
-                     source: str = "<dataset>") -> "IterableDataset":
-    """`split_dataset_by_node` over the DP group: whole shards per rank when the shard count
-    divides evenly, otherwise every rank reads every example and keeps 1 in dp_degree."""
+                     source: str = "<dataset>", max_example_split_dp: int = 8,
+                     mode: SplitMode = "train") -> "IterableDataset":
+    """Whole shards per DP rank (after `reshard()` where the format allows); the example split,
+    which makes every rank read everything, only when there are fewer shards than ranks."""
     from datasets.distributed import split_dataset_by_node
 
     if dp_degree == 1:
         return dataset
-    if dataset.num_shards % dp_degree:
-        # huggingface/datasets#6623: the example-level fallback reads the whole dataset on each rank.
+    dataset = reshard_for(dataset, dp_degree)
+    if dataset.num_shards >= dp_degree:
+        return split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_degree, strategy="shards")
+    if mode == "train":
+        refuse_example_split(num_shards=dataset.num_shards, dp_degree=dp_degree, source=source,
+                             max_example_split_dp=max_example_split_dp)
         warnings.warn(
             f"dataset {source!r} has num_shards={dataset.num_shards}, not a multiple of "
-            f"dp_degree={dp_degree}: every DP rank will stream all of it and keep 1 example in "
-            f"{dp_degree}; split it into a multiple of {dp_degree} files to read each file once",
-            stacklevel=3)
-    return split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_degree)
+            f"dp_degree={dp_degree}, and fewer shards than DP ranks: every DP rank will stream "
+            f"all of it and keep 1 example in {dp_degree}; split it into a multiple of "
+            f"{dp_degree} files to read each file once", stacklevel=3)
+    return split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_degree, strategy="examples")
+
+
+def reshard_for(dataset: "IterableDataset", dp_degree: int) -> "IterableDataset":
+    """More shards when the current count does not divide dp (parquet: one per row group)."""
+    if dataset.num_shards % dp_degree == 0:
+        return dataset
+    resharded = dataset.reshard()
+    return resharded if resharded.num_shards > dataset.num_shards else dataset
+
+
+def refuse_example_split(*, num_shards: int, dp_degree: int, source: str,
+                         max_example_split_dp: int) -> None:
+    """The split that reads everything on every rank is refused for training above a DP degree."""
+    if dp_degree > max_example_split_dp:
+        # huggingface/datasets#6623: the example split reads the whole dataset on each rank.
+        raise ValueError(
+            f"data source {source!r} has {num_shards} file(s)/shard(s) for dp_degree={dp_degree} "
+            f"DP ranks: every rank would read all of it and keep 1 example in {dp_degree} "
+            f"({dp_degree}x the reading; allowed up to data.max_example_split_dp="
+            f"{max_example_split_dp}); split it into at least {dp_degree} files (a multiple of "
+            f"{dp_degree} is best), write it as parquet with row groups, or run tsp-tokenize "
+            f"SRC OUT --shards {dp_degree * 4}")
 
 
 def load_streaming(source: str, *, split: str, config_name: str | None = None,
-                   load_kwargs: dict[str, Any] | None = None) -> "IterableDataset":
-    """`datasets.load_dataset(..., streaming=True)` for a local path or a Hub name."""
+                   load_kwargs: dict[str, Any] | None = None, data_format: str = "auto",
+                   dp_degree: int = 1) -> "IterableDataset":
+    """`datasets.load_dataset(..., streaming=True)` for a local path or a Hub name; token files
+    (`.bin`) through tokenfile.py, cut into ranges for `dp_degree` ranks."""
     import datasets
 
     load_kwargs = dict(load_kwargs or {})
-    local = resolve_local_files(source, split=split)
+    local = resolve_local_files(source, split=split, data_format=data_format)
     if local is None:
         try:
             return datasets.load_dataset(source, name=config_name, split=split, streaming=True,
@@ -86,12 +137,16 @@ def load_streaming(source: str, *, split: str, config_name: str | None = None,
         except Exception as exc:  # offline, unknown name, gated repo: one message that names it
             raise ValueError(f"could not open {source!r} (split {split!r}) as a Hugging Face Hub "
                              f"dataset, and it is not a local file or folder: {exc}") from exc
-    builder, files = local
-    if builder == "text":
+    fmt, files = local
+    if fmt == "tokens":
+        from tsp_trainer.data.tokenfile import open_token_files
+
+        return open_token_files(files, num_ranges=token_ranges_for(dp_degree))
+    if fmt == "text":
         # A stray non-UTF-8 byte should not stop a long run: decode it as U+FFFD instead.
         load_kwargs.setdefault("encoding_errors", "replace")
     try:
-        return datasets.load_dataset(builder, data_files={split: files}, split=split,
+        return datasets.load_dataset(BUILDER_BY_FORMAT[fmt], data_files={split: files}, split=split,
                                      streaming=True, **load_kwargs)
     except StopIteration as exc:
         # datasets 5.2.0's json builder peeks at the first table and leaks StopIteration when the
@@ -99,12 +154,24 @@ def load_streaming(source: str, *, split: str, config_name: str | None = None,
         raise ValueError(f"dataset {source!r} split {split!r} is empty: no rows in {files}") from exc
 
 
-def resolve_local_files(source: str, *, split: str) -> tuple[str, list[str]] | None:
-    """(builder, files) for a local file, folder or glob; None for a Hub name.
+def token_ranges_for(dp_degree: int) -> int:
+    """Token files are cut into this many ranges of equal tokens: 4 per DP rank, so every rank
+    gets the same number and epochs can reshuffle which ones."""
+    return 4 * dp_degree
+
+
+def resolve_local_files(source: str, *, split: str,
+                        data_format: str = "auto") -> tuple[str, list[str]] | None:
+    """(format, files) for a local file, folder or glob; None for a Hub name.
 
     A single file or a glob is taken as the requested split; a folder is split by file names.
     """
     path = Path(source).expanduser()
+    if data_format == "hub":
+        if path.exists():
+            raise ValueError(f"data.format='hub' but {source!r} is a local path; use "
+                             "data.format=auto (or the file format) for local data")
+        return None
     if any(c in source for c in _GLOB_CHARS):
         files = sorted(p for p in glob.glob(str(path), recursive=True) if os.path.isfile(p))
         if not files:
@@ -112,17 +179,29 @@ def resolve_local_files(source: str, *, split: str) -> tuple[str, list[str]] | N
     elif path.is_file():
         files = [str(path)]
     elif path.is_dir():
-        files = _folder_split_files(path, split=split)
-    elif looks_like_local_path(source):
+        files = folder_split_files(path, split=split)
+    elif looks_like_local_path(source) or data_format in LOCAL_FORMATS:
         raise ValueError(f"data path {source!r} does not exist (resolved to {path.resolve()})")
     else:
         return None
     if all(os.path.getsize(f) == 0 for f in files):
         raise ValueError(f"dataset {source!r} split {split!r} is empty: all of {files} are 0 bytes")
-    return _builder_for(files, source=source), files
+    return format_of(files, source=source, data_format=data_format), files
 
 
-def _folder_split_files(folder: Path, *, split: str) -> list[str]:
+def is_single_file_source(source: str, data_format: str = "auto") -> bool:
+    """A file or a glob: it is one split, whatever split is asked for (folders have named splits)."""
+    if data_format == "hub":
+        return False
+    path = Path(source).expanduser()
+    return any(c in source for c in _GLOB_CHARS) or path.is_file()
+
+
+def folder_split_files(folder: Path, *, split: str) -> list[str]:
+    token_files = sorted(str(p) for p in folder.glob(f"{split}*.bin")
+                         if p.name == f"{split}.bin" or p.name.startswith(f"{split}-"))
+    if token_files:
+        return token_files
     from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 
     try:
@@ -134,18 +213,29 @@ def _folder_split_files(folder: Path, *, split: str) -> list[str]:
         raise ValueError(f"data folder {str(folder)!r} has no files for split {split!r}; found "
                          f"splits {sorted(map(str, files_by_split))} (named like train-*.jsonl, "
                          "validation.jsonl)")
-    return sorted(str(f) for f in files_by_split[split])
+    # datasets lists every file matching the split's name; keep the data files only.
+    return sorted(str(f) for f in files_by_split[split]
+                  if Path(str(f)).suffix.lower() in FORMAT_BY_EXTENSION)
 
 
-def _builder_for(files: list[str], *, source: str) -> str:
-    builders = {}
+def format_of(files: list[str], *, source: str, data_format: str = "auto") -> str:
+    """The one format of `files`: from their extensions, checked against `data.format`."""
+    found = {}
     for f in files:
         ext = Path(f).suffix.lower()
-        if ext not in BUILDER_BY_EXTENSION:
+        if ext in FORMAT_BY_EXTENSION:
+            found[FORMAT_BY_EXTENSION[ext]] = f
+        elif data_format == "auto":
             raise ValueError(f"data file {f!r} (from {source!r}) has extension {ext!r}; supported: "
-                             f"{sorted(BUILDER_BY_EXTENSION)}")
-        builders[BUILDER_BY_EXTENSION[ext]] = f
-    if len(builders) > 1:
-        raise ValueError(f"data source {source!r} mixes formats {sorted(builders)}; "
+                             f"{sorted(FORMAT_BY_EXTENSION)}, or set data.format to read it as one "
+                             f"of {list(LOCAL_FORMATS)}")
+    if len(found) > 1:
+        raise ValueError(f"data source {source!r} mixes formats {sorted(found)}; "
                          "point it at files of one format")
-    return next(iter(builders))
+    if data_format == "auto":
+        return next(iter(found))
+    if found and data_format not in found:
+        inferred, example = next(iter(found.items()))
+        raise ValueError(f"data.format={data_format!r} but {example!r} (from {source!r}) is a "
+                         f"{inferred} file by its extension; set data.format=auto or {inferred!r}")
+    return data_format

@@ -1,7 +1,11 @@
-"""Tokenisers behind one small interface (encode, decode, eos_id, vocab_size).
+"""Tokenisers behind one small interface (encode, encode_batch, decode, eos_id, bos_id, vocab_size).
 
 A local tokenizer.json (or a folder holding one) loads with `tokenizers` alone; any other folder or a
 Hugging Face Hub name goes through `transformers.AutoTokenizer` (imported lazily: it takes seconds).
+`encode_batch` tokenizes many documents in one call into the Rust library, which releases the GIL
+and may use several threads (the prefetch worker relies on it). BOS follows the tokenizer: `bos_id`
+is the token the tokenizer itself puts before a text when asked to add special tokens (Llama's
+`<s>`; none for GPT-2-style BPEs), unless tokenizer_config.json says `"add_bos_token": false`.
 Imports nothing of ours but `tsp_trainer.data.streaming`'s path helper and the config's rule for
 which tokenizer a run uses; never torch.distributed.
 """
@@ -23,16 +27,24 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 @dataclass(frozen=True)
 class TextTokenizer:
     """What the data pipeline needs from a tokeniser. No special tokens are added by `encode`:
-    the packer puts `eos_id` after every document itself."""
+    the packer puts `bos_id` (when not None) before and `eos_id` after every document itself."""
 
     name: str
     eos_id: int
     vocab_size: int  # max token id + 1, added tokens included (what the embedding must cover)
     _encode: Callable[[str], list[int]] = field(repr=False)
     _decode: Callable[[list[int]], str] = field(repr=False)
+    _encode_batch: Callable[[list[str]], list[list[int]]] | None = field(default=None, repr=False)
+    bos_id: int | None = None  # put before each document (the tokenizer adds one to a text)
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, in one call where the backend allows it."""
+        if self._encode_batch is None:
+            return [self._encode(t) for t in texts]
+        return self._encode_batch(texts)
 
     def decode(self, ids: list[int]) -> str:
         return self._decode(ids)
@@ -75,24 +87,52 @@ def _from_tokenizer_json(path: Path) -> TextTokenizer:
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
         raise ValueError(f"could not read tokenizer file {str(path)!r}: {exc}") from exc
     vocab = tok.get_vocab(with_added_tokens=True)
-    eos_token = _eos_token_from_config(path.parent / "tokenizer_config.json")
+    config = _tokenizer_config(path.parent / "tokenizer_config.json")
+    eos_token = _token_name(config.get("eos_token"))
     candidates = (eos_token,) if eos_token else EOS_CANDIDATES
     eos_id = next((vocab[t] for t in candidates if t in vocab), None)
     if eos_id is None:
         raise ValueError(f"tokenizer {str(path)!r} has no end-of-text token: looked for "
                          f"{list(candidates)}; name one as eos_token in tokenizer_config.json")
+    bos_id = _bos_from(lambda t: tok.encode(t, add_special_tokens=True).ids,
+                       lambda t: tok.encode(t, add_special_tokens=False).ids,
+                       config.get("add_bos_token"))
+    if bos_id is None and config.get("add_bos_token") is True:
+        bos_token = _token_name(config.get("bos_token"))
+        if bos_token not in vocab:
+            raise ValueError(f"tokenizer {str(path)!r}: tokenizer_config.json sets add_bos_token "
+                             f"but its bos_token {bos_token!r} is not in the vocabulary")
+        bos_id = vocab[bos_token]
     return TextTokenizer(
         name=str(path), eos_id=eos_id, vocab_size=max(vocab.values()) + 1,
         _encode=lambda text: tok.encode(text, add_special_tokens=False).ids,
-        _decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+        _decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        _encode_batch=lambda texts: [e.ids for e in tok.encode_batch_fast(
+            texts, add_special_tokens=False)],
+        bos_id=bos_id)
 
 
-def _eos_token_from_config(config_path: Path) -> str | None:
+def _tokenizer_config(config_path: Path) -> dict:
     if not config_path.is_file():
-        return None
-    token = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
+        return {}
+    return json.loads(config_path.read_text(encoding="utf-8"))
+
+
+def _token_name(token) -> str | None:
     # transformers writes either "<eos>" or {"content": "<eos>", ...} (AddedToken).
     return token.get("content") if isinstance(token, dict) else token
+
+
+def _bos_from(with_special: Callable[[str], list[int]], plain: Callable[[str], list[int]],
+              add_bos_token: bool | None) -> int | None:
+    """The id the tokenizer puts before a text when it adds its special tokens, if any."""
+    if add_bos_token is False:
+        return None
+    probe = "Hello world"
+    special, bare = list(with_special(probe)), list(plain(probe))
+    if len(special) > len(bare) and special[1:1 + len(bare)] == bare:
+        return int(special[0])
+    return None
 
 
 def _from_transformers(name: str) -> TextTokenizer:
@@ -108,10 +148,15 @@ def _from_transformers(name: str) -> TextTokenizer:
                          "document boundaries")
     # The packer feeds whole documents; silence the 'longer than model_max_length' warning.
     tok.model_max_length = 1 << 62
+    bos_id = _bos_from(lambda t: tok.encode(t, add_special_tokens=True),
+                       lambda t: tok.encode(t, add_special_tokens=False),
+                       getattr(tok, "add_bos_token", None))
     return TextTokenizer(
         name=name, eos_id=int(tok.eos_token_id), vocab_size=len(tok),
         _encode=lambda text: tok.encode(text, add_special_tokens=False),
-        _decode=lambda ids: tok.decode(ids, skip_special_tokens=False))
+        _decode=lambda ids: tok.decode(ids, skip_special_tokens=False),
+        _encode_batch=lambda texts: tok(texts, add_special_tokens=False)["input_ids"],
+        bos_id=bos_id)
 
 
 # Text every tokenizer can encode: words, digits, punctuation, whitespace runs, non-ASCII.

@@ -2,9 +2,10 @@
 package is the only importer of deepspeed (DESIGN.md section 6).
 
 ZeRO 1/2 and DeepSpeed's bf16 optimizer link each model parameter to its fragment of the flat
-fp32 partition and set `param._hp_mapping` (None where this rank holds no fragment); the
-safe_* helpers dispatch on that attribute, so do these. Without it (ZeRO-0, fp32) the torch
-optimizer holds the state per parameter. tests/distributed/test_reshard.py fails if any of this
+fp32 partition and set `param._hp_mapping` (None where this rank holds no fragment; its
+`lp_fragment_address` is the fragment's (start, numel) in the flattened parameter and
+`get_hp_fragment(key)` the fragment itself); the safe_* helpers dispatch on that attribute, so do
+these. Without it (ZeRO-0, fp32) the torch optimizer holds the state per parameter. tests/distributed/test_reshard.py fails if any of this
 changes in a DeepSpeed upgrade.
 """
 
@@ -15,19 +16,34 @@ from collections import defaultdict
 import torch
 
 
-def get_full_optimizer_state(p: torch.nn.Parameter, optimizer, key: str) -> torch.Tensor:
-    if hasattr(p, "_hp_mapping"):                # linked by ZeRO 1/2 (or DeepSpeed's bf16 optimizer)
-        from deepspeed.utils import safe_get_full_optimizer_state
+def full_state_on_owner(p: torch.nn.Parameter, optimizer, key: str | None, *, dp, owner: int,
+                        scratch: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """p's full (TSP-local) fp32 state on dp rank `owner`, for a checkpoint: `key` is an optimizer
+    state ("exp_avg", ...) or None for the fp32 master weights. Returns (tensor, in_scratch) on
+    the owner, (None, False) elsewhere.
 
-        return safe_get_full_optimizer_state(p, key)
-    return optimizer.state[p][key].detach().clone()
-
-
-def get_full_fp32(p: torch.nn.Parameter) -> torch.Tensor:
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    full = safe_get_full_fp32_param(p) if hasattr(p, "_hp_mapping") else None
-    return p.detach().float() if full is None else full
+    ZeRO 1/2 (p._hp_mapping set): with dp = 1 the fragment is the whole tensor, returned as a view
+    of the live partition (no copy, no communication). Otherwise each rank writes its fragment at
+    its offset into `scratch` (flat fp32, >= p.numel(), zeroed first) and one SUM reduce over `dp`
+    (the Comm) leaves the whole tensor on the owner: each element has exactly one non-zero
+    contributor, so the sum is exact. DeepSpeed's safe_get_full_* do the same with a fresh buffer
+    and an all-reduce; here the buffer is reused and only the writer receives. in_scratch: the
+    result lives in `scratch` and must be copied before the next call. Without ZeRO the torch
+    optimizer's own tensor (or the fp32 weight) is returned, live."""
+    if not hasattr(p, "_hp_mapping"):
+        if dp.rank != owner:
+            return None, False
+        return (optimizer.state[p][key] if key else p.detach().float()), False
+    mapping = p._hp_mapping
+    if dp.size == 1:
+        return mapping.get_hp_fragment(key).view(p.shape), False
+    flat = scratch[:p.numel()]
+    flat.zero_()
+    if mapping is not None:
+        address = mapping.lp_fragment_address
+        flat.narrow(0, address.start, address.numel).copy_(mapping.get_hp_fragment(key))
+    dp.reduce(flat, owner, tag="checkpoint.gather")
+    return (flat.view(p.shape), True) if dp.rank == owner else (None, False)
 
 
 def set_full_fp32(p: torch.nn.Parameter, value: torch.Tensor) -> None:

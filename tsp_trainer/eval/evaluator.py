@@ -12,7 +12,7 @@ exists, so a bad filler source or a length too short for the prompt fails at sta
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -26,11 +26,11 @@ from tsp_trainer.observability.tables import LineChart, MetricTable
 from tsp_trainer.parallel.mesh import Mesh
 from tsp_trainer.parallel.schemes import Parallelized
 
-# Metric names (metrics.jsonl keys and W&B keys); eval_loss is the Trainer's long-standing name.
-EVAL_LOSS = "eval_loss"
-LOSS_BY_POSITION = "eval_loss_by_position"
-PASSKEY_ACCURACY = "eval_passkey_accuracy"
-PASSKEY = "eval_passkey"
+# Metric names (metrics.jsonl and W&B keys), rows of observability/metric_names.py's table.
+EVAL_LOSS = "eval/loss"
+LOSS_BY_POSITION = "eval/loss_by_position"
+PASSKEY_ACCURACY = "eval/passkey_accuracy"
+PASSKEY = "eval/passkey"
 
 # Filler tokens read beyond the longest haystack, so the samples' random offsets differ in text.
 FILLER_MARGIN = 4096
@@ -91,14 +91,16 @@ class Evaluator:
     """Runs the evaluations due at a step on this rank's part of the sharded model."""
 
     def __init__(self, cfg: TrainConfig, *, par: Parallelized, mesh: Mesh, device: torch.device,
-                 eval_batches: Callable[[], Iterable[dict]], passkey: PasskeyTask | None, log=None):
+                 eval_batches: Iterable[dict] | None, passkey: PasskeyTask | None, log=None):
+        """eval_batches: this DP rank's held-out micro-batches, the same at every iteration
+        (data/eval.py's EvalBatches); None when train.eval_every = 0."""
         self.cfg, self.par, self.mesh, self.device = cfg, par, mesh, device
         self.eval_batches, self.passkey, self.log = eval_batches, passkey, log
         self._comms = par.token_comms + [mesh.dp]        # each token of the global batch once
 
     def run(self, step: int) -> dict:
         metrics = {}
-        if _due(self.cfg.train.eval_every, step):
+        if self.eval_batches is not None and _due(self.cfg.train.eval_every, step):
             metrics.update(self.loss_metrics(step))
         if self.passkey is not None and _due(self.cfg.eval.passkey_every, step):
             metrics.update(self.passkey_metrics(step))
@@ -107,7 +109,7 @@ class Evaluator:
     @torch.no_grad()
     def loss_by_position(self) -> PositionLoss:
         acc = PositionLossAccumulator(self.cfg.data.seq_len, self.device)
-        for batch in self.eval_batches():
+        for batch in self.eval_batches:
             ids, labels, positions = self.par.local_batch(batch["input_ids"].to(self.device),
                                                           batch["labels"].to(self.device))
             acc.add(self.par.token_stats(ids, labels, positions), labels, positions)

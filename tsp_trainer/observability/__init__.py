@@ -1,6 +1,9 @@
-"""Observability: rank-aware logging, FLOP formula and step metrics (tokens/s, MFU, memory), metric
-sinks (metrics.jsonl, console, W&B on global rank 0) and a progress bar. Never issues collectives;
-only wandb_sink.py imports wandb (lazily)."""
+"""Observability: the metric names (metric_names.py, one table), rank-aware logging, FLOP formula and
+step metrics (tokens/s, MFU, memory, per-op communication, the slowest rank), metric sinks
+(metrics.jsonl, console, W&B on global rank 0), a progress bar, the W&B dashboard as code
+(dashboard.py) and the offline report (report.py). The only collective is StepRecorder's rank-stats
+gather, through the Comm it is handed; only wandb_sink.py imports wandb and only dashboard.py
+wandb_workspaces (both lazily)."""
 
 from tsp_trainer.observability.flops import (
     attention_flops_per_token,
@@ -10,6 +13,7 @@ from tsp_trainer.observability.flops import (
     model_and_hardware_flops_per_token,
 )
 from tsp_trainer.observability.log import configure_logging, get_logger
+from tsp_trainer.observability.metric_names import METRICS, PANEL_GROUPS, MetricDef, metric_def
 from tsp_trainer.observability.metrics import (
     DEVICE_PEAK_FLOPS,
     StepMetrics,
@@ -19,6 +23,7 @@ from tsp_trainer.observability.metrics import (
     reset_peak_memory,
 )
 from tsp_trainer.observability.progress import ProgressBar
+from tsp_trainer.observability.recorder import StepRecorder
 from tsp_trainer.observability.sinks import (
     ConsoleSink,
     JsonlSink,
@@ -32,8 +37,9 @@ from tsp_trainer.observability.tables import LineChart, MetricTable
 from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
 
 __all__ = [
-    "DEVICE_PEAK_FLOPS", "WANDB_MODES", "ConsoleSink", "JsonlSink", "LineChart", "MetricTable",
-    "MetricsSink", "MultiSink", "NullSink",
+    "DEVICE_PEAK_FLOPS", "METRICS", "PANEL_GROUPS", "MetricDef", "StepRecorder", "metric_def",
+    "WANDB_MODES", "ConsoleSink", "JsonlSink", "LineChart", "MetricTable", "MetricsSink", "MultiSink",
+    "NullSink",
     "ProgressBar", "StepMetrics", "WandbSink", "attention_flops_per_token", "block_matmul_params",
     "configure_logging", "detect_peak_flops", "flops_per_token", "format_console_line", "get_logger",
     "make_sinks", "matmul_params", "model_and_hardware_flops_per_token", "peak_flops_for",

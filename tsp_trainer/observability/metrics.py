@@ -1,9 +1,9 @@
 """Per-step throughput and utilisation (tokens/s, tokens/s/device, TFLOP/s/device, MFU, HFU), device
 peak FLOP/s, and peak memory. No collectives: the caller passes global token counts and world size.
 
-Key names of `StepMetrics.as_dict()` (what the sinks and metrics.jsonl carry):
-    tokens, step_time_s, tokens_per_s, tokens_per_s_per_device, tflops_per_device, mfu, hfu
-`peak_memory_bytes()` is logged as `peak_mem_bytes`.
+StepRecorder (recorder.py) logs these under the names of metric_names.py: perf/tokens_per_s,
+perf/tokens_per_s_per_gpu, perf/tflops_per_gpu, perf/mfu, perf/hfu, perf/step_time_s, and
+`peak_memory_bytes()` as mem/peak_gib.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 Sinks never communicate; the caller builds real sinks on global rank 0 only (make_sinks) and a
 NullSink everywhere else. wandb is imported only by wandb_sink.py, lazily.
 
-Keys the ConsoleSink knows how to print (others go to the JSONL file and W&B only):
-    loss, lr, grad_norm, tokens_per_s, mfu, peak_mem_bytes
-A value may be a MetricTable (tables.py): JSONL writes its columns and rows, W&B a table and chart.
+Metric names and what each means: observability/metric_names.py. The console line shows the rows
+with a `console` format (loss, lr, grad norm, eval loss, tok/s, MFU, step time, memory); every
+metric goes to the JSONL file and W&B. A value may be a MetricTable (tables.py): JSONL writes its
+columns and rows, W&B a table and a line chart.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import IO, Any, Iterable, Protocol, runtime_checkable
 
 from tsp_trainer.observability.log import get_logger
 from tsp_trainer.observability.tables import MetricTable
+from tsp_trainer.observability.metric_names import console_metrics, metric_def
 from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
 
 
@@ -87,18 +89,18 @@ def _si(value: float) -> str:
 
 
 def format_console_line(step: int, metrics: dict[str, Any]) -> str:
-    """"step 12 | loss 3.4567 | lr 3.00e-04 | gnorm 1.234 | 12.35k tok/s | MFU 41.2% | mem 12.3 GiB";
-    fields whose key is missing or None are left out."""
+    """"step 12 | loss 3.4568 | lr 3.00e-04 | gnorm 1.234 | 12.35k tok/s | MFU 41.2% | 0.35 s/step |
+    mem 12.3 GiB", in the order of metric_names.METRICS; missing or None fields are left out."""
     m = {k: _to_json_value(v) for k, v in metrics.items()}
     parts = [f"step {step}"]
-    formats = (("loss", "loss {:.4f}"), ("lr", "lr {:.2e}"), ("grad_norm", "gnorm {:.3f}"))
-    parts += [fmt.format(m[key]) for key, fmt in formats if m.get(key) is not None]
-    if m.get("tokens_per_s") is not None:
-        parts.append(f"{_si(m['tokens_per_s'])} tok/s")
-    if m.get("mfu") is not None:
-        parts.append(f"MFU {100 * m['mfu']:.1f}%")
-    if m.get("peak_mem_bytes") is not None:
-        parts.append(f"mem {m['peak_mem_bytes'] / 2**30:.1f} GiB")
+    for row in console_metrics():
+        value = m.get(row.name)
+        if value is None:
+            continue
+        if "{si}" in row.console:
+            parts.append(row.console.replace("{si}", _si(value)))
+        else:
+            parts.append(row.console.format(value * row.scale))
     return " | ".join(parts)
 
 
@@ -117,12 +119,21 @@ class ConsoleSink:
 
 
 class MultiSink:
-    """Fans out to several sinks. close() closes all of them, then re-raises the first error."""
+    """Fans out to several sinks. close() closes all of them, then re-raises the first error.
+    A name missing from metric_names.METRICS is still logged, with one warning per name (the
+    dashboard and the report would not show it)."""
 
     def __init__(self, sinks: Iterable[MetricsSink]):
         self.sinks = list(sinks)
+        self._warned: set[str] = set()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for name in metrics.keys() - self._warned:
+            try:
+                metric_def(name)
+            except KeyError as err:
+                self._warned.add(name)
+                get_logger(__name__).warning(f"{err.args[0]}; it is logged, but no panel shows it")
         for sink in self.sinks:
             sink.log(step, metrics)
 

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from tsp_trainer.observability.tables import MetricTable
+from tsp_trainer.observability.metric_names import METRICS
 
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -60,6 +61,15 @@ def _refuse_off_rank0() -> None:
                            "(use observability.make_sinks, which returns a NullSink elsewhere)")
 
 
+def define_metrics(run) -> None:
+    """Declare every row of metric_names.METRICS on the run: the summary W&B keeps for it (min loss,
+    max memory, ...). W&B takes a glob only as a suffix, so a family (`comm/*/*_bytes`) is
+    declared by its prefix (`comm/*`)."""
+    for metric in METRICS:
+        name = metric.name.split("*")[0] + "*" if metric.is_family else metric.name
+        run.define_metric(name, summary=metric.summary)
+
+
 class WandbSink:
     """Logs each step's metrics to one W&B run; close() finishes the run (idempotent)."""
 
@@ -77,6 +87,7 @@ class WandbSink:
         # another run that happens to be active in the process.
         self.run = wandb.init(project=project, name=run_name, config=config, mode=mode, dir=self.dir,
                               id=run_id, resume="allow" if run_id else None, reinit="create_new")
+        define_metrics(self.run)
         self._closed = False
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ no timeout, a hang)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -29,14 +31,17 @@ class _Done:
 class _Work:
     """An async Work whose wait() re-raises failures as CommError with the op's context."""
 
-    def __init__(self, work, describe):
-        self._work, self._describe = work, describe
+    def __init__(self, work, describe, ledger: CommLedger):
+        self._work, self._describe, self._ledger = work, describe, ledger
 
     def wait(self) -> bool:
+        start = time.perf_counter()
         try:
             return self._work.wait()
         except Exception as err:                 # gloo/NCCL raise RuntimeError subclasses
             raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
+        finally:
+            self._ledger.add_blocked(time.perf_counter() - start)
 
 
 class Comm:
@@ -62,12 +67,15 @@ class Comm:
             who = f"group global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
             return (f"{op} of {tag!r} ({nbytes} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
+        start = time.perf_counter()
         try:
             result = call()
         except Exception as err:
             raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+        finally:
+            self.ledger.add_blocked(time.perf_counter() - start)
         if async_op:
-            return _Work(result, describe)
+            return _Work(result, describe, self.ledger)
         return result
 
     # -- collectives ------------------------------------------------------------------------------
@@ -122,6 +130,16 @@ class Comm:
             box, src=self.ranks[src], group=self.group), role=f"source global rank {self.ranks[src]}")
         return box[0]
 
+    def gather_object(self, obj, dst: int = 0) -> list | None:
+        """Every rank's obj, in group order, on group rank `dst` (None elsewhere); pickled, for
+        small control messages (e.g. the checkpoint files each rank wrote, with their sha256)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size if self.rank == dst else None
+        self._run("gather_object", "control", 0, lambda: dist.gather_object(
+            obj, out, dst=self.ranks[dst], group=self.group), role=f"destination global rank {self.ranks[dst]}")
+        return out
+
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]
@@ -146,7 +164,7 @@ class Comm:
                           peers=[dst, src])
         return [_Work(w, lambda: f"send/recv of {tag!r} on axis {self.axis!r}, rank "
                                  f"{self.ranks[self.rank]} sending to global rank {dst}, receiving "
-                                 f"from global rank {src}") for w in works]
+                                 f"from global rank {src}", self.ledger) for w in works]
 
 
 def _nbytes(t: torch.Tensor) -> int:

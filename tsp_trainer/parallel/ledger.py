@@ -8,6 +8,10 @@ Payload bytes are the size of the tensor the op works on, on this rank:
   reduce_scatter     the full input (D x the local output)
   reduce, all_reduce the reduced buffer
   send, recv         the tensor sent or received (P2P; recorded separately)
+
+`blocked_s` adds up the host time this rank spent blocked in the ops (a synchronous call, or the
+wait() of an async one): waiting for slower peers plus the transfer. Step time minus it is the
+rank's own time, which names the rank the others wait for (observability's rank stats).
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ class CommLedger:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.records: list[CommRecord] = []
+        self.blocked_s = 0.0          # host seconds blocked in ops since the last reset()
 
     def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int) -> None:
         if self.enabled:
             self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes)))
 
+    def add_blocked(self, seconds: float) -> None:
+        self.blocked_s += seconds
+
     def reset(self) -> None:
         self.records.clear()
+        self.blocked_s = 0.0
 
     def total_bytes(self, **match) -> int:
         return sum(r.nbytes for r in self._select(match))

@@ -1,0 +1,118 @@
+"""Checkpoints hold the training state once (the layout-free shards, no DeepSpeed files), written
+and hashed by every rank, verified in shares; async saves publish only complete checkpoints and
+resume bit for bit (4 CPU processes)."""
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.trainer_cases import config, train_rank
+from tests.helpers.dist import run_on_ranks
+from tsp_trainer.checkpoint.manager import build_manifest
+from tsp_trainer.checkpoint.shards import read_full_state_dict
+
+pytestmark = pytest.mark.distributed
+RUN = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=10"]
+
+
+def _history_rank(rank, world, overrides):
+    from tsp_trainer.trainer import Trainer
+
+    trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+    history = trainer.fit()
+    weights = trainer.par.gather_full_state_dict()
+    return {"history": history, "weights": weights if rank == 0 else None,
+            "state_bytes": _state_bytes(trainer)}
+
+
+def _state_bytes(trainer) -> int:
+    """Bytes of the distinct training state: every parameter shard once (weights + the two fp32
+    AdamW moments), summed over the model-parallel ranks of one replica."""
+    mine = 0
+    for name, p in trainer.par.model.named_parameters():
+        replicated = trainer.par.specs[name].dim is None
+        if replicated and trainer.mesh.tsp_rank != 0:
+            continue
+        mine += p.numel() * (p.element_size() + 8)
+    return sum(trainer.mesh.tsp.all_gather_object(mine))
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync")
+    return run_on_ranks(_history_rank, 4, RUN + [f"train.output_dir={out}"]), out
+
+
+def test_one_copy_of_the_state_written_and_hashed_by_every_rank(sync_run):
+    outs, out = sync_run
+    step = out / "checkpoints" / "step_00000008"
+    assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "meta.json", "model", "optim", "ranks"]
+    files = {str(p.relative_to(step)): p.stat().st_size for p in step.rglob("*") if p.is_file()}
+    state = outs[0]["state_bytes"]
+    ratio = sum(files.values()) / state
+    assert ratio <= 1.1, (ratio, files)
+    # dp 2 x tsp 2: each dp rank of each tsp group writes one part of its group's shard
+    assert sorted(f for f in files if f.startswith("model/")) == [
+        f"model/model-tsp{t:03d}-of-002-part{d:03d}-of-002.safetensors" for t in (0, 1) for d in (0, 1)]
+    # each tensor once: the moments of every parameter, whole, and the weights equal the run's
+    weights = read_full_state_dict(step / "model")
+    for name, w in outs[0]["weights"].items():
+        assert torch.equal(weights[name], w), name
+    optim = read_full_state_dict(step / "optim", "optim")
+    assert set(optim) == {f"{k}/{n}" for n in outs[0]["weights"] for k in ("exp_avg", "exp_avg_sq")}
+    # the manifest the ranks' own hashes built equals hashing the folder afresh
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest == json.loads(json.dumps(build_manifest(step)))
+
+
+def test_async_save_same_checkpoints_and_exact_resume(sync_run, tmp_path):
+    """checkpoint.async_save=true trains the same (losses bit for bit), publishes the same
+    checkpoints (byte-identical state files), and resuming one equals the uninterrupted run."""
+    outs, out = sync_run
+    sync = outs[0]
+    async_out = run_on_ranks(_history_rank, 4, RUN + [f"train.output_dir={tmp_path / 'a'}",
+                                                      "checkpoint.async_save=true"])[0]
+    assert [h["train/loss"] for h in async_out["history"]] == [h["train/loss"] for h in sync["history"]]
+    ckpts = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    for step in ("step_00000004", "step_00000008"):
+        mine = json.loads((ckpts / step / "manifest.json").read_text())["files"]
+        theirs = json.loads((out / "checkpoints" / step / "manifest.json").read_text())["files"]
+        state = [f for f in theirs if f.startswith(("model/", "optim/"))]
+        assert {f: mine[f] for f in state} == {f: theirs[f] for f in state}
+    stalls = [h["perf/checkpoint_stall_s"] for h in async_out["history"]]
+    assert all(s >= 0 for s in stalls) and sum(stalls) > 0
+    resumed = run_on_ranks(train_rank, 4, RUN + [f"train.output_dir={tmp_path / 'b'}",
+                                                 f"train.resume={ckpts / 'step_00000004'}"])[0]
+    assert resumed["losses"] == [h["train/loss"] for h in sync["history"]][4:]
+    for name, w in sync["weights"].items():
+        assert torch.equal(resumed["weights"][name], w), name
+
+
+def _resume_error_rank(rank, world, overrides):
+    from tsp_trainer.trainer import Trainer
+
+    try:
+        Trainer(config(overrides), world_size=world, global_rank=rank)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_verification_is_shared_and_every_rank_gets_the_error(sync_run, tmp_path):
+    """Each rank checks a share of the manifest (file i on rank i % world); a corrupted file in
+    the last rank's share stops every rank with the same error naming it."""
+    import shutil
+
+    _, out = sync_run
+    step = tmp_path / "step_00000008"
+    shutil.copytree(out / "checkpoints" / "step_00000008", step)
+    files = sorted(json.loads((step / "manifest.json").read_text())["files"])
+    victim = files[3::4][-1]                       # checked by rank 3 only
+    data = bytearray((step / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step / victim).write_bytes(bytes(data))
+    errors = run_on_ranks(_resume_error_rank, 4, RUN + [f"train.output_dir={tmp_path / 'r'}",
+                                                        f"train.resume={step}"])
+    assert len(set(errors)) == 1 and "sha256" in errors[0] and victim.split("/")[-1] in errors[0]
