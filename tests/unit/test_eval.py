@@ -176,3 +176,18 @@ def test_real_wandb_takes_the_table_offline(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert "wandb" in sys.modules
 
+
+
+def test_passkey_filler_defaults_to_the_held_out_text_and_a_mixture_must_name_one():
+    from tsp_trainer.eval.evaluator import filler_source
+
+    on = "eval.passkey_every=10"
+    assert filler_source(_cfg(on)) == ("data/corpus", "validation")
+    assert filler_source(_cfg(on, "data.eval_source=held/out")) == ("held/out", "validation")
+    assert filler_source(_cfg(on, "data.eval_split=null")) == ("data/corpus", "train")
+    assert filler_source(_cfg(on, "eval.passkey_filler=books", "eval.passkey_filler_split=test")) == \
+        ("books", "test")
+    mixture = _cfg(on, "data.source=null", "data.sources=[{source: a, weight: 1}]")
+    with pytest.raises(ValueError, match=r"eval.passkey_every=10 needs haystack text: set "
+                                         r"eval.passkey_filler"):
+        filler_source(mixture)

@@ -19,6 +19,7 @@ import torch
 from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.validate import passkey_lengths
 from tsp_trainer.data import TextTokenizer, open_text_stream
+from tsp_trainer.data.build import eval_source
 from tsp_trainer.eval.haystack import HaystackBuilder, filler_tokens
 from tsp_trainer.eval.passkey import PasskeyResult, PasskeyTask, run_passkey
 from tsp_trainer.eval.position_loss import PositionLoss, PositionLossAccumulator
@@ -45,20 +46,38 @@ def read_filler(source: str, *, split: str, text_field: str, tokenizer: TextToke
 
 
 def build_passkey_task(cfg: TrainConfig, tokenizer: TextTokenizer, model_cfg: ModelConfig) -> PasskeyTask | None:
-    """The passkey task of `cfg.eval` (None when eval.passkey_every = 0): filler from
-    eval.passkey_filler or data.source, split eval.passkey_filler_split, else data.eval_split, else
-    data.train_split; a bos token first when the model has one (an imported Llama does)."""
+    """The passkey task of `cfg.eval` (None when eval.passkey_every = 0); a bos token first when
+    the model has one (an imported Llama does). Its filler text: see `filler_source`."""
     e, d = cfg.eval, cfg.data
     if not e.passkey_every:
         return None
     lengths = passkey_lengths(cfg)
-    split = e.passkey_filler_split or d.eval_split or d.train_split
-    filler = read_filler(e.passkey_filler or d.source, split=split, text_field=d.text_field,
+    source, split = filler_source(cfg)
+    filler = read_filler(source, split=split, text_field=d.text_field,
                          tokenizer=tokenizer, min_tokens=max(lengths) + FILLER_MARGIN)
     builder = HaystackBuilder(tokenizer, filler, digits=e.passkey_digits, seed=e.passkey_seed,
                               bos_id=model_cfg.bos_token_id)
     return PasskeyTask(tuple(lengths), tuple(float(x) for x in e.passkey_depths), e.passkey_samples,
                        builder)
+
+
+def filler_source(cfg: TrainConfig) -> tuple[str, str]:
+    """(source, split) of the haystack filler: eval.passkey_filler if set, else the held-out data
+    (data.eval_source or data.source, data.eval_split), else data.source's train split; the split
+    eval.passkey_filler_split when set. A mixture without eval_source must name its filler."""
+    e, d = cfg.eval, cfg.data
+    held_out = eval_source(d)
+    if e.passkey_filler is not None:
+        source, split = e.passkey_filler, d.eval_split or d.train_split
+    elif held_out is not None:
+        source, split = held_out
+    elif d.source is not None:
+        source, split = d.source, d.train_split
+    else:
+        raise ValueError(f"eval.passkey_every={e.passkey_every} needs haystack text: set "
+                         "eval.passkey_filler (e.g. data/corpus) or data.eval_source for the mixture "
+                         "in data.sources")
+    return source, e.passkey_filler_split or split
 
 
 def loss_table(result: PositionLoss) -> MetricTable:
