@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tsp_trainer.config import ParallelSection, resolve_dp_degree
+from tsp_trainer.config import EvalSection, ParallelSection, resolve_dp_degree
 from tsp_trainer.config.validate import check_eval_length
 from tsp_trainer.data import check_tokenizer_fits, iterate_eval_batches
 from tsp_trainer.eval.evaluator import FILLER_MARGIN, read_filler
@@ -49,9 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="haystack lengths in tokens, comma-separated (each must split under the layout)")
     passkey.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                          help="needle depths in [0, 1], comma-separated (default 0,0.25,0.5,0.75,1)")
-    passkey.add_argument("--samples", type=int, default=4, help="haystacks per cell (default 4)")
-    passkey.add_argument("--digits", type=int, default=5, help="digits of the key (default 5)")
-    passkey.add_argument("--seed", type=int, default=0, help="keys and filler offsets (default 0)")
+    passkey.add_argument("--samples", type=int, default=None,
+                         help="haystacks per cell (default: the run's eval.passkey_samples, else 4)")
+    passkey.add_argument("--digits", type=int, default=None,
+                         help="digits of the key (default: the run's eval.passkey_digits, else 5)")
+    passkey.add_argument("--seed", type=int, default=None,
+                         help="keys and filler offsets (default: the run's eval.passkey_seed, else 0)")
     loss = sub.add_parser("loss", help="eval loss by position bucket on held-out text")
     _common(loss)
     loss.add_argument("--seq-len", type=int, default=None,
@@ -130,9 +133,7 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
                                tp_degree=args.tp_degree, sp_degree=args.sp_degree)
     resolve_dp_degree(parallel, world_size)
     _positive(args.micro_batch_size, "--micro-batch-size")
-    text = Filler(args.text or model.filler.source,
-                  args.split or (model.filler.split if not args.text else "validation"),
-                  args.text_field or model.filler.text_field)
+    text = _text(args, model.filler if args.command == "passkey" else model.held_out)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if cuda else "fp32")
     job = EvalJob(args.command, model, parallel, [], text, args.micro_batch_size, dtype, Path(args.out))
     if args.command == "passkey":
@@ -145,7 +146,21 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
     return job
 
 
+def _text(args, default: Filler | None) -> Filler:
+    """--text / --split / --text-field, else the model's default text for the command."""
+    if args.text:
+        return Filler(args.text, args.split or "validation", args.text_field or "text")
+    if default is None:
+        raise ValueError("--text is needed: the checkpoint's run names no held-out text (a data.sources "
+                         "mixture without data.eval_source); e.g. --text data/corpus")
+    return Filler(default.source, args.split or default.split, args.text_field or default.text_field)
+
+
 def _prepare_passkey(job: EvalJob, args) -> None:
+    run = job.model.train_config.eval if job.model.train_config is not None else EvalSection()
+    for flag in ("samples", "digits", "seed"):      # as the run's periodic passkey, unless given
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(run, f"passkey_{flag}"))
     for flag in ("samples", "digits"):
         _positive(getattr(args, flag), f"--{flag}")
     if not args.lengths:
@@ -220,7 +235,7 @@ def _report(job: EvalJob, result, dims) -> None:
     layout = {"scheme": p.scheme, "tsp_degree": p.tsp_degree, "dp_degree": dims.dp,
               "world_size": dims.world_size, "tp_degree": p.tp_degree, "sp_degree": p.sp_degree,
               "dtype": job.dtype}
-    title = f"{job.model.folder.name} ({p.scheme} D={p.tsp_degree} x dp {dims.dp}, {job.dtype})"
+    title = f"{_model_name(job.model)} ({p.scheme} D={p.tsp_degree} x dp {dims.dp}, {job.dtype})"
     head = {"model": str(job.model.folder), "kind": job.model.kind, "layout": layout,
             "text": asdict(job.text)}
     print(f"tsp-eval {job.command}: {job.model.describe()}")
@@ -252,6 +267,14 @@ def _report(job: EvalJob, result, dims) -> None:
         files = [_write_json(job.out / "loss_by_position.json", record),
                  loss_by_position_plot(result, job.out / "loss_by_position.png", title=title)]
     print("wrote " + ", ".join(str(f) for f in files))
+
+
+def _model_name(model) -> str:
+    """'tiny_passkey/step_00001500, trained at seq_len 128' for a checkpoint; the folder name for HF."""
+    if model.train_config is None:
+        return model.folder.name
+    run = model.folder.parent.parent.name                 # <run>/checkpoints/step_*
+    return f"{run}/{model.folder.name}, trained at seq_len {model.train_config.data.seq_len}"
 
 
 def _write_json(path: Path, record: dict) -> Path:

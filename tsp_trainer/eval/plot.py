@@ -26,8 +26,9 @@ def passkey_heatmap(result: PasskeyResult, path: str | Path, *, title: str) -> P
     for i, d in enumerate(depths):
         for j, n in enumerate(lengths):
             cell = result.cell(n, d)
+            dark = not 0.2 <= cell.accuracy <= 0.8        # the colormap's deep red / green ends
             ax.text(j, i, f"{cell.accuracy:.2f}\nnll {cell.key_nll:.2f}", ha="center", va="center",
-                    fontsize=8, color="black")
+                    fontsize=8, color="white" if dark else "black")
     ax.set_xticks(range(len(lengths)), [_tokens(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
     ax.set_xlabel("haystack length (tokens)")

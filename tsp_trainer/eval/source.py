@@ -22,6 +22,8 @@ from tsp_trainer.checkpoint.manager import MANIFEST, META, sha256_file
 from tsp_trainer.checkpoint.shards import read_local_state_dict
 from tsp_trainer.config import ModelConfig, ModelSection, TrainConfig, load_config
 from tsp_trainer.data import TextTokenizer, load_run_tokenizer, load_tokenizer
+from tsp_trainer.data.build import eval_source
+from tsp_trainer.eval.evaluator import filler_source
 from tsp_trainer.parallel.schemes import Parallelized
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +43,11 @@ class EvalModel:
     folder: Path                # the step_* folder or the Hugging Face folder
     cfg: ModelConfig
     tokenizer: TextTokenizer
-    filler: Filler              # default haystack text / eval data: the run's data, else the bundled corpus
+    # default texts: for `loss` the run's held-out data, for `passkey` the run's haystack filler
+    # (eval.passkey_filler, else the held-out data); the bundled corpus for a HF folder; None when
+    # the run names none (a mixture without data.eval_source): then --text is needed
+    held_out: Filler | None
+    filler: Filler | None
     train_config: TrainConfig | None = None
 
     def describe(self) -> str:
@@ -77,7 +83,8 @@ def _from_hf_folder(folder: Path, tokenizer: str | None) -> EvalModel:
     section = ModelSection(init_from=str(folder))
     cfg = section.to_model_config()                       # refuses what it cannot represent
     tok = load_tokenizer(tokenizer) if tokenizer else load_run_tokenizer(None, section)
-    return EvalModel("hf", folder, cfg, tok, Filler(bundled_corpus(), "validation"))
+    bundled = Filler(bundled_corpus(), "validation")
+    return EvalModel("hf", folder, cfg, tok, bundled, bundled)
 
 
 def _from_checkpoint(folder: Path, tokenizer: str | None, rank: int, world_size: int) -> EvalModel:
@@ -90,9 +97,19 @@ def _from_checkpoint(folder: Path, tokenizer: str | None, rank: int, world_size:
     train_cfg = _resolved_config(meta, folder)
     tok = load_tokenizer(tokenizer) if tokenizer else load_run_tokenizer(train_cfg.data.tokenizer,
                                                                          train_cfg.model)
-    d = train_cfg.data
-    return EvalModel("checkpoint", folder, cfg, tok,
-                     Filler(d.source, d.eval_split or d.train_split, d.text_field), train_cfg)
+    return EvalModel("checkpoint", folder, cfg, tok, *_run_texts(train_cfg), train_cfg)
+
+
+def _run_texts(cfg: TrainConfig) -> tuple[Filler | None, Filler | None]:
+    """(held-out text, passkey filler) of the run, as the Trainer evaluated them."""
+    d = cfg.data
+    located = eval_source(d)
+    held_out = Filler(*located, d.text_field) if located else None
+    try:
+        filler = Filler(*filler_source(cfg), d.text_field)
+    except ValueError:
+        filler = None
+    return held_out, filler
 
 
 def _resolved_config(meta: dict, folder: Path) -> TrainConfig:
@@ -104,7 +121,7 @@ def _resolved_config(meta: dict, folder: Path) -> TrainConfig:
             return load_config(path)
         except ValueError as err:
             raise ValueError(f"checkpoint {folder}: its resolved config does not load ({err}); "
-                             "pass --tokenizer and --filler explicitly") from None
+                             "pass --tokenizer and --text explicitly") from None
 
 
 def verify_model_files(folder: Path, *, rank: int = 0, world_size: int = 1) -> None:

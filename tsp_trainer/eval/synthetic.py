@@ -16,25 +16,26 @@ from pathlib import Path
 
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.eval.evaluator import read_filler
-from tsp_trainer.eval.haystack import HaystackBuilder
+from tsp_trainer.eval.haystack import INTRO, HaystackBuilder
 
 FILLER_TOKENS = 262_144     # filler read per split, at most
 
 
 def check_lengths(tokenizer: TextTokenizer, *, docs: int, min_tokens: int, max_tokens: int,
-                  digits: int, seed: int) -> None:
-    shortest = HaystackBuilder(tokenizer, [], digits=digits, seed=seed).min_length(docs)
+                  digits: int, seed: int, intro: str = INTRO) -> None:
+    shortest = HaystackBuilder(tokenizer, [], digits=digits, seed=seed, intro=intro).min_length(docs)
     if min_tokens < shortest or max_tokens < min_tokens:
         raise ValueError(f"document lengths {min_tokens}..{max_tokens} tokens: the prompt alone takes "
                          f"{shortest}; use --min-tokens >= {shortest} and --max-tokens >= --min-tokens")
 
 
 def retrieval_documents(tokenizer: TextTokenizer, filler: list[int], *, docs: int, min_tokens: int,
-                        max_tokens: int, digits: int = 5, seed: int = 1) -> list[str]:
-    """`docs` haystack texts of min_tokens..max_tokens tokens, needle at a uniform random depth."""
+                        max_tokens: int, digits: int = 5, seed: int = 1, intro: str = INTRO) -> list[str]:
+    """`docs` haystack texts of min_tokens..max_tokens tokens, needle at a uniform random depth
+    (`intro`: the haystack's opening instruction; "" for none)."""
     check_lengths(tokenizer, docs=docs, min_tokens=min_tokens, max_tokens=max_tokens, digits=digits,
-                  seed=seed)
-    builder = HaystackBuilder(tokenizer, filler, digits=digits, seed=seed)
+                  seed=seed, intro=intro)
+    builder = HaystackBuilder(tokenizer, filler, digits=digits, seed=seed, intro=intro)
     rng = random.Random(f"retrieval-corpus:{seed}")
     out = []
     for i in range(docs):
