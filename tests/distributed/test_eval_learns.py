@@ -96,6 +96,7 @@ def test_passkey_metric_responds_to_a_short_training(corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_passkey_is_retrieved_after_training(corpus):
     before, after = run_on_ranks(_train_and_score, 1, corpus, 1500, timeout=900)[0]
     assert before.accuracy == 0.0

@@ -46,6 +46,10 @@ def loss_by_position_plot(result: PositionLoss, path: str | Path, *, title: str)
     x = [(a + b) / 2 if a != b else max(a, 0.5) for a, b, _, _ in rows]   # bucket middle
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(x, [r[2] for r in rows], marker="o")
+    for xi, (_, _, loss, n) in zip(x, rows):     # the early buckets hold few tokens: say how few
+        ax.annotate(f"n={n}", (xi, loss), textcoords="offset points", xytext=(0, 6), ha="center",
+                    fontsize=6, color="0.35")
+    ax.margins(y=0.15)                           # room for the labels above the points
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [str(a) if a == b else f"{a}-{b}" for a, b, _, _ in rows], rotation=45,
                   ha="right", fontsize=7)
