@@ -73,5 +73,5 @@ def eval_rank(rank, world, cfg, scheme, options, ids, labels, task: PasskeyTask,
     acc.add(stats, local_labels, positions)
     buckets = acc.reduce(par.token_comms + [mesh.dp])
     passkey = run_passkey(par, task, dp=mesh.dp, micro_batch_size=2)
-    return {"loss": stats.loss, "argmax": stats.argmax, "positions": positions,
+    return {"loss": stats.loss, "argmax": stats.argmax, "positions": positions.tensor(),
             "dp_rank": mesh.dp_rank, "buckets": buckets, "passkey": passkey, "shapes": shapes.shapes}

@@ -34,3 +34,24 @@ def test_bench_end_to_end(tmp_path, capsys):
               single["hf"]["first_loss"]]
     assert max(losses) - min(losses) < 1e-4 * losses[0]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_takes_the_trainers_dtype(tmp_path):
+    """--dtype auto resolves as the trainer's train.dtype=auto (bf16 on GPUs, fp32 on CPU); with
+    bf16 the weights and activations move in bf16 and the gradients in fp32, as the formula says."""
+    from tsp_trainer.config.schema import resolved_dtype
+
+    assert resolved_dtype("auto", cuda=True) == "bf16" and resolved_dtype("auto", cuda=False) == "fp32"
+    spec = cli.spec_from_args(cli.build_parser().parse_args(
+        "--model tiny --seq-len 64 --degree 2 --schemes tsp --backend gloo".split()))
+    assert spec.dtype == "fp32"
+    docs = {}
+    for dtype in ("fp32", "bf16"):
+        out = tmp_path / f"{dtype}.json"
+        assert cli.main(["--model", "tiny", "--seq-len", "64", "--degree", "2", "--schemes", "tsp,sp",
+                         "--steps", "0", "--threads", "1", "--backend", "gloo", "--no-hf",
+                         "--dtype", dtype, "--json", str(out)]) == 0
+        docs[dtype] = {r["scheme"]: r for r in json.loads(out.read_text())["schemes"]}
+    for scheme in ("tsp", "sp"):
+        assert docs["bf16"][scheme]["comm_formula_match"] is True
+        assert docs["bf16"][scheme]["param_bytes"] * 2 == docs["fp32"][scheme]["param_bytes"]

@@ -80,14 +80,14 @@ def test_rope_tables():
     torch.testing.assert_close(sin[1, 0], torch.tensor(5.0).sin())
 
 
-def test_attention_core_blocks_long_query_runs(monkeypatch):
+def test_attention_core_blocks_long_query_runs():
     """Query runs longer than the CPU mask block are split; results are unchanged."""
-    import tsp_trainer.model.layers as layers
+    from tsp_trainer.model.attention_route import SdpaRoute
 
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 40, 2, 4), torch.randn(1, 40, 2, 4), torch.randn(1, 40, 2, 4)
     pos = torch.cat([torch.arange(0, 10), torch.arange(30, 40)])
     whole = attention_core(q[:, pos], k, v, pos)
-    monkeypatch.setattr(layers, "CPU_MASK_QUERY_BLOCK", 3)
-    torch.testing.assert_close(attention_core(q[:, pos], k, v, pos), whole, rtol=1e-5, atol=1e-6)
+    blocked = SdpaRoute("cpu_blocked_mask", query_block=3)
+    torch.testing.assert_close(attention_core(q[:, pos], k, v, pos, blocked), whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(whole, attention_core(q, k, v)[:, pos], rtol=1e-5, atol=1e-6)

@@ -54,8 +54,11 @@ def test_state_bytes_bf16_zero_stages():
     z1 = state_bytes(SMALL, Layout("tsp", 2, dp=4, zero_stage=1), BF16)
     z2 = state_bytes(SMALL, Layout("tsp", 2, dp=4, zero_stage=2), BF16)
     assert (z0["params"], z0["grads"], z0["optimizer"]) == (2 * n, 2 * n, 12 * n)   # 16 B / param
-    assert (z1["grads"], z1["optimizer"]) == (2 * n, 3 * n)
-    assert (z2["grads"], z2["optimizer"]) == (n // 2, 3 * n)
+    # fp32 gradient accumulation (engine/deepspeed.py): ZeRO-1 keeps a full fp32 buffer beside the
+    # bf16 gradients (DeepSpeed's BF16_Optimizer), ZeRO-2 an fp32 partition
+    assert (z1["grads"], z1["optimizer"]) == (6 * n, 3 * n)
+    assert (z2["grads"], z2["optimizer"]) == (n, 3 * n)
+    assert BF16.zero_stages == (1, 2) and FP32.zero_stages == (0, 1, 2)   # bf16 + ZeRO-0: refused
     fp32 = state_bytes(SMALL, Layout("tsp", 2, zero_stage=0), FP32)
     assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * n, 4 * n, 8 * n)   # no master
 
@@ -96,7 +99,7 @@ def test_head_buckets_shrink_the_transient_kv_buffer():
 
 def test_tsp_comm_is_tsp_step_comm_plus_ac_replay():
     lay = Layout("tsp", 4, head_buckets=1)
-    base = tsp_step_comm(SMALL, degree=4, batch=1, seq_len=512, weight_bytes=2, act_bytes=2, norm_bytes=2)
+    base = tsp_step_comm(SMALL, degree=4, batch=1, seq_len=512, weight_bytes=2, act_bytes=2)
     got = model_parallel_comm(SMALL, lay, 512, BF16)
     as_keys = {tuple(k.split("/", 1)): {"count": v["count"], "bytes": v["bytes"]} for k, v in got.items()}
     assert as_keys == base
@@ -116,15 +119,19 @@ def test_tsp_weight_traffic_is_independent_of_sequence_length():
 
 
 def test_dp_comm_and_wire_bytes():
-    lay = Layout("tsp", 2, dp=4, zero_stage=1, grad_accum=2)
+    lay = Layout("tsp", 2, dp=4, zero_stage=2, grad_accum=2)
     dp = data_parallel_comm(SMALL, lay, BF16)
     n = param_count(SMALL, lay)
-    assert dp["reduce_scatter/dp.grads"]["bytes"] == 2 * n
-    assert dp["all_gather/dp.params"]["bytes"] == 2 * n
+    assert dp["reduce_scatter/dp.grads"]["bytes"] == 4 * n            # gradients reduced in fp32
+    assert dp["all_gather/dp.params"]["bytes"] == 2 * n              # updated bf16 weights
+    # bf16 + ZeRO-1 is DeepSpeed's BF16_Optimizer: an all-reduce of the fp32 gradient buffer
+    z1 = data_parallel_comm(SMALL, Layout("tsp", 2, dp=4, zero_stage=1), BF16)
+    assert z1["all_reduce/dp.grads"]["bytes"] == 4 * n and "all_gather/dp.params" in z1
+    assert "reduce_scatter/dp.grads" in data_parallel_comm(SMALL, Layout("tsp", 2, dp=4, zero_stage=1), FP32)
     assert "all_reduce/dp.grads" in data_parallel_comm(SMALL, Layout("tsp", 2, dp=4, zero_stage=0), BF16)
     assert data_parallel_comm(SMALL, Layout("tsp", 2), BF16) == {}
     wire = wire_bytes(dp)
-    assert wire["reduce_scatter/dp.grads"] == pytest.approx(2 * n * 3 / 4)
+    assert wire["reduce_scatter/dp.grads"] == pytest.approx(4 * n * 3 / 4)
 
 
 # -- compute and time -------------------------------------------------------------------------------

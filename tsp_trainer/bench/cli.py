@@ -23,6 +23,7 @@ from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_
                                       write_plot)
 from tsp_trainer.bench.run import scheme_rank, single_process
 from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
+from tsp_trainer.config.schema import resolved_dtype
 
 _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
               "kv_heads": "num_kv_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps; the first measures memory")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl when CUDA is available, else gloo")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="weights and activations; auto: bf16 with nccl (GPUs), fp32 with gloo, as "
+                        "the trainer's train.dtype=auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / D)")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (all schemes)")
     p.add_argument("--no-hf", action="store_true", help="skip the single-process comparison with transformers")
@@ -70,7 +74,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     spec = BenchSpec(model_name=args.model, model=model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                      degree=args.degree, schemes=schemes, tp_degree=tp, sp_degree=sp,
                      tp_sequence_parallel=args.tp_sequence_parallel, head_buckets=args.head_buckets,
-                     steps=args.steps, warmup=args.warmup, backend=backend, threads=threads,
+                     steps=args.steps, warmup=args.warmup, backend=backend,
+                     dtype=resolved_dtype(args.dtype, cuda=backend == "nccl"), threads=threads,
                      activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,
                      seed=args.seed)
     validate(spec, cuda_devices=cuda)
@@ -138,6 +143,7 @@ def _prewarm(spec: BenchSpec) -> None:
 def _common(spec: BenchSpec) -> dict:
     return {"model": spec.model, "seq_len": spec.seq_len, "micro_batch": spec.micro_batch,
             "steps": spec.steps, "warmup": spec.warmup, "seed": spec.seed, "backend": spec.backend,
+            "dtype": spec.dtype,
             "activation_checkpointing": spec.activation_checkpointing}
 
 

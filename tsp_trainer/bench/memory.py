@@ -34,10 +34,11 @@ class LiveTensorMemory(TorchDispatchMode):
         self.marks: dict[str, int] = {}       # bytes alive at named points (e.g. end of forward)
         self._seen = WeakIdKeyDictionary()    # storage -> (nbytes, weakref with free callback)
 
-    def ignore(self, *tensors: torch.Tensor | None) -> None:
-        """Mark storages that already exist (parameters, grads, inputs) as not allocated here."""
+    def ignore(self, *tensors) -> None:
+        """Mark storages that already exist (parameters, grads, inputs) as not allocated here;
+        anything that is not a tensor (None, PositionRuns) is skipped."""
         for t in tensors:
-            if t is not None:
+            if isinstance(t, torch.Tensor):
                 self._seen[t.untyped_storage()] = (0, None)
 
     def mark(self, name: str) -> None:

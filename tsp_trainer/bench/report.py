@@ -57,10 +57,12 @@ def summarize_single(spec: BenchSpec, single: dict) -> dict:
 def _formula(spec: BenchSpec, scheme: str) -> dict[str, int]:
     """The closed-form ledger bytes per "op/tag" of one fwd + bwd (parallel/*/comm_model.py)."""
     kw = dict(degree=spec.degree, batch=spec.micro_batch, seq_len=spec.seq_len)
+    e = 2 if spec.dtype == "bf16" else 4                  # weights and activations; gradients: fp32
     if scheme == "tsp":
-        comm = tsp_step_comm(spec.model, head_buckets=spec.head_buckets, **kw)
+        comm = tsp_step_comm(spec.model, head_buckets=spec.head_buckets, weight_bytes=e, act_bytes=e, **kw)
         return {f"{op}/{tag}": v["bytes"] for (op, tag), v in comm.items()}
-    return expected_ledger_bytes(spec.model, scheme, **kw, **(spec.options(scheme) if scheme == "tp_x_sp" else {}))
+    return expected_ledger_bytes(spec.model, scheme, **kw, dtype_bytes=e,
+                                 **(spec.options(scheme) if scheme == "tp_x_sp" else {}))
 
 
 def _layout(spec: BenchSpec, scheme: str, info: dict) -> str:

@@ -41,16 +41,17 @@ def _checkpoint_block(block, x, rope):
 def scheme_rank(rank: int, world: int, job: dict) -> dict:
     """One rank of `job["scheme"]` on a dp=1 mesh of `world` = D ranks."""
     cfg, device = job["model"], _device(job["backend"], rank)
-    mesh = build_mesh(world)
+    mesh = build_mesh(world, device=device)
     with torch.device("meta"):
         model = Transformer(cfg)
-    par = parallelize(model, job["scheme"], mesh, seq_len=job["seq_len"], init_seed=job["seed"],
-                      **job["options"])
-    model.to(device)
+    par = parallelize(model, job["scheme"], mesh, seq_len=job["seq_len"],
+                      init_seed=job["seed"], **job["options"])
+    model.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
         model.block_wrapper = _checkpoint_block
     ids, labels = make_batch(cfg, job["micro_batch"], job["seq_len"], job["seed"])
-    batch = [t.to(device) for t in par.local_batch(ids, labels)]
+    local_ids, local_labels, positions = par.local_batch(ids.to(device), labels.to(device))
+    batch = [local_ids, local_labels, positions]
 
     def fwd_bwd():
         loss_sum, count = par.loss_sum(*batch)
@@ -73,7 +74,7 @@ def single_process(rank: int, world: int, job: dict) -> dict:
     ours = Transformer(cfg)
     ours.init_weights(job["seed"])
     hf = build_hf_llama(cfg, job["seq_len"], to_hf_state_dict(ours.state_dict()))
-    ours.to(device), hf.to(device)
+    ours.to(device=device, dtype=_dtype(job)), hf.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
         ours.block_wrapper = _checkpoint_block
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -191,6 +192,11 @@ def _now(device: torch.device) -> float:
 
 def _device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def _dtype(job: dict) -> torch.dtype:
+    """The trainer's rule (BenchSpec.dtype): bf16 on GPUs by default, fp32 on CPU."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[job.get("dtype", "fp32")]
 
 
 # ---------------------------------------------------------------------------------------------

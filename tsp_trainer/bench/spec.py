@@ -32,6 +32,7 @@ class BenchSpec:
     steps: int                    # timed steps (0: memory and communication only)
     warmup: int                   # untimed steps before them (>= 1; the first one measures memory)
     backend: str                  # gloo (CPU) | nccl (one GPU per rank)
+    dtype: str                    # bf16 | fp32: weights and activations (--dtype auto: the trainer's rule)
     threads: int                  # torch threads per rank
     activation_checkpointing: bool  # wrap every block in torch.utils.checkpoint, all schemes alike
     compare_hf: bool              # time the single-process model against transformers' (its family)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tsp_trainer.config.schema import ModelSection, TrainConfig
+from tsp_trainer.config.schema import ModelSection, TrainConfig, resolved_dtype
 
 
 def resolve_config(cfg: TrainConfig, *, world_size: int, cuda: bool) -> TrainConfig:
@@ -18,7 +18,7 @@ def resolve_config(cfg: TrainConfig, *, world_size: int, cuda: bool) -> TrainCon
     dims = {f.name: getattr(model, f.name) for f in dataclasses.fields(ModelSection)
             if hasattr(model, f.name) and f.name not in ("seed", "size", "init_from", "config_from")
             and not dataclasses.is_dataclass(getattr(cfg.model, f.name))}
-    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if cuda else "fp32")
+    dtype = resolved_dtype(cfg.train.dtype, cuda)
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, **dims),
         train=dataclasses.replace(cfg.train, dtype=dtype),

@@ -8,7 +8,8 @@ one Accelerate internal we rely on; tests/distributed/test_engine.py fails if it
 Everything else is the contract of DESIGN.md section 7: train_batch_size = micro x grad_accum x
 dp written explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
 gradient_clipping written explicitly (DeepSpeed's default is 1.0); a torch AdamW (no JIT build of
-DeepSpeed's fused op); bf16 on GPU, fp32 on CPU; the data loader is ours, never prepared.
+DeepSpeed's fused op); bf16 on GPU, fp32 on CPU, gradients accumulated and reduced in fp32 either
+way; the data loader is ours, never prepared.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from tsp_trainer.parallel.mpu import TSPMpu
 
 def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: int,
               max_grad_norm: float, bf16: bool) -> dict:
+    """Gradients are accumulated over micro-steps and reduced over dp in fp32 in every dtype:
+    `data_types.grad_accum_dtype` and `communication_data_type` (DeepSpeed 0.19.8: bf16 + ZeRO-1
+    then runs its BF16_Optimizer with fp32 gradient buffers, bf16 + ZeRO-2 its ZeRO optimizer with
+    an fp32 gradient partition; bf16 + ZeRO-0 has no fp32 accumulation and is refused by
+    config/validate.py)."""
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
@@ -37,6 +43,8 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }

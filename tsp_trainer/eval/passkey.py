@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tsp_trainer.eval.haystack import HaystackBuilder, Sample
+from tsp_trainer.model.rope import PositionRuns
 from tsp_trainer.model.transformer import IGNORE_INDEX
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.schemes import Parallelized
@@ -114,22 +115,35 @@ def run_passkey(par: Parallelized, task: PasskeyTask, *, dp: Comm, micro_batch_s
                           for (n, depth), c in zip(cells, counts.tolist())], predictions)
 
 
+def _window(runs: PositionRuns | torch.Tensor, start: int, stop: int) -> tuple[list[int], list[int]]:
+    """(indices among this rank's tokens, offsets from `start`) of the tokens at global positions
+    start .. stop - 1 that this rank holds, from the layout's runs of positions."""
+    runs = runs if isinstance(runs, PositionRuns) else PositionRuns.of(runs)
+    local, cols = [], []
+    for begin, end, first in runs.query_runs():      # tokens begin..end-1 hold first, first+1, ...
+        for p in range(max(first, start), min(first + end - begin, stop)):
+            local.append(begin + p - first)
+            cols.append(p - start)
+    return local, cols
+
+
 def _score(par: Parallelized, samples: list[Sample], device) -> tuple[list[list[int]], list[tuple]]:
     """One forward of equal-length haystacks [b, L]: (predicted key tokens, (exact, right, key
     tokens, nll sum)) per sample."""
     ids = torch.stack([s.input_ids for s in samples]).to(device)
     labels = torch.stack([s.labels for s in samples]).to(device)
-    local_ids, local_labels, positions = par.local_batch(ids, labels)
-    stats = par.token_stats(local_ids, local_labels, positions)
+    local_ids, local_labels, runs = par.local_batch(ids, labels)
+    stats = par.token_stats(local_ids, local_labels, runs)
     # The key's positions are the last k of every haystack; put them together from whichever
     # ranks hold them (zigzag: the end of the sequence lives on tsp rank 0).
     length, k = ids.shape[1], max(len(s.key_ids) for s in samples)
-    window = positions >= length - k
-    cols = positions[window] - (length - k)
+    local, cols = _window(runs, length - k, length)          # host ints: no device read
     pred = torch.full((len(samples), k), -1, dtype=torch.long, device=ids.device)
     nll = torch.zeros(len(samples), k, dtype=torch.float64, device=ids.device)
-    pred[:, cols] = stats.argmax[:, window]
-    nll[:, cols] = stats.loss[:, window].double()
+    if local:
+        local_t, cols_t = (torch.tensor(v, device=ids.device) for v in (local, cols))
+        pred[:, cols_t] = stats.argmax[:, local_t]
+        nll[:, cols_t] = stats.loss[:, local_t].double()
     for comm in par.token_comms:
         comm.all_reduce(pred, tag="eval.passkey.argmax", op=dist.ReduceOp.MAX)
         comm.all_reduce(nll, tag="eval.passkey.nll")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tsp_trainer.model.rope import PositionRuns
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.comm import Comm
 
@@ -62,11 +63,17 @@ class PositionLossAccumulator:
         self._inner = torch.tensor(self.edges[1:-1], dtype=torch.long, device=device)
         self.sums = torch.zeros(2, len(self.edges) - 1, dtype=torch.float64, device=device)
 
-    def add(self, stats: TokenStats, labels: torch.Tensor, positions: torch.Tensor) -> None:
-        """stats.loss, labels [B, T] in this rank's layout; positions [T] global, or [B, T]."""
-        if int(positions.max()) >= self.edges[-1]:
-            raise ValueError(f"position {int(positions.max())} is beyond the buckets' seq_len "
-                             f"{self.edges[-1]}")
+    def add(self, stats: TokenStats, labels: torch.Tensor,
+            positions: PositionRuns | torch.Tensor) -> None:
+        """stats.loss, labels [B, T] in this rank's layout; positions: the layout's PositionRuns
+        (host ints: checked without a device read), or a tensor [T] or [B, T] of global positions."""
+        if isinstance(positions, PositionRuns):
+            last = max(first + n - 1 for first, n in positions.runs)
+            positions = positions.tensor(self._inner.device)
+        else:
+            last = int(positions.max())
+        if last >= self.edges[-1]:
+            raise ValueError(f"position {last} is beyond the buckets' seq_len {self.edges[-1]}")
         bucket = torch.bucketize(positions, self._inner, right=True).expand_as(labels).reshape(-1)
         valid = (labels != IGNORE_INDEX).reshape(-1)
         # weighted index_add (no boolean selection: no host sync on GPU)

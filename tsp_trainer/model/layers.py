@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.model.rope import Rotary, apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
+from tsp_trainer.model.attention_route import CPU_MASK_QUERY_BLOCK, SdpaRoute, sdpa_route  # noqa: F401
+from tsp_trainer.model.rope import PositionRuns, Rotary, apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):
@@ -33,59 +33,36 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * w
 
 
-# Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
-# the float copy SDPA makes of it) is [block, keys], so blocking bounds it at block * S elements
-# instead of (S / D) * S.
-CPU_MASK_QUERY_BLOCK = 512
-
-
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   q_positions: torch.Tensor | None = None) -> torch.Tensor:
+                   q_runs: tuple[tuple[int, int, int], ...] | None = None,
+                   route: SdpaRoute | None = None) -> torch.Tensor:
     """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
     position j). Returns [B, Tq, Hq * d].
 
-    q_positions=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise query i
-    sees keys 0..q_positions[i]; the queries are processed per contiguous run of positions (zigzag
-    chunks are such runs) against the key prefix they need, with a bottom-right aligned causal mask:
-    torch's lower-right CausalBias on GPU (fused kernels, no mask in memory), a boolean mask per
-    block of CPU_MASK_QUERY_BLOCK queries on CPU.
+    q_runs=None means the queries are the keys (Tq == Tk): plain causal SDPA. Otherwise q_runs
+    holds (start, stop, first position) of each contiguous run of query positions (zigzag chunks,
+    host ints from Rotary.runs; a positions tensor [Tq] is accepted and read once): the queries of
+    a run see keys 0..first+(i-start), attended against that key prefix with a bottom-right
+    aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape)
+    makes the SDPA calls: a fused kernel with torch's lower-right CausalBias on CUDA (no mask in
+    memory), a boolean mask per block of queries on CPU (model/attention_route.py).
     """
+    if isinstance(q_runs, torch.Tensor):              # positions [Tq]: read once (a host sync)
+        q_runs = PositionRuns.of(q_runs).query_runs()
     b, tq, hq, d = q.shape
     gqa = hq != k.shape[2]
+    route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, d]
-    if q_positions is None:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(b, tq, hq * d)
-    step = tq if q.is_cuda else CPU_MASK_QUERY_BLOCK
-    outs = []
-    for start, stop in _contiguous_runs(q_positions):
-        first = int(q_positions[start])
-        for s in range(start, stop, step):
-            e = min(stop, s + step)
-            n_q, n_k = e - s, first + (e - start)      # keys 0 .. position of the block's last query
-            outs.append(F.scaled_dot_product_attention(qt[:, :, s:e], kt[:, :, :n_k], vt[:, :, :n_k],
-                                                       attn_mask=_lower_right(n_q, n_k, q.device),
-                                                       enable_gqa=gqa))
-    out = torch.cat(outs, dim=2)
+    if route.expand_kv and gqa:          # [B, Hkv, T, d] -> [B, Hq, T, d]: the kernel takes no GQA
+        kt, vt = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (kt, vt))
+        gqa = False
+    with route.kernels(q.device.type):
+        if q_runs is None:
+            out = route.causal(qt, kt, vt, gqa=gqa)
+        else:
+            out = torch.cat([route.prefix(qt[:, :, start:stop], kt, vt, first, gqa=gqa)
+                             for start, stop, first in q_runs], dim=2)
     return out.transpose(1, 2).reshape(b, tq, hq * d)
-
-
-def _lower_right(n_q: int, n_k: int, device: torch.device):
-    """Query i (the i-th of the last n_q positions) sees keys 0 .. n_k - n_q + i."""
-    if device.type == "cuda":
-        return causal_lower_right(n_q, n_k)
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril(diagonal=n_k - n_q)
-
-
-def _contiguous_runs(positions: torch.Tensor) -> list[tuple[int, int]]:
-    """[(start, stop)] index ranges over which positions increase by exactly one."""
-    pos = positions.tolist()
-    runs, start = [], 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            runs.append((start, i))
-            start = i
-    return runs
 
 
 class Attention(nn.Module):

@@ -4,7 +4,9 @@ LlamaRotaryEmbedding.forward in transformers 5.24: same fp32 operations in the s
 compare the tables bit for bit).
 
 The tables are built for any integer position tensor [T]: a sequence-parallel rank passes the
-global positions of the tokens it holds (two zigzag chunks), not 0..T-1.
+global positions of the tokens it holds (two zigzag chunks), not 0..T-1. Positions travel as
+`PositionRuns` (host integers, fixed once per batch layout): the tables are built from them on the
+compute device, and attention reads its causal structure from them, never from the device.
 
     inv_freq, scale = rope_frequencies(head_dim, theta, scaling)      # [d/2], float
     cos, sin = rope_cos_sin(positions, head_dim, theta, scaling)      # [T, d] each, fp32
@@ -20,24 +22,71 @@ import torch
 from tsp_trainer.config.model import ModelConfig, RopeScaling
 
 
+@dataclass(frozen=True)
+class PositionRuns:
+    """Global positions of the tokens in hand as runs of consecutive positions, in token order:
+    ((first position, length), ...); e.g. rank p's two zigzag chunks. Host integers, fixed once per
+    batch layout, so attention never reads positions back from the device (a host sync per call)."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def contiguous(cls, length: int, first: int = 0) -> "PositionRuns":
+        return cls(((first, length),))
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> "PositionRuns":
+        """Runs of a positions tensor [T] (reads it: one host sync if it lives on a GPU)."""
+        runs: list[list[int]] = []
+        for p in positions.tolist():
+            if runs and p == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+        return cls(tuple((first, n) for first, n in runs))
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    def tensor(self, device=None) -> torch.Tensor:
+        """Positions [T] built on `device` from the runs (no host-to-device copy)."""
+        return torch.cat([torch.arange(first, first + n, device=device) for first, n in self.runs])
+
+    def query_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, stop, first position) of each run, as token-index ranges."""
+        out, start = [], 0
+        for first, n in self.runs:
+            out.append((start, start + n, first))
+            start += n
+        return tuple(out)
+
+
 @dataclass
 class Rotary:
-    """Global positions [T] of the tokens in hand and their RoPE tables cos, sin [T, head_dim].
-    A sequence-parallel caller passes the positions of its own slice (e.g. two zigzag chunks)."""
+    """Global positions [T] of the tokens in hand, their RoPE tables cos, sin [T, head_dim], and
+    the positions as runs (host ints, for attention's causal structure). A sequence-parallel caller
+    passes the positions of its own slice (e.g. two zigzag chunks)."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...] = ()     # (start, stop, first position) per run
 
     @classmethod
-    def build(cls, positions: torch.Tensor, head_dim: int, theta: float,
-              scaling: RopeScaling | None = None) -> "Rotary":
-        cos, sin = rope_cos_sin(positions, head_dim, theta, scaling)
-        return cls(positions, cos, sin)
+    def build(cls, positions: "PositionRuns | torch.Tensor", head_dim: int, theta: float,
+              scaling: RopeScaling | None = None, device=None) -> "Rotary":
+        """From runs (no host sync: the tables are built on `device`) or a positions tensor."""
+        if isinstance(positions, torch.Tensor):
+            runs = PositionRuns.of(positions)
+            tensor = positions if device is None else positions.to(device)
+        else:
+            runs, tensor = positions, positions.tensor(device)
+        cos, sin = rope_cos_sin(tensor, head_dim, theta, scaling)
+        return cls(tensor, cos, sin, runs.query_runs())
 
     @classmethod
-    def for_model(cls, positions: torch.Tensor, cfg: ModelConfig) -> "Rotary":
-        return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    def for_model(cls, positions: "PositionRuns | torch.Tensor", cfg: ModelConfig, device=None) -> "Rotary":
+        return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
@@ -63,8 +112,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
 
 
 def _base_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
-    # transformers builds the scaled types from an int64 arange cast to fp32 (same values)
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32)
+    # transformers builds the scaled types from an int64 arange cast to fp32 (same values); made on
+    # the compute device (a host arange copied there would be a blocking copy per forward)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32)
     return 1.0 / (theta ** (exponents / head_dim))
 
 
@@ -113,10 +163,11 @@ def _yarn(head_dim: int, theta: float, s: RopeScaling, device) -> tuple[torch.Te
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001                                       # transformers: avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float32) / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low)
+                       / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device).to(torch.float32) / head_dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float32)
+    extrapolation_factor = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return inv_freq, attention_factor
 

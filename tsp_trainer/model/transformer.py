@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.model.layers import Attention, GatedMLP, RMSNorm, Rotary
+from tsp_trainer.model.layers import Attention, GatedMLP, PositionRuns, RMSNorm, Rotary
 
 IGNORE_INDEX = -100
 
@@ -87,23 +87,26 @@ class Transformer(nn.Module):
         self.block_wrapper = None
 
     # -- forward ---------------------------------------------------------------------------------
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normed hidden states [B, T, h]. positions: global token positions [T] of the given
-        tokens (default 0..T-1); a sequence-parallel caller passes the positions of its slice."""
+    def hidden_states(self, input_ids: torch.Tensor,
+                      positions: PositionRuns | torch.Tensor | None = None) -> torch.Tensor:
+        """Final normed hidden states [B, T, h]. positions: global token positions of the given
+        tokens (default 0..T-1), as PositionRuns (host ints: no device read) or a tensor [T]; a
+        sequence-parallel caller passes the positions of its slice."""
         if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        rope = Rotary.for_model(positions, self.cfg)
+            positions = PositionRuns.contiguous(input_ids.shape[1])
+        rope = Rotary.for_model(positions, self.cfg, device=input_ids.device)
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             x = block(x, rope) if self.block_wrapper is None else self.block_wrapper(block, x, rope)
         return self.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor,
+                positions: PositionRuns | torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab]."""
         return self.lm_head(self.hidden_states(input_ids, positions))
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions: PositionRuns | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of token cross-entropies, number of labels != -100) for these tokens."""
         return self.lm_head.loss_sum(self.hidden_states(input_ids, positions), labels)
 

@@ -2,13 +2,24 @@
 rank). Every op takes ranks *within the group*, records itself in the ledger, and is a local no-op
 on a group of size 1. This is the only module in the package that calls torch.distributed ops.
 
-Failures: a collective runs under the process group's timeout (train.collective_timeout_s). When a
-peer dies or the timeout expires, the backend's error is re-raised as CommError naming the op, what
-it moved, the axis, this rank and the peers involved, instead of a bare backend message (or, with
-no timeout, a hang)."""
+Failures: a collective runs under the process group's timeout (train.collective_timeout_s; every
+group of parallel/mesh.py is created with it). When a peer dies, or stalls until the timeout
+expires, the backend's error is re-raised as CommError naming the op, what it moved, the axis, this
+rank and the peers involved, instead of a bare backend message (or, with no timeout, a hang).
+
+In flight: every op is entered into `ledger.in_flight` when issued and removed when it returns (or
+its Work is waited), so the hang watchdog can name the op a stalled step is waiting on. Ops another
+library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are covered by
+`Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
+
+Device guard: a Comm knows the compute device of the run (cuda:<local device> under NCCL, cpu
+under gloo). Every tensor op checks its tensors are there before it is issued, also on groups of
+size 1, and raises WrongDeviceError naming the op: NCCL serves only CUDA tensors, and a host tensor
+handed to it fails deep inside the backend ("No backend type associated with device type cpu")."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -21,6 +32,10 @@ class CommError(RuntimeError):
     """A collective or P2P op failed (peer gone, timeout, broken connection)."""
 
 
+class WrongDeviceError(RuntimeError):
+    """A tensor handed to a collective is not on the run's compute device (a programming error)."""
+
+
 class _Done:
     """Stand-in for a completed Work handle (size-1 groups)."""
 
@@ -29,10 +44,12 @@ class _Done:
 
 
 class _Work:
-    """An async Work whose wait() re-raises failures as CommError with the op's context."""
+    """An async Work whose wait() re-raises failures as CommError with the op's context, and takes
+    the op out of the in-flight set once it completed (or failed)."""
 
     def __init__(self, work, describe, ledger: CommLedger):
         self._work, self._describe, self._ledger = work, describe, ledger
+        self._token = ledger.in_flight.begin(describe)
 
     def wait(self) -> bool:
         start = time.perf_counter()
@@ -42,31 +59,47 @@ class _Work:
             raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
         finally:
             self._ledger.add_blocked(time.perf_counter() - start)
+            self._ledger.in_flight.end(self._token)
 
 
 class Comm:
     """A process group seen from one rank: its global ranks, this rank's index, and a ledger."""
 
-    def __init__(self, group, ranks: list[int], rank: int, ledger: CommLedger, axis: str):
+    def __init__(self, group, ranks: list[int], rank: int, ledger: CommLedger, axis: str, *,
+                 device: torch.device | str = "cpu"):
         self.group = group
         self.ranks = list(ranks)      # global rank of each group member, in group order
         self.rank = rank              # this process's index in `ranks`
         self.size = len(ranks)
         self.ledger = ledger
         self.axis = axis
+        self.device = torch.device(device)    # where every tensor of this group's ops must live
 
     def __repr__(self) -> str:
-        return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks})"
+        return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks}, device={self.device})"
+
+    def check_device(self, op: str, tag: str, *tensors: torch.Tensor) -> None:
+        """Raise WrongDeviceError unless every tensor is on this run's compute device."""
+        for i, t in enumerate(tensors):
+            if not on_device(t, self.device):
+                raise WrongDeviceError(
+                    f"{op} of {tag!r} on axis {self.axis!r}: tensor {i} {tuple(t.shape)} "
+                    f"{t.dtype} is on {t.device}, but this run computes on {self.device} (the "
+                    f"process group serves that device; NCCL rejects host tensors): create it "
+                    f"on the compute device (device=...)")
 
     def _run(self, op: str, tag: str, nbytes: int, call, *, peers=None, async_op: bool = False,
-             role: str = ""):
+             role: str = "", dtype: torch.dtype | None = None):
         """Record the op, issue it, and attach context to any failure."""
-        self.ledger.record(op, axis=self.axis, tag=tag, group_size=self.size, nbytes=nbytes)
+        self.ledger.record(op, axis=self.axis, tag=tag, group_size=self.size, nbytes=nbytes,
+                           dtype=_dtype_name(dtype))
 
         def describe() -> str:
             who = f"group global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
             return (f"{op} of {tag!r} ({nbytes} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
+        in_flight = self.ledger.in_flight
+        token = in_flight.begin(describe)        # until the call returns (sync) or is issued (async)
         start = time.perf_counter()
         try:
             result = call()
@@ -74,48 +107,79 @@ class Comm:
             raise CommError(f"{describe()} failed: {_first_line(err)}") from err
         finally:
             self.ledger.add_blocked(time.perf_counter() - start)
+            in_flight.end(token)
         if async_op:
             return _Work(result, describe, self.ledger)
         return result
 
+    @contextlib.contextmanager
+    def foreign_ops(self, what: str, *, also: list[Comm] | tuple = ()):
+        """Wrap code in which another library issues ops on this group (DeepSpeed's ZeRO gradient
+        reduction over dp inside engine.backward / engine.step): they are shown in flight while it
+        runs, and a backend failure (a dead or stalled peer) becomes a CommError naming the axis
+        and its ranks (and those of the groups in `also` the library may use in the same block).
+        CommErrors of our own ops inside the block pass through unchanged."""
+        def describe() -> str:
+            axes = " or ".join(f"axis {c.axis!r} (global ranks {c.ranks})"
+                               for c in (self, *also) if c.size > 1)
+            return f"{what} on {axes or 'no group of more than one rank'}, rank {self.ranks[self.rank]}"
+        token = self.ledger.in_flight.begin(describe)
+        try:
+            yield
+        except CommError:
+            raise
+        except RuntimeError as err:
+            if not is_backend_error(err):
+                raise
+            raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+        finally:
+            self.ledger.in_flight.end(token)
+
     # -- collectives ------------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int, *, tag: str, async_op: bool = False):
+        self.check_device("broadcast", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         return self._run("broadcast", tag, _nbytes(tensor), lambda: dist.broadcast(
             tensor, src=self.ranks[src], group=self.group, async_op=async_op),
-            async_op=async_op, role=f"source global rank {self.ranks[src]}")
+            async_op=async_op, role=f"source global rank {self.ranks[src]}", dtype=tensor.dtype)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """out: [D * inp.shape[0], ...] (rank-major concatenation)."""
+        self.check_device("all_gather", tag, out, inp)
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
         return self._run("all_gather", tag, _nbytes(out), lambda: dist.all_gather_single(
-            out, inp.contiguous(), group=self.group, async_op=async_op), async_op=async_op)
+            out, inp.contiguous(), group=self.group, async_op=async_op), async_op=async_op,
+            dtype=out.dtype)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """Sum over the group of inp [D * out.shape[0], ...]; this rank keeps block `rank`."""
+        self.check_device("reduce_scatter", tag, out, inp)
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
         return self._run("reduce_scatter", tag, _nbytes(inp), lambda: dist.reduce_scatter_single(
             out, inp.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            async_op=async_op)
+            async_op=async_op, dtype=inp.dtype)
 
     def reduce(self, tensor: torch.Tensor, dst: int, *, tag: str, async_op: bool = False):
         """Sum into `tensor` on group rank `dst` (other ranks' buffers are left undefined)."""
+        self.check_device("reduce", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         return self._run("reduce", tag, _nbytes(tensor), lambda: dist.reduce(
             tensor, dst=self.ranks[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            async_op=async_op, role=f"destination global rank {self.ranks[dst]}")
+            async_op=async_op, role=f"destination global rank {self.ranks[dst]}", dtype=tensor.dtype)
 
     def all_reduce(self, tensor: torch.Tensor, *, tag: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        self.check_device("all_reduce", tag, tensor)
         if self.size == 1:
             return _Done() if async_op else None
         return self._run("all_reduce", tag, _nbytes(tensor), lambda: dist.all_reduce(
-            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op)
+            tensor, op=op, group=self.group, async_op=async_op), async_op=async_op,
+            dtype=tensor.dtype)
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -153,22 +217,43 @@ class Comm:
                  tag: str, p2p_tag: int = 0) -> list:
         """Post one isend and one irecv (batch_isend_irecv) to/from group ranks; returns works.
         `p2p_tag` keeps concurrent exchanges between the same pair apart (gloo matches by tag)."""
+        self.check_device("send/recv", tag, send, recv)
         if self.size == 1:
             recv.copy_(send)
             return []
-        self.ledger.record("send", axis=self.axis, tag=tag, group_size=self.size, nbytes=_nbytes(send))
+        self.ledger.record("send", axis=self.axis, tag=tag, group_size=self.size, nbytes=_nbytes(send),
+                           dtype=_dtype_name(send.dtype))
         dst, src = self.ranks[send_to], self.ranks[recv_from]
         ops = [dist.P2POp(dist.isend, send, dst, self.group, p2p_tag),
                dist.P2POp(dist.irecv, recv, src, self.group, p2p_tag)]
         works = self._run("recv", tag, _nbytes(recv), lambda: dist.batch_isend_irecv(ops),
-                          peers=[dst, src])
-        return [_Work(w, lambda: f"send/recv of {tag!r} on axis {self.axis!r}, rank "
-                                 f"{self.ranks[self.rank]} sending to global rank {dst}, receiving "
-                                 f"from global rank {src}", self.ledger) for w in works]
+                          peers=[dst, src], dtype=recv.dtype)
+
+        def describe() -> str:
+            return (f"send/recv of {tag!r} ({_nbytes(send)} bytes) on axis {self.axis!r}, rank "
+                    f"{self.ranks[self.rank]} sending to global rank {dst}, receiving from global "
+                    f"rank {src}")
+        return [_Work(w, describe, self.ledger) for w in works]
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> bool:
+    """t lives on `device` (an index-less device such as "cuda" matches any index)."""
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def is_backend_error(err: BaseException) -> bool:
+    """A failure of the communication backend (peer gone, timeout, aborted communicator) rather
+    than of the code around it: torch's DistError family (NCCL, store) or a gloo transport error
+    (gloo raises plain RuntimeErrors whose message names its source file)."""
+    return isinstance(err, dist.DistError) or "/gloo/" in str(err) or "Gloo" in str(err)
 
 
 def _first_line(err: BaseException) -> str:

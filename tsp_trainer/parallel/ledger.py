@@ -17,7 +17,10 @@ rank's own time, which names the rank the others wait for (observability's rank 
 from __future__ import annotations
 
 import collections
+import itertools
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -27,19 +30,58 @@ class CommRecord:
     tag: str          # what moved, e.g. "attn.weights", "attn.kv", "mlp.ring"
     group_size: int
     nbytes: int
+    dtype: str = ""   # element type of the payload, e.g. "float32" ("" for control messages)
+
+
+class InFlight:
+    """The ops issued and not yet completed on this rank, for the hang watchdog (run/watchdog.py):
+    begin() when an op is issued, end() when it returns or its Work is waited. Entries hold a
+    description callable (built only when a dump asks) and the time the op started.
+
+    Touched from the training thread only; the watchdog thread reads a snapshot (dict copies are
+    atomic under the GIL)."""
+
+    def __init__(self):
+        self._ops: dict[int, tuple[float, Callable[[], str]]] = {}
+        self._ids = itertools.count()
+
+    def begin(self, describe: Callable[[], str]) -> int:
+        token = next(self._ids)
+        self._ops[token] = (time.monotonic(), describe)
+        return token
+
+    def end(self, token: int) -> None:
+        self._ops.pop(token, None)
+
+    def describe(self) -> list[str]:
+        """One line per op in flight, oldest first, with how long it has been waiting."""
+        now = time.monotonic()
+        return [f"{describe()} (in flight for {now - started:.1f} s)"
+                for started, describe in sorted(dict(self._ops).values(), key=lambda e: e[0])]
 
 
 class CommLedger:
-    """An append-only list of CommRecord with group-by helpers. Disabled ledgers record nothing."""
+    """An append-only list of CommRecord with group-by helpers. Disabled ledgers record nothing.
+    `in_flight` tracks the ops not yet completed (always on: a hang dump needs it most when the
+    byte accounting is off)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.records: list[CommRecord] = []
+        self.in_flight = InFlight()
         self.blocked_s = 0.0          # host seconds blocked in ops since the last reset()
 
-    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int) -> None:
+    def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int,
+               dtype: str = "") -> None:
         if self.enabled:
-            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes)))
+            self.records.append(CommRecord(op, axis, tag, group_size, int(nbytes), dtype))
+
+    def dtypes_by_tag(self) -> dict[str, set[str]]:
+        """tag -> element types its payloads had (tests assert e.g. fp32 gradient reductions)."""
+        out: dict[str, set[str]] = collections.defaultdict(set)
+        for r in self.records:
+            out[r.tag].add(r.dtype)
+        return dict(out)
 
     def add_blocked(self, seconds: float) -> None:
         self.blocked_s += seconds

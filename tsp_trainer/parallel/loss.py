@@ -19,9 +19,14 @@ def global_count(count: torch.Tensor, comms: list[Comm]) -> torch.Tensor:
     return total
 
 
-def reduce_loss_value(local_sum: torch.Tensor, total_count: torch.Tensor, comms: list[Comm]) -> float:
-    """The global mean loss as a float (for logging; no autograd)."""
+def reduce_loss_sum(local_sum: torch.Tensor, comms: list[Comm]) -> torch.Tensor:
+    """The global loss sum (fp64, on the device, no autograd): no host read."""
     value = local_sum.detach().to(torch.float64).clone()
     for comm in comms:
         comm.all_reduce(value, tag="loss.value")
-    return float(value / total_count.clamp(min=1))
+    return value
+
+
+def reduce_loss_value(local_sum: torch.Tensor, total_count: torch.Tensor, comms: list[Comm]) -> float:
+    """The global mean loss as a float (for logging; no autograd)."""
+    return float(reduce_loss_sum(local_sum, comms) / total_count.clamp(min=1))

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from tsp_trainer.model.layers import PositionRuns
 from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.apply import (ShardSpec, apply_tsp, gather_full, load_full_state_dict)
@@ -33,8 +34,8 @@ class Parallelized:
     token_comms: list[Comm]
     # Comm for each mesh axis a ShardSpec may name ("tsp", "tp", "sp", ...).
     axis_comms: dict[str, Comm]
-    # (input_ids [B, S], labels [B, S]) -> this rank's (input_ids, labels, positions)
-    layout: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # (input_ids [B, S], labels [B, S]) -> this rank's (input_ids, labels, positions as runs)
+    layout: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, PositionRuns]]
     info: dict = field(default_factory=dict)
 
     def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor):

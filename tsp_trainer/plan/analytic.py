@@ -33,7 +33,11 @@ SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
 class Precision:
     """Bytes per element. bf16 mixed precision (DeepSpeed bf16, the ZeRO paper's accounting):
     bf16 weights, gradients and activations, an fp32 master copy and two fp32 Adam moments
-    (2 + 2 + 12 = 16 bytes per parameter before ZeRO). fp32 (CPU runs, tests): no master copy."""
+    (2 + 2 + 12 = 16 bytes per parameter before ZeRO), plus the fp32 gradient accumulation the
+    trainer configures (engine/deepspeed.py: data_types.grad_accum_dtype=fp32): `grad_accum` bytes
+    per parameter beside the bf16 gradient (ZeRO-1: DeepSpeed's BF16_Optimizer keeps a full fp32
+    buffer; ZeRO-2: an fp32 partition), and gradients reduced over DP in fp32 (`grad_reduce`).
+    fp32 (CPU runs, tests): no master copy, the gradient is its own accumulator."""
 
     name: str
     weight: int
@@ -41,13 +45,21 @@ class Precision:
     act: int
     master: int
     moments: int
+    grad_accum: int = 0          # fp32 accumulation buffer per parameter (0: the gradient itself)
+    grad_reduce: int = 4         # bytes per element of the DP gradient reduction (fp32)
 
     @property
     def optimizer(self) -> int:
         return self.master + self.moments
 
+    @property
+    def zero_stages(self) -> tuple[int, ...]:
+        """ZeRO stages the trainer runs with this precision: bf16 needs 1 or 2 (DeepSpeed
+        accumulates bf16 gradients in fp32 only under ZeRO; config/validate.py refuses stage 0)."""
+        return (1, 2) if self.grad_accum else (0, 1, 2)
 
-BF16 = Precision("bf16", weight=2, grad=2, act=2, master=4, moments=8)
+
+BF16 = Precision("bf16", weight=2, grad=2, act=2, master=4, moments=8, grad_accum=4)
 FP32 = Precision("fp32", weight=4, grad=4, act=4, master=0, moments=8)
 PRECISIONS = {"bf16": BF16, "fp32": FP32}
 
@@ -145,12 +157,22 @@ def state_bytes(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dic
     n = param_count(cfg, layout)
     dp = layout.dp
     opt = n * prec.optimizer
-    grad = n * prec.grad
     if layout.zero_stage >= 1:
         opt = math.ceil(opt / dp)
-    if layout.zero_stage >= 2:
-        grad = math.ceil(grad / dp)
-    return {"params": n * prec.weight, "grads": grad, "optimizer": opt, "param_count": n}
+    return {"params": n * prec.weight, "grads": grad_bytes(n, layout.zero_stage, dp, prec),
+            "optimizer": opt, "param_count": n}
+
+
+def grad_bytes(n: int, zero_stage: int, dp: int, prec: Precision = BF16) -> int:
+    """Gradient memory per rank for n parameters: stage 0 the gradients in the weights' dtype (bf16
+    with stage 0 accumulates in bf16: modelled, but refused by the trainer); stage 1 the gradients
+    plus the full fp32 accumulation buffer (BF16_Optimizer); stage 2 the fp32 partition (the bf16
+    gradients are freed bucket by bucket as they are reduced)."""
+    if zero_stage == 0:
+        return n * prec.grad
+    if zero_stage == 1:
+        return n * (prec.grad + prec.grad_accum)
+    return math.ceil(n * (prec.grad_accum or prec.grad) / dp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,6 +304,19 @@ def _mask_terms(seq_len: int, s_p: int, e: int, device: str) -> dict[str, int]:
     return {"c": c, "mask": qb * seq_len, "bias": e * qb * seq_len, "biases": e * c * (seq_len + qb)}
 
 
+def _kv_expansion(e: int, device: str, gqa: bool) -> bool:
+    """Whether `attention_core` repeats K/V heads to the query heads before SDPA: on CUDA when
+    the route is the memory-efficient kernel under GQA (fp32; model/attention_route.py)."""
+    if device != "cuda" or not gqa:
+        return False
+    import torch
+
+    from tsp_trainer.model.attention_route import sdpa_route
+
+    dtype = torch.float32 if e == 4 else torch.bfloat16
+    return sdpa_route("cuda", dtype, gqa=True, head_dim=128).expand_kv
+
+
 def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int, n: int, *,
                       recomputed_qkv: bool, scatter_copies: int, device: str) -> dict[str, int]:
     """Transient bytes of one zigzag attention call (all-gathered K/V, `attention_core` per run) for
@@ -290,15 +325,18 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     their stack, the reordered copy, and for TSP the re-gathered K/V still referenced)."""
     m = _mask_terms(seq_len, s_p, e, device)
     kv_full = 2 * e * b * seq_len * hkv                   # gathered K and V in logical order
+    # CUDA memory-efficient route under GQA: K/V repeated to the query heads (saved by SDPA for
+    # its backward, and their gradients before they are summed back to the K/V heads)
+    kv_exp = kv_full * hq // hkv if _kv_expansion(e, device, hq != hkv) else 0
     outs = 2 * e * b * m["c"] * hq                        # SDPA outputs of the two runs
     qkv = e * n * (hq + 2 * hkv) if recomputed_qkv else 0
     # with B > 1 the zigzag reorders (zigzag.py) copy once more (a transpose made contiguous)
     extra = 1 if b > 1 else 0
-    fwd = qkv + kv_full + max(m["mask"] + m["bias"] + outs, (1 + extra) * kv_full)
+    fwd = qkv + kv_full + kv_exp + max(m["mask"] + m["bias"] + outs, (1 + extra) * kv_full)
     # backward: re-gathered K/V and both additive masks, then either the recompute (bool mask of
     # the long run alive) or SDPA's backward (dK, dV of the whole prefix); then the reduce-scatter
     # of dK/dV (gradients, their stacked copy and the zigzag-reordered copy)
-    bwd = qkv + max(kv_full + m["biases"] + max(m["mask"] + outs, kv_full + e * b * m["c"] * hq),
+    bwd = qkv + max(kv_full + 2 * kv_exp + m["biases"] + max(m["mask"] + outs, kv_full + e * b * m["c"] * hq),
                     (scatter_copies + extra) * kv_full)
     return {"fwd": fwd, "bwd": bwd, "kv_full": kv_full, **m}
 
@@ -395,8 +433,7 @@ def model_parallel_comm(cfg: ModelConfig, layout: Layout, seq_len: int,
 
     if layout.scheme == "tsp":
         base = tsp_step_comm(cfg, degree=layout.degree, batch=b, seq_len=seq_len,
-                             head_buckets=layout.head_buckets, weight_bytes=ew, act_bytes=e,
-                             norm_bytes=ew)
+                             head_buckets=layout.head_buckets, weight_bytes=ew, act_bytes=e)
         for (op, tag), v in base.items():
             add(f"{op}/{tag}", v["count"], v["bytes"], layout.degree)
         if layout.activation_checkpointing and layout.degree > 1:
@@ -460,17 +497,20 @@ def _baseline_ledger(cfg, layout, seq_len, prec):
 
 def data_parallel_comm(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dict[str, dict[str, int]]:
     """DeepSpeed's gradient synchronisation over DP per optimizer step (payload, ledger convention):
-    stage 0 all-reduces the gradients; stages 1 and 2 reduce-scatter them and all-gather the updated
-    bf16 parameters after the step. Plus the trainer's per-micro-step loss scalars."""
+    gradients move in fp32 (`communication_data_type`). Stage 0, and bf16 with stage 1 (DeepSpeed's
+    BF16_Optimizer), all-reduce them; otherwise stages 1 and 2 reduce-scatter them; stages 1 and 2
+    all-gather the updated parameters after the step. Plus the trainer's per-micro-step loss
+    scalars."""
     if layout.dp == 1:
         return {}
     n = param_count(cfg, layout)
-    grads = n * prec.grad
+    grads = n * prec.grad_reduce
     out = {}
-    if layout.zero_stage == 0:
+    if layout.zero_stage == 0 or (layout.zero_stage == 1 and prec.grad_accum):
         out["all_reduce/dp.grads"] = {"count": 1, "bytes": grads, "group": layout.dp}
     else:
         out["reduce_scatter/dp.grads"] = {"count": 1, "bytes": grads, "group": layout.dp}
+    if layout.zero_stage >= 1:
         out["all_gather/dp.params"] = {"count": 1, "bytes": n * prec.weight, "group": layout.dp}
     out["all_reduce/loss.dp"] = {"count": 2 * layout.grad_accum, "bytes": 16 * layout.grad_accum,
                                  "group": layout.dp}
@@ -602,7 +642,7 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     t_dp_exposed = max(0.0, t_dp_grad - 2 / 3 * t_compute) + t_dp_params
     # AdamW reads and writes fp32 master + 2 moments, reads the gradient, writes the bf16 weight
     shard = st["param_count"] / (layout.dp if layout.zero_stage >= 1 else 1)
-    t_opt = shard * (2 * prec.optimizer + prec.grad + prec.weight) / hw.hbm_bw
+    t_opt = shard * (2 * prec.optimizer + (prec.grad_accum or prec.grad) + prec.weight) / hw.hbm_bw
     step = layout.grad_accum * t_micro + t_dp_exposed + t_opt
     batch = global_batch if global_batch is not None else layout.micro_batch * layout.grad_accum * layout.dp
     tps = batch * seq_len / step

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, default=0, help="global rank to simulate (default 0)")
     g.add_argument("--full-depth", action="store_true",
                    help="run all layers instead of extrapolating from 1 and 2 (slower)")
+    g.add_argument("--attention", choices=("cpu", "cuda"), default="cpu",
+                   help="attention path of the dry run: cpu (the fake tensors' own: masks per query "
+                        "block) or cuda (the GPU route: fused kernel, no mask), compared with the "
+                        "analytic model's matching variant (default cpu)")
     return p
 
 
@@ -184,7 +188,7 @@ def _dry_run(parser, args, cfg) -> int:
     report = dry_run(cfg, seq_len=args.seq_len, world_size=world, degree=args.degree, schemes=schemes,
                      head_buckets=args.head_buckets, micro_batch=args.micro_batch_size,
                      activation_checkpointing=not args.no_activation_checkpointing, rank=args.rank,
-                     full_depth=args.full_depth,
+                     full_depth=args.full_depth, attention=args.attention,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_dry_run(report))
     if args.json:

@@ -17,13 +17,12 @@ executed on fake tensors for one chosen rank. Out come, for that rank:
 
 Two local adjustments make the real code run on fake tensors; none changes the parallel package:
 
-1. Data-dependent reads. The code reads token positions as Python ints (`attention_core`:
-   `positions.tolist()`, `int(q_positions[i])`) and indexes with boolean masks of the labels / ids
-   (`TSPEmbedding`, `TSPLMHead`). A fake tensor has no values, so the batch (ids, labels,
-   positions, a few hundred KB) is built as *real* tensors outside fake mode, and `RealPassthrough`
-   runs every op whose tensor inputs are all real for real (positions, labels, masks), and
+1. Real inputs. A fake tensor has no values, so the batch (ids, labels, a few hundred KB) is built
+   as *real* tensors outside fake mode (positions are host integers, PositionRuns), and
+   `RealPassthrough` runs every op whose tensor inputs are all real for real (labels, masks), and
    replaces a real boolean index of a fake tensor by the equivalent integer indices
-   (`mask.nonzero().unbind(1)`, same semantics). Ops that create tensors from nothing (zeros,
+   (`mask.nonzero().unbind(1)`, same semantics; the training path has no boolean indexing left,
+   the host-sync count below would show it). Ops that create tensors from nothing (zeros,
    empty, ones) stay fake.
 2. Layers. A forward + backward of one 7B layer at 128K on fake tensors dispatches ~10^4 ops
    (~15 s on a loaded 2-core machine for TSP, D = 8, 4 head buckets). `simulate(..., layers=None)`
@@ -34,9 +33,17 @@ Two local adjustments make the real code run on fake tensors; none changes the p
    loss), which tests check against full-depth runs of small models.
 
 The fake tensors live on the CPU device, so `attention_core` takes its CPU path (a boolean causal
-mask per block of `CPU_MASK_QUERY_BLOCK` queries, which SDPA turns into an additive mask); on a GPU
-it passes a lower-right CausalBias and keeps no mask. The dry run is therefore compared with the
-analytic model's device="cpu" variant; the planner predicts device="cuda".
+mask per block of `CPU_MASK_QUERY_BLOCK` queries, which SDPA turns into an additive mask) and the
+run is compared with the analytic model's device="cpu" variant. With attention="cuda"
+(`tsp-plan --dry-run --attention cuda`) it takes the route it takes on a GPU instead
+(`cuda_attention_path`: the fused kernel torch would pick, K/V heads expanded where that kernel
+needs it, no mask; each fused call allocates its output and log-sum-exp, its backward dq, dk, dv)
+and is compared with device="cuda", the variant the planner predicts with. Fake CUDA tensors
+cannot stand in for this: torch's CPU build refuses autograd and SDPA on them.
+
+Host syncs: the step runs under `HostSyncCounter` (bench/host_sync.py), so the report says how
+many times the real code would make the host wait for a GPU per micro-step (0 for every scheme
+since issue 13; 13,424 before, for the 7B recipe's TSP step).
 
 Not modelled by fake tensors: allocator rounding / fragmentation, communication-library scratch
 buffers, kernel workspaces that are not tensors (e.g. FlashAttention's tiles).
@@ -53,6 +60,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tsp_trainer.bench.host_sync import HostSyncCounter
 from tsp_trainer.bench.memory import LiveTensorMemory
 from tsp_trainer.config import ModelConfig
 
@@ -113,6 +121,69 @@ def fake_world(world_size: int, rank: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# the CUDA attention path on fake CPU tensors
+
+
+class _FusedFootprint(torch.autograd.Function):
+    """What one fused SDPA call (FlashAttention, memory-efficient) allocates, without values:
+    forward the output [B, H, n, d] and an fp32 log-sum-exp [B, H, n], both saved for backward
+    with q, k, v; backward dq, dk, dv. No [n, n_k] score or mask tensor exists."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _footprint_route(route):
+    """`route` (a CUDA route: its kernel and K/V expansion) with each SDPA call replaced by the
+    fused kernel's footprint."""
+    from tsp_trainer.model.attention_route import SdpaRoute
+
+    class FusedFootprintRoute(SdpaRoute):
+        def kernels(self, device_type: str):
+            return contextlib.nullcontext()
+
+        def causal(self, q, k, v, *, gqa):
+            return _FusedFootprint.apply(q, k, v)
+
+        def prefix(self, q, k, v, first, *, gqa):
+            n_k = first + q.shape[2]
+            return _FusedFootprint.apply(q, k[:, :, :n_k], v[:, :, :n_k])
+
+    return FusedFootprintRoute(route.kernel, expand_kv=route.expand_kv)
+
+
+@contextlib.contextmanager
+def cuda_attention_path():
+    """Inside: `attention_core` takes the route it would take on CUDA (`sdpa_route("cuda", ...)`:
+    the kernel and the K/V expansion it decides) on the dry run's CPU fake tensors, and each fused
+    SDPA call allocates what the kernel allocates (`_FusedFootprint`). Fake CUDA tensors cannot
+    stand in: torch's CPU build runs no autograd or SDPA on them ("PyTorch is not linked with
+    support for cuda devices"). The route decision is looked up by `attention_core` at call time
+    from model.layers, where it is swapped for the duration of the block."""
+    from tsp_trainer.model import attention_route, layers
+
+    original = layers.sdpa_route
+
+    def cuda_route(device_type, dtype, *, gqa, head_dim):
+        return _footprint_route(attention_route.sdpa_route("cuda", dtype, gqa=gqa, head_dim=head_dim))
+
+    layers.sdpa_route = cuda_route
+    try:
+        yield
+    finally:
+        layers.sdpa_route = original
+
+
+# ---------------------------------------------------------------------------------------------
 # one simulated step
 
 
@@ -130,6 +201,7 @@ class StepResult:
     peak_bytes: int                               # peak alive over forward + backward
     seconds: float
     info: dict = field(default_factory=dict)
+    host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (bench/host_sync.py)
 
     def comm_by_key(self) -> dict[tuple[str, str], dict[str, int]]:
         return {tuple(k.split("/", 1)): v for k, v in self.comm.items()}
@@ -151,8 +223,11 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, head_buckets: int = 1,
              activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
-             seed: int = 0) -> StepResult:
-    """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`."""
+             seed: int = 0, attention: str = "cpu") -> StepResult:
+    """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
+    attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`)."""
+    if attention not in ("cpu", "cuda"):
+        raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tsp_trainer.model import Transformer
@@ -186,7 +261,9 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         mesh.ledger.reset()
         tracker = LiveTensorMemory()
         tracker.ignore(*params, *(p.grad for p in params), *batch)
-        with mode, RealPassthrough(), tracker:
+        syncs = HostSyncCounter(mesh.device)
+        path = cuda_attention_path() if attention == "cuda" else contextlib.nullcontext()
+        with path, mode, RealPassthrough(), tracker, syncs:
             loss_sum, count = par.loss_sum(*batch)
             tracker.mark("forward")
             total = global_count(count, par.token_comms)
@@ -201,12 +278,12 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         param_count = sum(p.numel() for p in params)
         info = dict(par.info, world_size=world_size, degree=degree, dp=world_size // degree,
                     rank=rank, tsp_rank=mesh.tsp_rank, dp_rank=mesh.dp_rank, dtype=str(dtype),
-                    activation_checkpointing=activation_checkpointing)
+                    activation_checkpointing=activation_checkpointing, attention=attention)
         del model, par, params
     return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
                       param_bytes=param_bytes, param_count=param_count,
                       comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
-                      seconds=time.perf_counter() - start, info=info)
+                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind))
 
 
 def _checkpointed(block, x, rope):
@@ -239,12 +316,15 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
         b = two.comm.get(key, {"count": 0, "bytes": 0})
         comm[key] = {"count": lin(a["count"], b["count"]), "bytes": lin(a["bytes"], b["bytes"])}
     info = dict(two.info, extrapolated_from_layers=[1, 2])
+    syncs = {k: lin(one.host_syncs.get(k, 0), two.host_syncs.get(k, 0))
+             for k in sorted(set(one.host_syncs) | set(two.host_syncs))}
     return StepResult(scheme=scheme, layers_run=2, param_shapes=two.param_shapes,
                       param_bytes=lin(one.param_bytes, two.param_bytes),
                       param_count=lin(one.param_count, two.param_count), comm=comm,
                       stored_bytes=lin(one.stored_bytes, two.stored_bytes),
                       peak_bytes=lin(one.peak_bytes, two.peak_bytes),
-                      seconds=one.seconds + two.seconds, info=info)
+                      seconds=one.seconds + two.seconds, info=info,
+                      host_syncs={k: v for k, v in syncs.items() if v})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,18 +334,21 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
 def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             schemes=("tsp", "tp", "tp_sp"), head_buckets: int = 1, micro_batch: int = 1,
             activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
-            full_depth: bool = False, log=None) -> dict:
+            full_depth: bool = False, attention: str = "cpu", log=None) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/analytic.py): the ledger must equal it exactly; memory within a few %.
+    attention="cuda" runs attention_core's CUDA route (`cuda_attention_path`) and compares with the
+    analytic model's device="cuda" variant, the one the planner predicts with.
     Returns a JSON-friendly report."""
-    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, model_parallel_comm,
-                                           state_bytes)
+    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, grad_bytes,
+                                           model_parallel_comm, state_bytes)
 
     prec = BF16
     dp = world_size // degree
     report = {"model": asdict(cfg), "seq_len": seq_len, "world_size": world_size, "degree": degree,
               "dp": dp, "rank": rank, "micro_batch": micro_batch, "zero_stage": zero_stage,
               "activation_checkpointing": activation_checkpointing, "dtype": "bf16",
+              "attention": attention,
               "layers": "all" if full_depth else "extrapolated from 1 and 2 layers", "schemes": {}}
     for scheme in schemes:
         if log:
@@ -275,17 +358,18 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         res = simulate(cfg, scheme, layers=cfg.num_layers if full_depth else None,
                        world_size=world_size, degree=degree, seq_len=seq_len,
                        micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
-                       activation_checkpointing=activation_checkpointing, rank=rank)
+                       activation_checkpointing=activation_checkpointing, rank=rank,
+                       attention=attention)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
                         micro_batch=micro_batch)
-        act = activation_memory(cfg, layout, seq_len, prec, device="cpu")
+        act = activation_memory(cfg, layout, seq_len, prec, device=attention)
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
         st = state_bytes(cfg, layout, prec)
         # optimizer state and gradients from the measured parameter count (ZeRO over DP)
         measured_state = {"params": res.param_bytes,
-                          "grads": res.param_count * prec.grad // (dp if zero_stage >= 2 else 1),
+                          "grads": grad_bytes(res.param_count, zero_stage, dp, prec),
                           "optimizer": -(-res.param_count * prec.optimizer // (dp if zero_stage >= 1 else 1))}
         report["schemes"][scheme] = {
             "param_shapes": res.param_shapes, "param_count": res.param_count,
@@ -301,7 +385,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             "activations_peak": res.peak_bytes, "activations_peak_model": act.peak,
             "peak_phase_model": act.peak_phase,
             "total_peak": sum(measured_state.values()) + res.peak_bytes,
-            "seconds": res.seconds, "info": res.info}
+            "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info}
     return report
 
 
@@ -313,7 +397,7 @@ def format_dry_run(report: dict) -> str:
            f"world {report['world_size']} = DP {report['dp']} x D {report['degree']} (fake process "
            f"group, FakeTensorMode), rank {report['rank']}, bf16, ZeRO-{report['zero_stage']}, "
            f"activation checkpointing {'on' if report['activation_checkpointing'] else 'off'}; "
-           f"layers {report['layers']}"]
+           f"layers {report['layers']}; attention path {report.get('attention', 'cpu')}"]
     for scheme, r in report["schemes"].items():
         st = r["state_bytes"]
         out.append("")
@@ -338,4 +422,7 @@ def format_dry_run(report: dict) -> str:
                    f"{r['activations_peak'] / gib:.2f} GiB (model {r['activations_peak_model'] / gib:.2f}, "
                    f"in its {r['peak_phase_model']} phase)")
         out.append(f"  peak per rank: {r['total_peak'] / gib:.2f} GiB = state + peak activations")
+        syncs = r.get("host_syncs", {})
+        out.append(f"  host syncs per micro-step (model forward + backward): {sum(syncs.values())}"
+                   + (f" ({', '.join(f'{k} {v}' for k, v in sorted(syncs.items()))})" if syncs else ""))
     return "\n".join(out)

@@ -82,7 +82,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                 for nb in buckets:
                     for extra in _layout_axes(scheme, axes):
                         for mb in mbs:
-                            for zero in (zero_stages if dp > 1 else (0,)):
+                            for zero in (zero_stages if dp > 1 else zero_stages[:1]):
                                 for ac in (False, True):
                                     out.append(Layout(scheme, d, dp=dp, zero_stage=zero,
                                                       activation_checkpointing=ac, head_buckets=nb,
@@ -120,7 +120,7 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
     rejected: dict[str, str] = {}
     layouts = candidate_layouts(cfg, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
-                                rejected=rejected)
+                                zero_stages=prec.zero_stages, rejected=rejected)
     if not layouts:
         dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
         raise PlanError(

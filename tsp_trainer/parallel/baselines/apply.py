@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from tsp_trainer.config.validate import check_parallel_shapes
+from tsp_trainer.model.layers import PositionRuns
 from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.apply import (TSP_PLAN, LocalShards, ShardSpec, mark_model_parallel,
@@ -128,7 +129,7 @@ def _check(model: Transformer, scheme: str, mesh: Mesh, kw: dict, **two_axes) ->
 
 def _single(mesh: Mesh, axis: str) -> Comm:
     """A size-1 Comm (an absent sub-axis): every op is a local no-op."""
-    return Comm(None, [mesh.rank], 0, mesh.ledger, axis)
+    return Comm(None, [mesh.rank], 0, mesh.ledger, axis, device=mesh.device)
 
 
 def _wrap(model: Transformer, mesh: Mesh, scheme: str, groups: Groups, kw: dict) -> Parallelized:
@@ -140,7 +141,7 @@ def _wrap(model: Transformer, mesh: Mesh, scheme: str, groups: Groups, kw: dict)
         # the sp sub-axis takes its zigzag slice, positions following the tokens.
         if sp.size > 1:
             return zigzag.shard_batch(ids, labels, sp.rank, sp.size)
-        return ids, labels, torch.arange(ids.shape[1], device=ids.device)
+        return ids, labels, PositionRuns.contiguous(ids.shape[1])
 
     axis_comms = {c.axis: c for c in (groups.tp, groups.sp) if c.size > 1} or {"tp": groups.tp}
     token_comms = [sp] if sp.size > 1 else []

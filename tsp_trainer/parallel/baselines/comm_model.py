@@ -14,15 +14,16 @@ n = B N / S tokens are in a TP region on each rank; a = n h e is one such activa
   both:            all-reduce  head.ce: 3 n x 4 B (fp32 max, target logit, sum-exp)
   SP (S > 1):      all-gather  attn.kv: 2 L x B N 2 (h_kv / T) e (forward + backward re-gather)
                    reduce-scatter attn.dkv: L x B N 2 (h_kv / T) e
-                   all-reduce  wgrad: (L (P_attn + P_mlp) + 2 V h) / T x e, P_attn = 2h^2 +
+                   all-reduce  wgrad: (L (P_attn + P_mlp) + 2 V h) / T x 4, P_attn = 2h^2 +
                                2 h h_kv (+ h + 2 h_kv q/k/v biases), P_mlp = 3 h I (+ 2 I gate/up
-                               biases) (every non-norm weight once; a tied table twice: once per use)
+                               biases) (every non-norm weight once, in fp32; a tied table twice:
+                               once per use)
                    all-reduce  loss.count: 8 B (fp64 token count)
-  norms:           all-reduce  norm.grad: (2L + 1) h e when the norm inputs are split over ranks
+  norms:           all-reduce  norm.grad: (2L + 1) h 4 (fp32) when the norm inputs are split over ranks
                                (TP+SP: over tp; SP: over sp; TP x SP: over sp, or over all D
                                ranks with tp_sequence_parallel)
-  o/down biases:   all-reduce  bias.grad: L h e per replicated bias (o_proj, down_proj), over the
-                               same groups as the norms
+  o/down biases:   all-reduce  bias.grad: L h 4 (fp32) per replicated bias (o_proj, down_proj),
+                               over the same groups as the norms
 
 Per rank and step the TP traffic is 4 L a ~ 4 L B N h e / S (independent of T, as in TSP_PAPER.md
 5.1 where the (T-1)/T factor counts the bytes that actually cross links), and the SP traffic
@@ -34,6 +35,7 @@ from __future__ import annotations
 import collections
 
 from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.parallel.grad_sync import GRAD_BYTES
 
 
 def scheme_axes(scheme: str, degree: int, tp_degree: int | None = None, sp_degree: int | None = None,
@@ -78,13 +80,13 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
         out["all_gather/attn.kv"] += 2 * layers * kv
         out["reduce_scatter/attn.dkv"] += layers * kv
         per_layer = cfg.attn_sharded_params + cfg.mlp_sharded_params
-        out["all_reduce/wgrad"] += (layers * per_layer + 2 * cfg.vocab_size * h) // t * e
+        out["all_reduce/wgrad"] += (layers * per_layer + 2 * cfg.vocab_size * h) // t * GRAD_BYTES
         out["all_reduce/loss.count"] += 8
     norms_split = (s > 1) or (seq_par and t > 1)
     if norms_split:
-        out["all_reduce/norm.grad"] += (2 * layers + 1) * h * e
+        out["all_reduce/norm.grad"] += (2 * layers + 1) * h * GRAD_BYTES
         if cfg.replicated_biases:
-            out["all_reduce/bias.grad"] += layers * cfg.replicated_biases * e
+            out["all_reduce/bias.grad"] += layers * cfg.replicated_biases * GRAD_BYTES
     return dict(out)
 
 

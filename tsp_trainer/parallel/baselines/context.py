@@ -44,30 +44,31 @@ class _ContextAttention(torch.autograd.Function):
     positions. Backward: re-gather K, V, recompute, reduce-scatter dK, dV to the token owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, comm: Comm):
+    def forward(ctx, q, k, v, q_runs, comm: Comm):
         k_all, v_all = gather_kv(k, v, comm)
-        out = attention_core(q, k_all, v_all, positions)
-        ctx.save_for_backward(q, k, v, positions)
-        ctx.comm = comm
+        out = attention_core(q, k_all, v_all, q_runs)
+        ctx.save_for_backward(q, k, v)
+        ctx.comm, ctx.q_runs = comm, q_runs
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, positions = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
         k_all, v_all = gather_kv(k, v, ctx.comm)
         with torch.enable_grad():
             ql, kl, vl = (t.detach().requires_grad_() for t in (q, k_all, v_all))
-            out = attention_core(ql, kl, vl, positions)
+            out = attention_core(ql, kl, vl, ctx.q_runs)
             dq, dk_all, dv_all = torch.autograd.grad(out, (ql, kl, vl), dout)
         del out, kl, vl, k_all, v_all
         dk, dv = scatter_dkv(dk_all, dv_all, ctx.comm)
         return dq, dk, dv, None, None
 
 
-def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                      comm: Comm) -> torch.Tensor:
-    """q [B, T, Hq, d], k, v [B, T, Hkv, d] of the local zigzag tokens at global `positions` [T]
-    -> attention output [B, T, Hq * d]. A group of size 1 holds the whole sequence in order."""
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      q_runs: tuple[tuple[int, int, int], ...], comm: Comm) -> torch.Tensor:
+    """q [B, T, Hq, d], k, v [B, T, Hkv, d] of the local zigzag tokens, whose global positions
+    are the runs `q_runs` (Rotary.runs) -> attention output [B, T, Hq * d]. A group of size 1
+    holds the whole sequence in order."""
     if comm.size == 1:
         return attention_core(q, k, v)
-    return _ContextAttention.apply(q, k, v, positions, comm)
+    return _ContextAttention.apply(q, k, v, q_runs, comm)

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from tsp_trainer.model.layers import RMSNorm, Rotary, apply_rope, gated_mlp
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.baselines.context import context_attention
-from tsp_trainer.parallel.baselines.megatron import (copy_to_region, gather_from_sequence,
+from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight_to_region,
+                                                     gather_from_sequence,
                                                      reduce_from_region, reduce_scatter_to_sequence,
                                                      vocab_parallel_argmax,
                                                      vocab_parallel_cross_entropy,
@@ -65,15 +66,16 @@ class Groups:
         return reduce_from_region(y, self.tp, tag)
 
     def weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
-        """A weight replicated over sp: its gradient is summed over sp inside autograd."""
-        return None if w is None else copy_to_region(w, self.sp, "wgrad")
+        """A weight replicated over sp: its gradient is summed over sp (fp32) inside autograd."""
+        return None if w is None else copy_weight_to_region(w, self.sp, "wgrad")
 
     def add_replicated_bias(self, y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """y + b for a bias added once per token after leaving the TP region (o_proj, down_proj):
-        replicated like a norm weight, its gradient summed over the same token-splitting groups."""
+        replicated like a norm weight, its gradient summed (fp32) over the same token-splitting
+        groups."""
         if b is None:
             return y
-        return y + (b if self.norm_grad is None else copy_to_region(b, self.norm_grad, "bias.grad"))
+        return y + (b if self.norm_grad is None else copy_weight_to_region(b, self.norm_grad, "bias.grad"))
 
 
 def _holder(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Module:
@@ -106,7 +108,7 @@ class ParallelAttention(nn.Module):
         q = apply_rope(F.linear(x, wq, bq).view(b, t, -1, d), rope.cos, rope.sin)
         k = apply_rope(F.linear(x, wk, bk).view(b, t, -1, d), rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
-        out = context_attention(q, k, v, rope.positions, g.sp)   # [B, T_region, n_h/T * d]
+        out = context_attention(q, k, v, rope.runs, g.sp)        # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
 
 
@@ -138,7 +140,7 @@ class ParallelRMSNorm(RMSNorm):
         self.weight, self.comm = norm.weight, comm
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weight if self.comm is None else copy_to_region(self.weight, self.comm, "norm.grad")
+        w = self.weight if self.comm is None else copy_weight_to_region(self.weight, self.comm, "norm.grad")
         return super().forward(x, w)
 
 

@@ -7,6 +7,8 @@ imports parallel/tsp.
 | Function                    | Forward op                         | Backward op                      |
 |-----------------------------|------------------------------------|----------------------------------|
 | copy_to_region              | identity                           | all-reduce (sum) over the group  |
+| copy_weight_to_region       | identity                           | all-reduce (sum, fp32) of a      |
+|                             |                                    | replicated weight's gradient     |
 | reduce_from_region          | all-reduce (sum) over the group    | identity                         |
 | gather_from_sequence        | all-gather along the sequence dim  | reduce-scatter along the sequence|
 | reduce_scatter_to_sequence  | reduce-scatter along the sequence  | all-gather along the sequence    |
@@ -74,6 +76,12 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 def copy_to_region(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
     return x if comm.size == 1 else SumGradOverGroup.apply(x, comm, tag)
+
+
+def copy_weight_to_region(w: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:
+    """A weight replicated over `comm` whose ranks see different tokens: its gradient is summed
+    over the group in fp32."""
+    return w if comm.size == 1 else SumGradOverGroup.apply(w, comm, tag, True)
 
 
 def reduce_from_region(x: torch.Tensor, comm: Comm, tag: str) -> torch.Tensor:

@@ -12,7 +12,8 @@ group (like a norm's, tag "bias.grad").
 
 Backward re-broadcasts shard r, recomputes the local projections and the bucket's attention,
 reduce-scatters dK, dV back to the ranks that own those tokens, and reduces this rank's partial
-weight gradients (from its own tokens) to owner r. Saved between forward and backward: X_p only.
+weight gradients (from its own tokens) to owner r, in fp32 (the sum over D ranks is not rounded
+to bf16 on the way). Saved between forward and backward: X_p only.
 Transient memory: two weight shards (P_attn / D each), one gathered K/V bucket and, in backward,
 one gathered dK/dV bucket and one packed partial gradient in flight.
 """
@@ -57,7 +58,7 @@ class TSPAttention(nn.Module):
         y = _TSPAttentionFn.apply(x, rope, self, *shard)
         if self.o_proj.bias is None:
             return y
-        return y + SumGradOverGroup.apply(self.o_proj.bias, self.comm, "bias.grad")
+        return y + SumGradOverGroup.apply(self.o_proj.bias, self.comm, "bias.grad", True)
 
 
 def _weight_holder(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Module:
@@ -130,7 +131,7 @@ class _TSPAttentionFn(torch.autograd.Function):
                 wq, wk, wv, wo, bq, bk, bv = shard.bucket(b)
                 q, k, v = _project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim)
                 k_all, v_all = _gather_kv(k, v, block.comm)
-                y += attention_core(q, k_all, v_all, rope.positions) @ wo.T
+                y += attention_core(q, k_all, v_all, rope.runs) @ wo.T
         ctx.save_for_backward(x, *params)
         ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
         return y.to(x.dtype)
@@ -143,7 +144,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         own_grad, pending = None, None
         for r, flat in broadcast_shards(comm, pack(*params), tag="attn.weights"):
             shard = _Shard(flat, block, ctx.shapes)
-            gflat = torch.zeros_like(flat)
+            gflat = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)   # fp32 reduce
             gshard = _Shard(gflat, block, ctx.shapes)
             for b in range(block.head_buckets):
                 dx += _bucket_backward(x, dy, shard.bucket(b), gshard.bucket(b), ctx.rope, block)
@@ -151,7 +152,8 @@ class _TSPAttentionFn(torch.autograd.Function):
                 own_grad = _finish_reduce(pending, comm, own_grad)
             pending = (r, gflat, comm.reduce(gflat, dst=r, tag="attn.wgrad", async_op=True))
         own_grad = _finish_reduce(pending, comm, own_grad)
-        return (dx.to(x.dtype), None, None, *unpack(own_grad, ctx.shapes))
+        grads = (g.to(p.dtype) for g, p in zip(unpack(own_grad, ctx.shapes), params))   # fp32 -> params'
+        return (dx.to(x.dtype), None, None, *grads)
 
 
 def _finish_reduce(pending, comm: Comm, own_grad):
@@ -172,7 +174,7 @@ def _bucket_backward(x, dy, weights, grads, rope: Rotary, block: TSPAttention) -
         q, k, v = _project(xl, wq, wk, wv, *(bqkv or (None,) * 3), rope, d)
         k_all, v_all = (t.detach().requires_grad_() for t in _gather_kv(k.detach(), v.detach(), comm))
         q_l = q.detach().requires_grad_()
-        out = attention_core(q_l, k_all, v_all, rope.positions) @ wo.T
+        out = attention_core(q_l, k_all, v_all, rope.runs) @ wo.T
         dq, dk_all, dv_all, dwo = torch.autograd.grad(out, (q_l, k_all, v_all, wo), dy)
         dk, dv = _scatter_dkv(dk_all, dv_all, comm)
         dxl, dwq, dwk, dwv, *dbqkv = torch.autograd.grad((q, k, v), (xl, wq, wk, wv, *bqkv), (dq, dk, dv))

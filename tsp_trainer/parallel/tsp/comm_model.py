@@ -5,10 +5,11 @@ same formulas; the planner builds on them.
 
 Notation: D degree, B micro-batch, S sequence length, h hidden, h_kv = n_kv * head_dim,
 I intermediate, V vocab, L layers, n_b head buckets, b_w / b_a bytes per weight / activation
-element. P_attn = 2 h^2 + 2 h h_kv (+ h + 2 h_kv with q/k/v biases) and P_mlp = 3 h I (+ 2 I with
-gate/up biases) per layer: what one packed shard carries (ModelConfig.attn_sharded_params,
+element, b_g = 4: gradients are reduced and carried in fp32 whatever the weights' dtype
+(GRAD_BYTES). P_attn = 2 h^2 + 2 h h_kv (+ h + 2 h_kv with q/k/v biases) and P_mlp = 3 h I (+ 2 I
+with gate/up biases) per layer: what one packed shard carries (ModelConfig.attn_sharded_params,
 mlp_sharded_params). Replicated o_proj / down_proj biases add one all-reduce of h elements each per
-layer ("bias.grad"), as the norms do.
+layer ("bias.grad", fp32), as the norms do.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import collections
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.parallel.grad_sync import GRAD_BYTES
 
 
 def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, head_buckets: int = 1,
-                  weight_bytes: int = 4, act_bytes: int = 4, norm_bytes: int | None = None,
+                  weight_bytes: int = 4, act_bytes: int = 4,
                   loss_count_reduces: int = 1) -> dict[tuple[str, str], dict[str, int]]:
     """{(op, tag): {"count": n, "bytes": payload}} for one forward + backward on one rank."""
     d, nb = degree, head_buckets
@@ -39,21 +41,22 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         add("broadcast", "attn.weights", 2 * d, p_attn // d * weight_bytes)
         add("all_gather", "attn.kv", 2 * d * nb, kv_bucket)      # forward + recompute in backward
         add("reduce_scatter", "attn.dkv", d * nb, kv_bucket)
-        add("reduce", "attn.wgrad", d, p_attn // d * weight_bytes)
+        add("reduce", "attn.wgrad", d, p_attn // d * GRAD_BYTES)
         # MLP: D-1 hops forward, D-1 weight hops + D accumulator hops backward
         for op in ("send", "recv"):
             add(op, "mlp.weights", 2 * (d - 1), p_mlp // d * weight_bytes)
-            add(op, "mlp.weights.grad", d, p_mlp // d * weight_bytes)
+            add(op, "mlp.weights.grad", d, p_mlp // d * GRAD_BYTES)
     vocab_shard = cfg.vocab_size // d * h * weight_bytes
+    vocab_grad = cfg.vocab_size // d * h * GRAD_BYTES
     for op in ("send", "recv"):
         add(op, "embed.weights", d - 1, vocab_shard)             # backward moves accumulators only
-        add(op, "embed.weights.grad", d, vocab_shard)
+        add(op, "embed.weights.grad", d, vocab_grad)
         add(op, "head.weights", 2 * (d - 1), vocab_shard)
-        add(op, "head.weights.grad", d, vocab_shard)
-    add("all_reduce", "norm.grad", 2 * L + 1, h * (norm_bytes or weight_bytes))
+        add(op, "head.weights.grad", d, vocab_grad)
+    add("all_reduce", "norm.grad", 2 * L + 1, h * GRAD_BYTES)
     replicated_biases = int(cfg.o_bias) + int(cfg.mlp_bias)
     if replicated_biases:
-        add("all_reduce", "bias.grad", replicated_biases * L, h * (norm_bytes or weight_bytes))
+        add("all_reduce", "bias.grad", replicated_biases * L, h * GRAD_BYTES)
     if loss_count_reduces:
         add("all_reduce", "loss.count", loss_count_reduces, 8)     # float64 token count
     return {k: dict(v) for k, v in out.items()}

@@ -4,11 +4,12 @@ Rank p holds rows p*I/D.. of W_gate and W_up and the matching columns of W_down 
 intermediate dim). Forward: the packed shard passes around the ring (batch_isend_irecv, posted
 before the GEMMs so the transfer overlaps them); each step adds silu(X_p Wg_j^T) * (X_p Wu_j^T)
 Wd_j^T to the local output. The contraction over the intermediate dim completes locally: no
-all-reduce. Backward: the reverse ring carries a gradient accumulator with each shard, so the full
-weight gradient ends at its owner (see tsp/ring.py). Saved: X_p only; per-shard activations are
-recomputed in backward. With mlp_bias (Llama), the gate/up biases of the block travel in the packed
-shard; down_proj's bias is replicated, added once per token after the ring, and its gradient summed
-over the group (like a norm's, tag "bias.grad").
+all-reduce. Backward: the reverse ring carries an fp32 gradient accumulator with each shard, so the
+full weight gradient, summed over the D ranks in fp32, ends at its owner (see tsp/ring.py). Saved:
+X_p only; per-shard activations are recomputed in backward. With mlp_bias (Llama), the gate/up
+biases of the block travel in the packed shard; down_proj's bias is replicated, added once per
+token after the ring, and its gradient summed over the group in fp32 (like a norm's, tag
+"bias.grad").
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class TSPGatedMLP(nn.Module):
         y = _TSPMLPFn.apply(x, self.comm, *shard)
         if self.down_proj.bias is None:
             return y
-        return y + SumGradOverGroup.apply(self.down_proj.bias, self.comm, "bias.grad")
+        return y + SumGradOverGroup.apply(self.down_proj.bias, self.comm, "bias.grad", True)
 
 
 class _TSPMLPFn(torch.autograd.Function):
@@ -73,7 +74,8 @@ class _TSPMLPFn(torch.autograd.Function):
                 ws = [w.detach().requires_grad_() for w in unpack(flat, ctx.shapes)]
                 grads = torch.autograd.grad(gated_mlp(xl, *ws), (xl, *ws), dy)
             dx.add_(grads[0])
-            return pack(*grads[1:])
+            return pack(*grads[1:]).float()      # the ring sums the D ranks' partials in fp32
 
         full = ring_backward(ctx.comm, pack(*params), grad_step, tag="mlp.weights")
-        return (dx.to(x.dtype), None, *unpack(full, ctx.shapes))
+        grads = (g.to(p.dtype) for g, p in zip(unpack(full, ctx.shapes), params))   # fp32 -> params'
+        return (dx.to(x.dtype), None, *grads)

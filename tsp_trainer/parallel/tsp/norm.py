@@ -1,7 +1,7 @@
 """Replicated RMSNorm under TSP: the weight is the same on every rank of the tsp group, but each
 rank sees different tokens, so each rank's gradient is partial. The sum over the group happens
-inside autograd (identity forward, all-reduce backward on the weight), so whoever reads .grad after
-backward (DeepSpeed's reduction hooks included) sees the full gradient."""
+inside autograd (identity forward, all-reduce backward on the weight, in fp32), so whoever reads
+.grad after backward (DeepSpeed's reduction hooks included) sees the full gradient."""
 
 from __future__ import annotations
 
@@ -19,4 +19,4 @@ class TSPRMSNorm(RMSNorm):
         self.comm = comm
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        return super().forward(x, SumGradOverGroup.apply(self.weight, self.comm, "norm.grad"))
+        return super().forward(x, SumGradOverGroup.apply(self.weight, self.comm, "norm.grad", True))

@@ -6,7 +6,8 @@ compute, so the transfer overlaps it). After D steps every rank has seen every s
 
 `ring_backward`: the reverse ring. At step k rank p holds shard (p + k) mod D and adds its local
 gradient for that shard to the accumulator that arrived with it from p + 1, then sends both on to
-p - 1. Shard j's accumulator visits j, j-1, ..., j+1 and a last hop brings it home to j, so the
+p - 1. The accumulator has the dtype `grad_step` returns: the blocks return fp32, so the sum over
+the D ranks is never rounded to bf16 (accumulator hops move 4 bytes per element). Shard j's accumulator visits j, j-1, ..., j+1 and a last hop brings it home to j, so the
 full gradient (summed over all D ranks' tokens) ends at its owner and no rank ever holds more than
 two shards and two accumulators. Traffic per rank: D - 1 weight hops and D accumulator hops
 (accumulator hops only, when the gradient does not need the weights: the embedding).

@@ -2,23 +2,31 @@
 
 Embedding: the vocab shards pass around the ring (tsp/ring.py); at each step a rank looks up those
 of its local token ids that fall in the shard in hand. Backward: the reverse ring carries each
-shard's gradient accumulator (index_add of the local rows) home to the owner.
+shard's gradient accumulator home to the owner. Like F.embedding's backward, the rows are summed
+in fp32 (a token seen thousands of times would otherwise be added up in bf16, one rounding per
+occurrence) and the accumulator travels in fp32.
 
 LM head + loss: the same ring; at each step a rank computes the logits of its local tokens for the
 shard in hand ([N/D, V/D], never the full vocabulary), folds them into an online log-sum-exp and
 picks the target logit when the label falls in the shard. Backward recomputes each block of logits
-and returns (softmax - onehot) x grad along the reverse ring. Full-vocabulary logits of all tokens
-never exist on one rank.
+and returns (softmax - onehot) x grad along the reverse ring: matmuls in the weights' dtype
+(bf16 tensor cores, no fp32 copy of X or W), their results summed in fp32 (dX over shards, the
+weight gradient over ranks in an fp32 accumulator). Full-vocabulary logits of all tokens never
+exist on one rank.
 
 Evaluation (`TSPLMHead.token_stats`, forward only): the same ring and online log-sum-exp, also
 keeping a running argmax over the shards, gives each local token its loss and most likely next
 token, still with [N/D, V/D] logits at a time.
+
+No op here depends on the values of ids or labels for its shape: tokens outside the shard in hand
+are masked arithmetically, never selected with a boolean mask (which costs a host sync on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.comm import Comm
@@ -76,34 +84,40 @@ class _EmbeddingFn(torch.autograd.Function):
         out = weight.new_zeros(ids.shape + (h,))
 
         def step(j: int, flat: torch.Tensor) -> None:
-            local, hit = _in_shard(ids, j, rows)
-            out[hit] = flat.view(rows, h)[local[hit]]
+            # each token hits exactly one shard: add its row there, zeros elsewhere (exact)
+            index, hit = _in_shard(ids, j, rows)
+            out.add_(F.embedding(index, flat.view(rows, h)).masked_fill_(~hit[..., None], 0))
 
         ring_forward(comm, pack(weight), step, tag="embed.weights")
         ctx.save_for_backward(ids)
-        ctx.comm, ctx.shape = comm, weight.shape
+        ctx.comm, ctx.shape, ctx.dtype = comm, weight.shape, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (ids,) = ctx.saved_tensors
         rows, h = ctx.shape
+        dout32 = dout.reshape(-1, h).float()                          # [N/D, h], fp32 once
 
         def grad_step(j: int, _flat: torch.Tensor) -> torch.Tensor:
-            local, hit = _in_shard(ids, j, rows)
-            g = dout.new_zeros(rows, h)
-            g.index_add_(0, local[hit], dout[hit])
-            return g.view(-1)
+            # rows of shard j summed in fp32; tokens of other shards go to a padding row (rows),
+            # which embedding_dense_backward skips, and which is dropped (no atomics on a sink)
+            index, hit = _in_shard(ids, j, rows)
+            sink = torch.where(hit, index, rows).reshape(-1)
+            g = torch.ops.aten.embedding_dense_backward(dout32, sink, rows + 1, rows, False)
+            return g[:rows].reshape(-1)
 
-        # The lookup's gradient does not need the weights: only the accumulators travel.
+        # The lookup's gradient does not need the weights: only the (fp32) accumulators travel.
         full = ring_backward(ctx.comm, None, grad_step, tag="embed.weights")
-        return None, full.view(rows, h), None
+        return None, full.view(rows, h).to(ctx.dtype), None
 
 
 def _in_shard(ids: torch.Tensor, shard: int, rows: int):
-    """(ids - shard * rows, mask of ids that fall in vocab shard `shard`)."""
+    """(ids - shard * rows clamped into the shard, mask of ids that fall in vocab shard `shard`).
+    The clamped index is valid everywhere; the mask says where it means anything."""
     local = ids - shard * rows
-    return local, (local >= 0) & (local < rows)
+    hit = (local >= 0) & (local < rows)
+    return local.clamp(0, rows - 1), hit
 
 
 def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Tensor, comm: Comm, *,
@@ -111,7 +125,7 @@ def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Te
     """One pass of the vocab shards around the ring for the local tokens x [N/D, h]:
     (log-sum-exp [N/D] fp32, target logit [N/D] fp32, argmax [N/D] int64 or None). Each step sees
     one [N/D, V/D] block of logits; the argmax keeps the first index of the largest logit, as
-    torch.argmax does, whatever order the shards arrive in."""
+    torch.argmax does, whatever order the shards arrive in. No boolean selection (no host sync)."""
     rows = weight.shape[0]
     run_max = torch.full((x.shape[0],), float("-inf"), device=x.device)
     run_sum = torch.zeros(x.shape[0], device=x.device)
@@ -129,8 +143,8 @@ def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Te
         new_max = torch.maximum(run_max, block_max)
         run_sum.mul_(torch.exp(run_max - new_max)).add_(torch.exp(logits - new_max[:, None]).sum(-1))
         run_max.copy_(new_max)
-        local, hit = _in_shard(flat_labels, j, rows)
-        target[hit] = logits[hit, local[hit]]
+        index, hit = _in_shard(flat_labels, j, rows)
+        target.add_(logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~hit, 0.0))
 
     ring_forward(comm, pack(weight), step, tag="head.weights")
     return run_max + torch.log(run_sum), target, best
@@ -159,11 +173,12 @@ class _HeadLossFn(torch.autograd.Function):
         def grad_step(j: int, w: torch.Tensor) -> torch.Tensor:
             w = w.view(rows, -1)
             dlogits = torch.exp((x @ w.T).float() - lse[:, None])   # softmax block [N/D, V/D]
-            local, hit = _in_shard(flat_labels, j, rows)
-            dlogits[hit, local[hit]] -= 1.0
-            dlogits.mul_(scale[:, None])
-            dx.add_(dlogits @ w.float())
-            return (dlogits.T @ x.float()).to(w.dtype).reshape(-1)
+            index, hit = _in_shard(flat_labels, j, rows)
+            dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
+            dlogits = dlogits.mul_(scale[:, None]).to(w.dtype)     # matmuls in the weights' dtype
+            dx.add_(dlogits @ w)                                    # summed over shards in fp32
+            return (dlogits.T @ x).float().reshape(-1)              # fp32 ring accumulator
 
         full = ring_backward(ctx.comm, pack(weight), grad_step, tag="head.weights")
-        return dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape), None, None
+        return (dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape).to(weight.dtype),
+                None, None)

@@ -1,0 +1,72 @@
+"""The dry run's CUDA attention path (plan/dry_run.py, attention="cuda") against the planner's
+CUDA variant (plan/analytic.py, device="cuda"): the real code on fake tensors takes the route it
+takes on a GPU (fused kernel, no mask; K/V expanded for fp32 + GQA), each fused SDPA call
+allocating what the kernel allocates. Saved activations agree to 1% and the peak to 10%, the
+tolerances of the CPU variant (test_plan_fake.py), and no step of the model makes the host wait
+for the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.layers import PositionRuns, attention_core
+from tsp_trainer.plan.analytic import BF16, FP32, Layout, activation_memory
+from tsp_trainer.plan.dry_run import cuda_attention_path, run_step
+
+GQA = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                  intermediate_size=128, max_seq_len=4096)
+SEQ = 1024
+
+
+@pytest.mark.parametrize("scheme,degree,kw,dtype,ac", [
+    ("tsp", 2, {"head_buckets": 2}, "bf16", True),     # the recipe's shape of step: flash, AC
+    ("tsp", 2, {"head_buckets": 2}, "fp32", True),     # memory-efficient kernel, K/V expanded
+    ("sp", 2, {}, "bf16", False),
+], ids=["tsp-bf16-AC", "tsp-fp32-AC", "sp-bf16"])
+def test_cuda_attention_path_matches_the_planners_cuda_variant(scheme, degree, kw, dtype, ac):
+    prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
+    res = run_step(GQA, scheme, world_size=2 * degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
+                   activation_checkpointing=ac, rank=0, attention="cuda", **kw)
+    layout = Layout(scheme, degree, dp=2, activation_checkpointing=ac, head_buckets=kw.get("head_buckets", 1))
+    cuda = activation_memory(GQA, layout, SEQ, prec, device="cuda")
+    assert cuda.stored == pytest.approx(res.stored_bytes, rel=0.01)
+    assert cuda.peak == pytest.approx(res.peak_bytes, rel=0.10)
+    assert res.host_syncs == {} and res.info["attention"] == "cuda"
+
+
+def test_cuda_path_peaks_below_the_cpu_path_and_moves_the_same_bytes():
+    """SP with AC peaks in the attention backward: without the CPU path's masks, lower."""
+    kw = dict(world_size=2, degree=2, seq_len=SEQ, activation_checkpointing=True, rank=0)
+    cpu, cuda = (run_step(GQA, "sp", attention=att, **kw) for att in ("cpu", "cuda"))
+    assert cuda.peak_bytes < cpu.peak_bytes and cuda.comm == cpu.comm
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype,expands", [(torch.bfloat16, False), (torch.float32, True)])
+def test_cuda_path_builds_no_mask_and_expands_kv_only_for_the_memory_efficient_kernel(dtype, expands):
+    q, k, v = (torch.zeros(1, 32, h, 8, dtype=dtype) for h in (8, 4, 4))
+    runs = PositionRuns(((8, 8), (24, 8)))
+    with cuda_attention_path(), _Ops() as ops:
+        attention_core(q[:, :16], k, v, runs.query_runs())
+    assert ("expand" in ops.names) == expands                    # repeat_interleave of the K/V heads
+    assert "tril" not in ops.names                               # no mask on the CUDA route
+    with _Ops() as cpu_ops:
+        attention_core(q[:, :16], k, v, runs.query_runs())
+    assert "tril" in cpu_ops.names and "expand" not in cpu_ops.names
+
+
+def test_attention_path_is_named():
+    with pytest.raises(ValueError, match="attention='gpu' must be 'cpu' or 'cuda'"):
+        run_step(GQA, "tsp", world_size=2, degree=2, seq_len=SEQ, attention="gpu")
