@@ -1,5 +1,5 @@
 """Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-dashboard,
-tsp-report, tsp-tokenize.
+tsp-report, tsp-tokenize, tsp-eval.
 
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
@@ -216,6 +216,50 @@ def export_main(argv: list[str] | None = None) -> None:
     raise SystemExit(main(argv))
 
 
+def eval_main(argv: list[str] | None = None) -> None:
+    """tsp-eval: checks everything before the process group, which this module starts (gloo on CPU,
+    nccl on GPUs) for the evaluation only: no Accelerate, no DeepSpeed."""
+    _quiet_known_warnings()
+    from tsp_trainer.eval import cli as eval_cli
+
+    args = eval_cli.build_parser().parse_args(argv)
+    if args.command == "retrieval-corpus":
+        try:
+            out = eval_cli.corpus_main(args)
+        except ValueError as err:
+            print(f"tsp-eval: error: {err}", file=sys.stderr)
+            sys.exit(2)
+        print(f"tsp-eval: wrote {out}/train.jsonl and {out}/validation.jsonl")
+        return
+    world, rank, local_rank = _launcher_env()
+    cuda = _prepare_runtime(local_rank, world)
+    try:
+        job = eval_cli.prepare(args, world_size=world, rank=rank, cuda=cuda)
+    except ValueError as err:
+        print(f"tsp-eval: error: {eval_cli.as_flags(str(err))}", file=sys.stderr)
+        sys.exit(2)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    code = 0
+    try:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        eval_cli.run(job, rank=rank, device=device)
+    except ValueError as err:
+        print(f"tsp-eval: error (rank {rank}): {eval_cli.as_flags(str(err))}", file=sys.stderr)
+        code = 2
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    _exit(code)
+
+
 def dashboard_main(argv: list[str] | None = None) -> None:
     from tsp_trainer.observability.dashboard import main
 
@@ -236,7 +280,7 @@ def tokenize_main(argv: list[str] | None = None) -> None:
 
 COMMANDS = {"train": train_main, "bench": bench_main, "plan": plan_main,
             "export": export_main, "dashboard": dashboard_main, "report": report_main,
-            "tokenize": tokenize_main}
+            "tokenize": tokenize_main, "eval": eval_main}
 
 
 def main(argv: list[str] | None = None) -> None:

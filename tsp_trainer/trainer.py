@@ -1,7 +1,8 @@
 """The Trainer: checks its inputs (run/inputs.py), then builds, in order, mesh -> model with its
 parallel scheme -> DeepSpeed engine under Accelerate -> data -> checkpoints -> run folder and
-logging; then fit() runs train_step() / evaluate() under the run's lifecycle guards (run/: the
-preemption agreement at step boundaries and the hang watchdog).
+logging; then fit() runs train_step() and, when due, self.evaluator.run(step) (tsp_trainer/eval:
+eval loss, loss by position, passkey) under the run's lifecycle guards (run/: the preemption
+agreement at step boundaries and the hang watchdog).
 
 One optimizer step = grad_accum micro-batches per DP rank. Every rank of a TSP group reads the same
 micro-batch (the loader is split by dp rank only) and takes its zigzag slice. The loss backpropagated
@@ -29,13 +30,14 @@ from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.config.validate import check_precision
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.engine import deepspeed as ds_engine
+from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.model.attention_route import check_cuda_attention
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks, model_and_hardware_flops_per_token)
 from tsp_trainer.optim import build_optimizer, build_scheduler
-from tsp_trainer.parallel.loss import global_count, reduce_loss_sum, reduce_loss_value
+from tsp_trainer.parallel.loss import global_count, reduce_loss_sum
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
@@ -66,6 +68,7 @@ class Trainer:
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
         self.tokenizer, self.data_plan = inputs.tokenizer, inputs.data_plan
         dp = world_size // cfg.parallel.tsp_degree
+        passkey = build_passkey_task(cfg, self.tokenizer, self.model_cfg)   # reads its filler text
         self.log = get_logger(__name__, rank=global_rank)
         self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -82,6 +85,8 @@ class Trainer:
         self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                            TSPMpu(self.mesh))
         self.loader, self.eval_batches = self._build_loaders()
+        self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device,
+                                   eval_batches=self.eval_batches, passkey=passkey, log=self.log)
         self.ckpt = CheckpointManager(f"{cfg.train.output_dir}/checkpoints", world=self.mesh.world,
                                       keep_last=cfg.checkpoint.keep_last)
         self.checkpointer = Checkpointer(self.ckpt, world=self.mesh.world, device=self.device,
@@ -262,16 +267,6 @@ class Trainer:
         return {"data/epoch": self.data_plan.epoch_metric(epoch, self.state.tokens_seen),
                 "data/seq_len": seq_len}
 
-    # -- evaluation -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        total_loss, total_tokens = 0.0, 0.0
-        for batch in self.eval_batches:
-            s, total = self._batch_loss(batch)
-            total_loss += reduce_loss_value(s, total, self._loss_comms) * float(total)
-            total_tokens += float(total)
-        return total_loss / max(total_tokens, 1.0)
-
     # -- loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         """Train to train.steps, or until a preemption signal / train.max_runtime_min stops every
@@ -285,11 +280,11 @@ class Trainer:
                 self.watchdog.step_started(self.state.step + 1)
                 metrics = self.train_step()
                 step = self.state.step
-                if c.train.eval_every and step % c.train.eval_every == 0:
-                    metrics["eval/loss"] = self.evaluate()
+                evaluated = self.evaluator.run(step)        # {} unless an evaluation is due
+                metrics.update(evaluated)
                 self.watchdog.step_finished()
                 self._time_step_and_save(t0)
-                if step % c.logging.log_every == 0 or step == c.train.steps:
+                if step % c.logging.log_every == 0 or step == c.train.steps or evaluated:
                     self.sinks.log(step, metrics)
                 bar.update(loss=metrics["train/loss"], tokens_per_s=metrics["perf/tokens_per_s"])
                 history.append(metrics)

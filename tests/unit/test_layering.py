@@ -106,3 +106,16 @@ def test_data_knows_nothing_of_distribution():
             assert not _uses(names, "torch.distributed"), rel
             ours = {n for n in names if n.startswith("tsp_trainer.")}
             assert all(n.startswith(("tsp_trainer.data", "tsp_trainer.config")) for n in ours), rel
+
+
+def test_eval_package_is_used_by_the_trainer_and_cli_never_the_reverse():
+    """tsp_trainer/eval (loss by position, passkey) runs on the parallel model through Comm: no
+    accelerate / deepspeed / wandb / omegaconf, none of trainer, engine or cli (which import it), and
+    no module outside those two and eval itself imports it (e.g. the model or parallel code)."""
+    for rel, names in _modules():
+        if rel.startswith("eval/"):
+            assert not any(_uses(names, pkg) for pkg in ("accelerate", "deepspeed", "wandb",
+                                                         "omegaconf")), rel
+            assert not any(_uses(names, f"tsp_trainer.{m}") for m in ("trainer", "engine", "cli")), rel
+        elif rel not in ("trainer.py", "cli.py"):
+            assert not _uses(names, "tsp_trainer.eval"), rel

@@ -143,7 +143,11 @@ def test_dashboard_workspace_builds_and_serialises_offline():
                 plotted.add(config["metricRegex"])
     regex = glob_to_regex("comm/*/*_bytes")
     assert regex == "^comm/[^/]+/[^/]+_bytes$" and regex in plotted
-    assert plotted - {regex} == {m.name for m in METRICS if "*" not in m.name}
+    tables = {name for p in PANELS if p.table for name in p.metrics}   # summary-table panels
+    assert tables == {"eval/loss_by_position", "eval/passkey"}
+    assert plotted - {regex} == {m.name for m in METRICS if "*" not in m.name} - tables
+    for name in tables:
+        assert f'"val": "{name}"' in text
     comm = next(s for s in sections if s["name"] == "comm")["panels"][0]["config"]
     assert comm["yLogScale"] is True and comm["metricRegex"] == regex
     assert [s.get("isOpen", False) for s in sections] == [True, True, True, False, False, False]

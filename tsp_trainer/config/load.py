@@ -154,8 +154,13 @@ def _check_section(layer: dict, cls: type, *, prefix: str, source: str) -> None:
                 _check_section(item, item_cls, prefix=f"{dotted}[{i}].", source=source)
         elif not _is_interpolation(value) and not _accepts(value, kind):
             raise ValueError(f"config key '{dotted}'={_show(value)} must be {_describe(kind)}"
-                             f"{_bool_trap_hint(value, kind)}{REMOVED_CHOICES.get((dotted, value), '')}"
+                             f"{_bool_trap_hint(value, kind)}{_removed_choice(dotted, value)}"
                              f"; {source}")
+
+
+def _removed_choice(dotted: str, value: Any) -> str:
+    """The hint for a choice an older version took (REMOVED_CHOICES); a list value has none."""
+    return REMOVED_CHOICES.get((dotted, value), "") if isinstance(value, typing.Hashable) else ""
 
 
 def _list_of_sections(kind: Any) -> bool:

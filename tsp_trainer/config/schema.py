@@ -201,6 +201,22 @@ class TrainSection:
 
 
 @dataclass(frozen=True)
+class EvalSection:
+    """Long-context evaluation under the training layout (docs/long_context.md, "Evaluation").
+    The eval loss itself runs every train.eval_every steps on train.eval_batches micro-batches."""
+
+    loss_by_position: bool = True              # also report that eval loss per position bucket (1, 2, 4, ... seq_len)
+    passkey_every: int = 0                     # optimizer steps between passkey retrieval runs; 0 = off
+    passkey_lengths: list[int] = field(default_factory=list)   # haystack lengths in tokens; [] = [data.seq_len]
+    passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # needle depth, 0 = start, 1 = end
+    passkey_samples: int = 4                   # haystacks per (length, depth), spread over the DP ranks
+    passkey_digits: int = 5                    # digits of the hidden number
+    passkey_filler: str | None = None          # text source of the haystack; null = data.source
+    passkey_filler_split: str | None = None    # its split; null = data.eval_split (else data.train_split)
+    passkey_seed: int = 0                      # keys and filler offsets (the same haystacks at every run)
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     every: int = 0                             # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 3                         # complete checkpoints kept on disk
@@ -234,6 +250,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     zero: ZeroSection = field(default_factory=ZeroSection)
     train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 

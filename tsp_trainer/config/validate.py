@@ -39,6 +39,8 @@ _INT_MIN = {
     "train.global_batch_size": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.seed": 0,
     "train.collective_timeout_s": 1, "train.max_consecutive_skips": 1, "checkpoint.every": 0,
     "checkpoint.keep_last": 1, "logging.log_every": 1, "logging.rank_stats_every": 0, "data.prefetch": 0,
+    "eval.passkey_every": 0, "eval.passkey_samples": 1, "eval.passkey_digits": 1,
+    "eval.passkey_seed": 0,
     "data.mixture_estimate_docs": 1, "data.max_example_split_dp": 1, "data.dataset_tokens": 1,
     "data.upsample.min_tokens": 0, "data.upsample.gap_docs": 1,
 }
@@ -91,6 +93,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                           head_buckets=p.head_buckets, tp_degree=p.tp_degree, sp_degree=p.sp_degree)
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
+    _check_eval(cfg, model)
     _check_data_sources(cfg)
     _check_length_schedule(cfg, model)
     _check_paths(cfg)
@@ -98,15 +101,16 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
 
 def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, seq_len: int | None,
                           head_buckets: int = 1, tp_degree: int | None = None,
-                          sp_degree: int | None = None) -> None:
+                          sp_degree: int | None = None, seq_key: str = "data.seq_len") -> None:
     """Check that the model and sequence split evenly under `scheme` with model-parallel degree D.
 
     Args:
         degree: D, the size of the model-parallel group (`parallel.tsp_degree`) for every scheme.
         seq_len: tokens per sequence before sharding; None skips the sequence rules.
         tp_degree, sp_degree: T and S of scheme tp_x_sp (T x S = D); None for the other schemes.
+        seq_key: the key `seq_len` came from, for the message (e.g. eval.passkey_lengths[1]).
     """
-    _check_scheme_args(scheme, degree, seq_len, head_buckets, tp_degree, sp_degree)
+    _check_scheme_args(scheme, degree, seq_len, head_buckets, tp_degree, sp_degree, seq_key)
     splits_weights, chunks = _SCHEME_AXES[scheme]
     if scheme == "tp_x_sp":   # two axes inside the group: T splits the weights, S the sequence
         weight_axis, seq_axis = ("parallel.tp_degree", tp_degree), ("parallel.sp_degree", sp_degree)
@@ -118,7 +122,7 @@ def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, s
     if splits_weights:
         _check_weight_split(model_cfg, *weight_axis, seq_rule=seq_rule)
     if chunks and seq_len is not None:
-        _check_sequence_split(seq_len, *seq_axis, chunks=chunks)
+        _check_sequence_split(seq_len, *seq_axis, chunks=chunks, seq_key=seq_key)
     if scheme == "tsp":
         _check_head_buckets(model_cfg, degree, head_buckets)
 
@@ -243,13 +247,13 @@ def _require_int(key: str, value: Any, minimum: int) -> None:
 
 
 def _check_scheme_args(scheme: str, degree: int, seq_len: int | None, head_buckets: int,
-                       tp_degree: int | None, sp_degree: int | None) -> None:
+                       tp_degree: int | None, sp_degree: int | None, seq_key: str) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"parallel.scheme={scheme!r} is not one of {', '.join(map(repr, SCHEMES))}")
     _require_int("parallel.tsp_degree", degree, 1)
     _require_int("parallel.head_buckets", head_buckets, 1)
     if seq_len is not None:
-        _require_int("data.seq_len", seq_len, 1)
+        _require_int(seq_key, seq_len, 1)
     if scheme != "tsp" and head_buckets != 1:
         raise ValueError(f"parallel.head_buckets={head_buckets} is only used by parallel.scheme='tsp' "
                          f"(got {scheme!r}); set parallel.head_buckets=1")
@@ -288,7 +292,8 @@ def _check_weight_split(model_cfg: ModelConfig, key: str, degree: int, *,
                              f"{_fmt_list(_divisors(math.gcd(*bounds)))}")
 
 
-def _check_sequence_split(seq_len: int, key: str, degree: int, *, chunks: int) -> None:
+def _check_sequence_split(seq_len: int, key: str, degree: int, *, chunks: int,
+                          seq_key: str = "data.seq_len") -> None:
     parts = chunks * degree
     if seq_len % parts == 0:
         return
@@ -296,7 +301,7 @@ def _check_sequence_split(seq_len: int, key: str, degree: int, *, chunks: int) -
            f"{key}={degree} (sequence parallelism cuts each sequence into D chunks)")
     lower = seq_len // parts * parts
     nearby = f"{lower} or {lower + parts}" if lower else f"{parts}"
-    raise ValueError(f"data.seq_len={seq_len} is not divisible by {why}; use a multiple of {parts}, "
+    raise ValueError(f"{seq_key}={seq_len} is not divisible by {why}; use a multiple of {parts}, "
                      f"e.g. {nearby}")
 
 
@@ -346,6 +351,38 @@ def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
                          "null; name an eval split or set train.eval_every=0")
 
 
+def passkey_lengths(cfg: TrainConfig) -> list[int]:
+    """eval.passkey_lengths, or [data.seq_len] when the list is empty."""
+    return list(cfg.eval.passkey_lengths) or [cfg.data.seq_len]
+
+
+def check_eval_length(model: ModelConfig, parallel: ParallelSection, length: int, *, key: str) -> None:
+    """An evaluation sequence of `length` tokens must split like a training one under the layout
+    (zigzag: 2D chunks; Megatron SP: D blocks) and fit a source model's attention window."""
+    check_parallel_shapes(model, scheme=parallel.scheme, degree=parallel.tsp_degree, seq_len=length,
+                          head_buckets=parallel.head_buckets, tp_degree=parallel.tp_degree,
+                          sp_degree=parallel.sp_degree, seq_key=key)
+    check_sliding_window(model, length, key=key)
+
+
+def _check_eval(cfg: TrainConfig, model: ModelConfig) -> None:
+    e = cfg.eval
+    for name, values in (("passkey_lengths", e.passkey_lengths), ("passkey_depths", e.passkey_depths)):
+        twice = sorted({v for v in values if list(values).count(v) > 1})
+        if twice:
+            raise ValueError(f"eval.{name}={list(values)} lists {twice[0]} more than once; "
+                             "give each value once")
+    if e.passkey_every and not e.passkey_depths:
+        raise ValueError(f"eval.passkey_every={e.passkey_every} needs at least one depth in "
+                         "eval.passkey_depths (0 = needle at the start, 1 = at the end)")
+    for i, depth in enumerate(e.passkey_depths):
+        if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
+            raise ValueError(f"eval.passkey_depths[{i}]={depth!r} must be a number in [0, 1] "
+                             "(0 = needle at the start of the haystack, 1 = at its end)")
+    for i, length in enumerate(passkey_lengths(cfg) if e.passkey_every else e.passkey_lengths):
+        key = f"eval.passkey_lengths[{i}]" if e.passkey_lengths else "data.seq_len"
+        _require_int(key, length, 1)
+        check_eval_length(model, cfg.parallel, length, key=key)
 def _check_data_sources(cfg: TrainConfig) -> None:
     """Exactly one of data.source / data.sources; mixture weights positive; formats known."""
     d = cfg.data

@@ -5,6 +5,7 @@ LM head + cross-entropy. Module names match Hugging Face's LlamaForCausalLM stat
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,15 @@ from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.layers import Attention, GatedMLP, PositionRuns, RMSNorm, Rotary
 
 IGNORE_INDEX = -100
+
+
+class TokenStats(NamedTuple):
+    """Per-token results of a forward pass without gradients (evaluation), in the layout of the
+    tokens given: loss [B, T] fp32 cross-entropy (0 where the label is ignored) and argmax [B, T]
+    int64, the most likely next token (the first index on ties, as torch.argmax)."""
+
+    loss: torch.Tensor
+    argmax: torch.Tensor
 
 
 class Block(nn.Module):
@@ -55,6 +65,13 @@ class LMHead(nn.Module):
                                ignore_index=IGNORE_INDEX)
         return loss, (labels != IGNORE_INDEX).sum()
 
+    @torch.no_grad()
+    def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
+        logits = self(hidden).float()                                    # [B, T, V]
+        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none",
+                               ignore_index=IGNORE_INDEX).view(labels.shape)
+        return TokenStats(loss, logits.argmax(dim=-1))
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -92,6 +109,13 @@ class Transformer(nn.Module):
                  positions: PositionRuns | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of token cross-entropies, number of labels != -100) for these tokens."""
         return self.lm_head.loss_sum(self.hidden_states(input_ids, positions), labels)
+
+    @torch.no_grad()
+    def token_stats(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                    positions: torch.Tensor | None = None) -> TokenStats:
+        """Per-token loss and argmax of these tokens (forward only; the LM head decides how the
+        vocabulary is reduced: a parallel head never holds full logits of all tokens)."""
+        return self.lm_head.token_stats(self.hidden_states(input_ids, positions), labels)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over valid labels (single-process reference)."""

@@ -33,10 +33,13 @@ from tsp_trainer.observability.sinks import (
     format_console_line,
     make_sinks,
 )
+from tsp_trainer.observability.tables import LineChart, MetricTable
 from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
 
 __all__ = [
-    "DEVICE_PEAK_FLOPS", "METRICS", "PANEL_GROUPS", "MetricDef", "StepRecorder", "metric_def", "WANDB_MODES", "ConsoleSink", "JsonlSink", "MetricsSink", "MultiSink", "NullSink",
+    "DEVICE_PEAK_FLOPS", "METRICS", "PANEL_GROUPS", "MetricDef", "StepRecorder", "metric_def",
+    "WANDB_MODES", "ConsoleSink", "JsonlSink", "LineChart", "MetricTable", "MetricsSink", "MultiSink",
+    "NullSink",
     "ProgressBar", "StepMetrics", "WandbSink", "attention_flops_per_token", "block_matmul_params",
     "configure_logging", "detect_peak_flops", "flops_per_token", "format_console_line", "get_logger",
     "make_sinks", "matmul_params", "model_and_hardware_flops_per_token", "peak_flops_for",

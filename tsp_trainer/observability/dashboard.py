@@ -43,6 +43,8 @@ def build_workspace(*, entity: str, project: str, name: str = "tsp_trainer"):
 def _line_plot(panel: Panel):
     import wandb_workspaces.reports.v2 as wr
 
+    if panel.table:        # the logged wandb.Table, as the run summary holds its last value
+        return wr.WeavePanelSummaryTable(table_name=panel.metrics[0])
     families = [m for m in panel.metrics if "*" in m]
     if families:
         return wr.LinePlot(title=panel.title, x="Step", metric_regex=glob_to_regex(families[0]),

@@ -44,6 +44,14 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("train/tokens_seen", "tokens", "last", "train", "global tokens consumed so far"),
     MetricDef("eval/loss", "nats/token", "min", "eval",
               "mean cross-entropy on train.eval_batches held-out micro-batches per dp rank", "eval {:.4f}"),
+    MetricDef("eval/loss_by_position", "nats/token", "last", "eval",
+              "table: eval/loss per position bucket [0], [1], [2, 3], ... up to data.seq_len "
+              "(eval.loss_by_position; W&B also draws it as a line chart, <name>_chart)"),
+    MetricDef("eval/passkey_accuracy", "fraction", "max", "eval",
+              "passkey retrieval: share of haystacks whose every key token is the argmax, mean over "
+              "the eval.passkey_lengths x eval.passkey_depths cells (every eval.passkey_every steps)"),
+    MetricDef("eval/passkey", "fraction", "last", "eval",
+              "table: passkey accuracy, key-token accuracy and key loss per (length, depth) cell"),
     MetricDef("perf/tokens_per_s", "tokens/s", "mean", "perf", "global tokens per second of the step",
               "{si} tok/s"),
     MetricDef("perf/tokens_per_s_per_gpu", "tokens/s", "mean", "perf",
@@ -119,6 +127,7 @@ class Panel:
     metrics: tuple[str, ...]
     log_y: bool = False
     points: bool = False       # markers only (a categorical value such as a rank id)
+    table: bool = False        # a MetricTable (observability/tables.py): W&B shows the table itself
 
     @property
     def group(self) -> str:
@@ -132,6 +141,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("skipped updates: total, this step", ("train/skipped_steps", "train/skipped")),
     Panel("tokens seen", ("train/tokens_seen",)),
     Panel("eval loss", ("eval/loss",)),
+    Panel("eval loss by position (last evaluation)", ("eval/loss_by_position",), table=True),
+    Panel("passkey accuracy", ("eval/passkey_accuracy",)),
+    Panel("passkey accuracy by length and depth (last run)", ("eval/passkey",), table=True),
     Panel("tokens/s", ("perf/tokens_per_s",)),
     Panel("tokens/s per GPU", ("perf/tokens_per_s_per_gpu",)),
     Panel("TFLOP/s per GPU", ("perf/tflops_per_gpu",)),

@@ -94,7 +94,9 @@ def _pack_rows(logged: list[str]) -> tuple[list[list[tuple[Panel, list[str]]]], 
     rows: list[list[tuple[Panel, list[str]]]] = [[]]
     missing = []
     for group in PANEL_GROUPS:
-        drawn = [(p, expand(p.metrics, logged)) for p in panels_in_group(group)]
+        # tables (eval/loss_by_position, eval/passkey) are not series over steps: W&B and
+        # tsp-eval's PNGs draw them
+        drawn = [(p, expand(p.metrics, logged)) for p in panels_in_group(group) if not p.table]
         missing += [p.title for p, names in drawn if not names]
         drawn = [(p, names) for p, names in drawn if names]
         if not drawn:

@@ -4,7 +4,8 @@ NullSink everywhere else. wandb is imported only by wandb_sink.py, lazily.
 
 Metric names and what each means: observability/metric_names.py. The console line shows the rows
 with a `console` format (loss, lr, grad norm, eval loss, tok/s, MFU, step time, memory); every
-metric goes to the JSONL file and W&B.
+metric goes to the JSONL file and W&B. A value may be a MetricTable (tables.py): JSONL writes its
+columns and rows, W&B a table and a line chart.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from typing import IO, Any, Iterable, Protocol, runtime_checkable
 
 from tsp_trainer.observability.log import get_logger
+from tsp_trainer.observability.tables import MetricTable
 from tsp_trainer.observability.metric_names import console_metrics, metric_def
 from tsp_trainer.observability.wandb_sink import WANDB_MODES, WandbSink
 
@@ -28,7 +30,10 @@ class MetricsSink(Protocol):
 
 
 def _to_json_value(value: Any) -> Any:
-    """Python scalars as-is; 0-d tensors / numpy scalars via .item(); NaN and inf as null (strict JSON)."""
+    """Python scalars as-is; 0-d tensors / numpy scalars via .item(); NaN and inf as null (strict JSON);
+    a MetricTable as {"columns": [...], "rows": [...]}."""
+    if isinstance(value, MetricTable):
+        return value.to_json()
     if hasattr(value, "item") and callable(value.item):
         try:
             value = value.item()

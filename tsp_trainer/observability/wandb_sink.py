@@ -15,15 +15,20 @@ import math
 import os
 from typing import Any
 
+from tsp_trainer.observability.tables import MetricTable
 from tsp_trainer.observability.metric_names import METRICS
 
 WANDB_MODES = ("online", "offline", "disabled")
 
 
-def _loggable(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Drop None (e.g. MFU on CPU) and non-finite floats, which W&B charts cannot draw."""
+def _loggable(metrics: dict[str, Any], wandb) -> dict[str, Any]:
+    """Drop None (e.g. MFU on CPU) and non-finite floats, which W&B charts cannot draw; a
+    MetricTable becomes a wandb.Table (and its line chart, under "<key>_chart")."""
     out = {}
     for key, value in metrics.items():
+        if isinstance(value, MetricTable):
+            out.update(_table(key, value, wandb))
+            continue
         if hasattr(value, "item") and callable(value.item):
             try:
                 value = value.item()
@@ -32,6 +37,18 @@ def _loggable(metrics: dict[str, Any]) -> dict[str, Any]:
         if value is None or (isinstance(value, float) and not math.isfinite(value)):
             continue
         out[key] = value
+    return out
+
+
+def _table(key: str, table: MetricTable, wandb) -> dict[str, Any]:
+    data = table.to_json()["rows"]
+    out = {key: wandb.Table(columns=list(table.columns), data=data)}
+    if table.line is not None:
+        # the chart gets a table of its own, without rows the chart cannot draw (empty buckets)
+        x, y = table.columns.index(table.line.x), table.columns.index(table.line.y)
+        points = [[row[x], row[y]] for row in data if row[x] is not None and row[y] is not None]
+        chart = wandb.Table(columns=[table.line.x, table.line.y], data=points)
+        out[key + "_chart"] = wandb.plot.line(chart, table.line.x, table.line.y, title=table.line.title)
     return out
 
 
@@ -72,6 +89,7 @@ class WandbSink:
         _refuse_off_rank0()
         import wandb
 
+        self._wandb = wandb
         self.dir = os.fspath(dir)
         os.makedirs(self.dir, exist_ok=True)
         # reinit="create_new": this sink owns its run object and never picks up (or finishes)
@@ -93,7 +111,7 @@ class WandbSink:
             raise RuntimeError("WandbSink.log called after close")
         if self.skip_through_step is not None and step <= self.skip_through_step:
             return        # replayed after a resume: logged before, with the same values (exact resume)
-        self.run.log(_loggable(metrics), step=int(step))
+        self.run.log(_loggable(metrics, self._wandb), step=int(step))
 
     def mark_preempting(self) -> None:
         """Tell W&B the run stops for a preemption (shown as such, and resumed by the relaunch)."""

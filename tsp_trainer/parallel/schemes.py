@@ -44,6 +44,11 @@ class Parallelized:
     def loss_sum(self, input_ids, labels, positions):
         return self.model.loss_sum(input_ids, labels, positions)
 
+    def token_stats(self, input_ids, labels, positions):
+        """Per-token loss and argmax of this rank's tokens (the layout's order and `positions`),
+        forward only. Which ranks hold a token: `token_comms` (each token once over them)."""
+        return self.model.token_stats(input_ids, labels, positions)
+
     def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._gather(self.model.state_dict())
 

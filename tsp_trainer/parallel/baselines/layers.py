@@ -33,11 +33,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tsp_trainer.model.layers import RMSNorm, Rotary, apply_rope, gated_mlp
-from tsp_trainer.model.transformer import IGNORE_INDEX
+from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.baselines.context import context_attention
 from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight_to_region,
                                                      gather_from_sequence,
                                                      reduce_from_region, reduce_scatter_to_sequence,
+                                                     vocab_parallel_argmax,
                                                      vocab_parallel_cross_entropy,
                                                      vocab_parallel_lookup)
 from tsp_trainer.parallel.comm import Comm
@@ -172,6 +173,17 @@ class ParallelLMHead(nn.Module):
         losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
         valid = labels != IGNORE_INDEX
         return (losses * valid).sum(), valid.sum()
+
+    @torch.no_grad()
+    def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
+        """Loss and argmax [B, T_region] of the region's tokens (those of this rank's layout:
+        all tokens under TP and TP+SP, the zigzag slice under SP), with [.., V/T] logits only."""
+        g = self.groups
+        logits = F.linear(g.enter_tp(hidden, "head.tp"), self.weight)          # [B, T, V/T]
+        # argmax first: the cross-entropy works on the logits in place
+        best = vocab_parallel_argmax(logits, vocab_start=self.vocab_start, comm=g.tp)
+        losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
+        return TokenStats(losses * (labels != IGNORE_INDEX), best)
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

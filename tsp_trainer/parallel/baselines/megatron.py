@@ -13,6 +13,7 @@ imports parallel/tsp.
 | gather_from_sequence        | all-gather along the sequence dim  | reduce-scatter along the sequence|
 | reduce_scatter_to_sequence  | reduce-scatter along the sequence  | all-gather along the sequence    |
 | vocab_parallel_cross_entropy| all-reduce max, target, sum-exp    | none (softmax - onehot, local)   |
+| vocab_parallel_argmax       | all-reduce max, then min of indices| none (evaluation only)           |
 
 Activations are [B, T, h]; "sequence" is dim 1, split in contiguous blocks (block i on group rank i).
 On a group of size 1 every function is the identity.
@@ -164,3 +165,18 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
     """Per-token cross-entropy [B, T] (fp32) of vocab-sharded logits; ignored labels (outside
     every shard, e.g. -100) get log(sum_exp): mask them in the caller."""
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, comm, tag)
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, *, vocab_start: int, comm: Comm,
+                          tag: str = "head.argmax") -> torch.Tensor:
+    """The most likely token [B, T] (int64, whole-vocabulary index) from vocab-sharded logits
+    [B, T, V/T], as torch.argmax of the full logits gives it: the largest value by an all-reduce
+    max, then the smallest index among the shards that hold it by an all-reduce min (the first
+    index on ties). Forward only (evaluation)."""
+    local_max, local_idx = logits.float().max(dim=-1)
+    best = local_max.clone()
+    comm.all_reduce(best, op=dist.ReduceOp.MAX, tag=tag)
+    none = torch.iinfo(torch.long).max                  # this shard does not hold the maximum
+    index = torch.where(local_max == best, local_idx + vocab_start, torch.full_like(local_idx, none))
+    comm.all_reduce(index, op=dist.ReduceOp.MIN, tag=tag)
+    return index

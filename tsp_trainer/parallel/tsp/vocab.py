@@ -14,6 +14,10 @@ and returns (softmax - onehot) x grad along the reverse ring: matmuls in the wei
 weight gradient over ranks in an fp32 accumulator). Full-vocabulary logits of all tokens never
 exist on one rank.
 
+Evaluation (`TSPLMHead.token_stats`, forward only): the same ring and online log-sum-exp, also
+keeping a running argmax over the shards, gives each local token its loss and most likely next
+token, still with [N/D, V/D] logits at a time.
+
 No op here depends on the values of ids or labels for its shape: tokens outside the shard in hand
 are masked arithmetically, never selected with a boolean mask (which costs a host sync on CUDA).
 """
@@ -24,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tsp_trainer.model.transformer import IGNORE_INDEX
+from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward
 
@@ -51,6 +55,15 @@ class TSPLMHead(nn.Module):
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         count = (labels != IGNORE_INDEX).sum()
         return _HeadLossFn.apply(hidden, self.weight, labels, self.comm), count
+
+    @torch.no_grad()
+    def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
+        """Loss and argmax [B, T/D] of the local tokens (forward only, no autograd)."""
+        flat_labels = labels.reshape(-1)
+        lse, target, best = _vocab_ring_lse(hidden.reshape(-1, hidden.shape[-1]), self.weight,
+                                            flat_labels, self.comm, with_argmax=True)
+        loss = (lse - target) * (flat_labels != IGNORE_INDEX)
+        return TokenStats(loss.view(labels.shape), best.view(labels.shape))
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -107,26 +120,42 @@ def _in_shard(ids: torch.Tensor, shard: int, rows: int):
     return local.clamp(0, rows - 1), hit
 
 
+def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Tensor, comm: Comm, *,
+                    with_argmax: bool = False):
+    """One pass of the vocab shards around the ring for the local tokens x [N/D, h]:
+    (log-sum-exp [N/D] fp32, target logit [N/D] fp32, argmax [N/D] int64 or None). Each step sees
+    one [N/D, V/D] block of logits; the argmax keeps the first index of the largest logit, as
+    torch.argmax does, whatever order the shards arrive in. No boolean selection (no host sync)."""
+    rows = weight.shape[0]
+    run_max = torch.full((x.shape[0],), float("-inf"), device=x.device)
+    run_sum = torch.zeros(x.shape[0], device=x.device)
+    target = torch.zeros(x.shape[0], device=x.device)
+    best = torch.zeros(x.shape[0], dtype=torch.long, device=x.device) if with_argmax else None
+
+    def step(j: int, w: torch.Tensor) -> None:
+        logits = (x @ w.view(rows, -1).T).float()               # [N/D, V/D]
+        block_max, block_idx = logits.max(dim=-1)
+        if best is not None:
+            # Shards arrive in ring order (p, p-1, ...): on a tie the lower vocabulary index wins.
+            idx = block_idx + j * rows
+            better = (block_max > run_max) | ((block_max == run_max) & (idx < best))
+            best.copy_(torch.where(better, idx, best))
+        new_max = torch.maximum(run_max, block_max)
+        run_sum.mul_(torch.exp(run_max - new_max)).add_(torch.exp(logits - new_max[:, None]).sum(-1))
+        run_max.copy_(new_max)
+        index, hit = _in_shard(flat_labels, j, rows)
+        target.add_(logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~hit, 0.0))
+
+    ring_forward(comm, pack(weight), step, tag="head.weights")
+    return run_max + torch.log(run_sum), target, best
+
+
 class _HeadLossFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, comm: Comm):
-        rows = weight.shape[0]
         x = hidden.reshape(-1, hidden.shape[-1])                    # [N/D, h]
         flat_labels = labels.reshape(-1)
-        run_max = torch.full((x.shape[0],), float("-inf"), device=x.device)
-        run_sum = torch.zeros(x.shape[0], device=x.device)
-        target = torch.zeros(x.shape[0], device=x.device)
-
-        def step(j: int, w: torch.Tensor) -> None:
-            logits = (x @ w.view(rows, -1).T).float()               # [N/D, V/D]
-            new_max = torch.maximum(run_max, logits.max(dim=-1).values)
-            run_sum.mul_(torch.exp(run_max - new_max)).add_(torch.exp(logits - new_max[:, None]).sum(-1))
-            run_max.copy_(new_max)
-            index, hit = _in_shard(flat_labels, j, rows)
-            target.add_(logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~hit, 0.0))
-
-        ring_forward(comm, pack(weight), step, tag="head.weights")
-        lse = run_max + torch.log(run_sum)
+        lse, target, _ = _vocab_ring_lse(x, weight, flat_labels, comm)
         valid = flat_labels != IGNORE_INDEX
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.comm = comm

@@ -1,0 +1,315 @@
+"""`tsp-eval`: long-context evaluation of a checkpoint or a Hugging Face folder, under a layout.
+
+    tsp-eval passkey MODEL --lengths 1024,4096 --depths 0,0.5,1      passkey accuracy + heatmap PNG
+    tsp-eval loss MODEL --seq-len 4096 --batches 8                   eval loss by position + PNG
+    tsp-eval retrieval-corpus OUT                                    a synthetic corpus to train on
+
+MODEL is a tsp_trainer checkpoint (step_* folder, or a run / checkpoints folder: its `latest`) or a
+Hugging Face model folder. One process, or any launcher (torchrun, accelerate launch, srun): the
+model-parallel group is --tsp-degree ranks (default: all of them) under --scheme, the rest is data
+parallel (haystacks and batches are split over it).
+
+`prepare` checks everything (model, tokenizer, lengths against the layout, the text source) before
+any process group exists; `run` needs the group that tsp_trainer/cli.py starts, evaluates, and on
+rank 0 prints the table and writes JSON + PNG into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tsp_trainer.config import EvalSection, ParallelSection, resolve_dp_degree
+from tsp_trainer.config.validate import check_eval_length
+from tsp_trainer.data import check_tokenizer_fits, iterate_eval_batches
+from tsp_trainer.eval.evaluator import FILLER_MARGIN, read_filler
+from tsp_trainer.eval.haystack import HaystackBuilder
+from tsp_trainer.eval.passkey import PasskeyResult, PasskeyTask, run_passkey
+from tsp_trainer.eval.position_loss import PositionLoss, PositionLossAccumulator
+from tsp_trainer.eval.source import EvalModel, Filler, bundled_corpus, load_weights, resolve_eval_model
+from tsp_trainer.eval.synthetic import write_retrieval_corpus
+from tsp_trainer.model import Transformer
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tsp-eval", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    passkey = sub.add_parser("passkey", help="passkey retrieval accuracy per (length, depth)")
+    _common(passkey)
+    passkey.add_argument("--lengths", required=True, type=_ints,
+                         help="haystack lengths in tokens, comma-separated (each must split under the layout)")
+    passkey.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                         help="needle depths in [0, 1], comma-separated (default 0,0.25,0.5,0.75,1)")
+    passkey.add_argument("--samples", type=int, default=None,
+                         help="haystacks per cell (default: the run's eval.passkey_samples, else 4)")
+    passkey.add_argument("--digits", type=int, default=None,
+                         help="digits of the key (default: the run's eval.passkey_digits, else 5)")
+    passkey.add_argument("--seed", type=int, default=None,
+                         help="keys and filler offsets (default: the run's eval.passkey_seed, else 0)")
+    loss = sub.add_parser("loss", help="eval loss by position bucket on held-out text")
+    _common(loss)
+    loss.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per sequence (default: the checkpoint's data.seq_len)")
+    loss.add_argument("--batches", type=int, default=4, help="micro-batches per DP rank (default 4)")
+    corpus = sub.add_parser("retrieval-corpus", help="write a synthetic passkey-retrieval corpus "
+                                                     "(jsonl train/validation) to train a model on")
+    corpus.add_argument("out", help="output folder (train.jsonl, validation.jsonl)")
+    corpus.add_argument("--tokenizer", default="data/tokenizer", help="tokenizer (default data/tokenizer)")
+    corpus.add_argument("--text", default=None, help="filler text source (default: the bundled corpus)")
+    corpus.add_argument("--docs", type=int, default=4000, help="training documents (default 4000)")
+    corpus.add_argument("--min-tokens", type=int, default=128, help="shortest document (default 128)")
+    corpus.add_argument("--max-tokens", type=int, default=256, help="longest document (default 256)")
+    corpus.add_argument("--digits", type=int, default=5, help="digits of the keys (default 5)")
+    corpus.add_argument("--seed", type=int, default=1, help="(default 1; evaluation uses seed 0)")
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="CHECKPOINT_OR_HF_FOLDER",
+                   help="a step_* folder, a run or checkpoints folder (its latest), or a Hugging Face folder")
+    p.add_argument("--scheme", default="tsp", choices=["tsp", "tp", "tp_sp", "sp", "tp_x_sp"])
+    p.add_argument("--tsp-degree", type=int, default=None,
+                   help="model-parallel group size D (default: every launched process)")
+    p.add_argument("--tp-degree", type=int, default=None, help="tp_x_sp only: T (T x S = D)")
+    p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp only: S")
+    p.add_argument("--head-buckets", type=int, default=1, help="TSP K/V all-gathers per shard")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per forward (default 1)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="auto = bf16 on GPUs, fp32 on CPU")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer (default: the checkpoint's data.tokenizer or the folder's own)")
+    p.add_argument("--text", default=None, help="text source for haystack filler / the loss "
+                   "(default: the checkpoint's data.source, or the bundled corpus for a HF folder)")
+    p.add_argument("--split", default=None, help="its split (default: the run's eval split / validation)")
+    p.add_argument("--text-field", default=None, help="its text column (default text)")
+    p.add_argument("--out", default="eval_results", help="folder for the JSON and PNG (default eval_results)")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
+@dataclass
+class EvalJob:
+    """Everything `run` needs, checked: built without a process group."""
+
+    command: str
+    model: EvalModel
+    parallel: ParallelSection
+    lengths: list[int]                # passkey lengths, or [seq_len] for the loss
+    text: Filler
+    micro_batch_size: int
+    dtype: str
+    out: Path
+    task: PasskeyTask | None = None
+    batches: int = 0
+
+
+def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool = False) -> EvalJob:
+    """Resolve and check the job (ValueError naming the flag and the rule)."""
+    model = resolve_eval_model(args.model, tokenizer=args.tokenizer, rank=rank, world_size=world_size)
+    check_tokenizer_fits(model.tokenizer, model.cfg.vocab_size)
+    degree = args.tsp_degree or world_size
+    parallel = ParallelSection(scheme=args.scheme, tsp_degree=degree, head_buckets=args.head_buckets,
+                               tp_degree=args.tp_degree, sp_degree=args.sp_degree)
+    resolve_dp_degree(parallel, world_size)
+    _positive(args.micro_batch_size, "--micro-batch-size")
+    text = _text(args, model.filler if args.command == "passkey" else model.held_out)
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if cuda else "fp32")
+    job = EvalJob(args.command, model, parallel, [], text, args.micro_batch_size, dtype, Path(args.out))
+    if args.command == "passkey":
+        _prepare_passkey(job, args)
+    else:
+        _prepare_loss(job, args)
+    for length in job.lengths:
+        check_eval_length(model.cfg, parallel, length,
+                          key="--lengths" if args.command == "passkey" else "--seq-len")
+    return job
+
+
+def _text(args, default: Filler | None) -> Filler:
+    """--text / --split / --text-field, else the model's default text for the command."""
+    if args.text:
+        return Filler(args.text, args.split or "validation", args.text_field or "text")
+    if default is None:
+        raise ValueError("--text is needed: the checkpoint's run names no held-out text (a data.sources "
+                         "mixture without data.eval_source); e.g. --text data/corpus")
+    return Filler(default.source, args.split or default.split, args.text_field or default.text_field)
+
+
+def _prepare_passkey(job: EvalJob, args) -> None:
+    run = job.model.train_config.eval if job.model.train_config is not None else EvalSection()
+    for flag in ("samples", "digits", "seed"):      # as the run's periodic passkey, unless given
+        if getattr(args, flag) is None:
+            setattr(args, flag, getattr(run, f"passkey_{flag}"))
+    for flag in ("samples", "digits"):
+        _positive(getattr(args, flag), f"--{flag}")
+    if not args.lengths:
+        raise ValueError("--lengths is empty; give haystack lengths in tokens, e.g. --lengths 1024,4096")
+    bad = [d for d in args.depths if not 0 <= d <= 1]
+    if bad or not args.depths:
+        raise ValueError(f"--depths {bad[0] if bad else '(empty)'}: each depth must be in [0, 1] "
+                         "(0 = needle at the start of the haystack, 1 = at its end)")
+    job.lengths = sorted(set(args.lengths))
+    filler = read_filler(job.text.source, split=job.text.split, text_field=job.text.text_field,
+                         tokenizer=job.model.tokenizer, min_tokens=max(job.lengths) + FILLER_MARGIN)
+    builder = HaystackBuilder(job.model.tokenizer, filler, digits=args.digits, seed=args.seed,
+                              bos_id=job.model.cfg.bos_token_id)
+    job.task = PasskeyTask(tuple(job.lengths), tuple(sorted(set(args.depths))), args.samples, builder)
+
+
+def _prepare_loss(job: EvalJob, args) -> None:
+    seq_len = args.seq_len
+    if seq_len is None and job.model.train_config is not None:
+        seq_len = job.model.train_config.data.seq_len
+    if seq_len is None:
+        raise ValueError("--seq-len is needed for a Hugging Face folder (a checkpoint defaults to "
+                         "its data.seq_len)")
+    _positive(seq_len, "--seq-len")
+    _positive(args.batches, "--batches")
+    job.lengths, job.batches = [seq_len], args.batches
+
+
+def _positive(value: int, flag: str) -> None:
+    if value < 1:
+        raise ValueError(f"{flag}={value} must be >= 1")
+
+
+# -- running (inside the process group) ---------------------------------------------------------------
+def run(job: EvalJob, *, rank: int, device: torch.device | str = "cpu") -> PasskeyResult | PositionLoss:
+    """Build the sharded model on this rank, load its slices, evaluate; rank 0 reports."""
+    p = job.parallel
+    mesh = build_mesh(p.tsp_degree)
+    with torch.device("meta"):                       # no rank ever holds the full model
+        model = Transformer(job.model.cfg)
+    par = parallelize(model, p.scheme, mesh, seq_len=max(job.lengths), head_buckets=p.head_buckets,
+                      init_seed=0, tp_degree=p.tp_degree, sp_degree=p.sp_degree)
+    load_weights(par, job.model)
+    par.model.to(device=device, dtype=DTYPES[job.dtype])
+    if job.command == "passkey":
+        result = run_passkey(par, job.task, dp=mesh.dp, micro_batch_size=job.micro_batch_size,
+                             device=device)
+    else:
+        result = _loss(par, mesh, job, device)
+    if rank == 0:
+        _report(job, result, mesh.dims)
+    return result
+
+
+@torch.no_grad()
+def _loss(par, mesh, job: EvalJob, device) -> PositionLoss:
+    seq_len = job.lengths[0]
+    acc = PositionLossAccumulator(seq_len, device)
+    for batch in iterate_eval_batches(job.text.source, tokenizer=job.model.tokenizer, seq_len=seq_len,
+                                      micro_batch_size=job.micro_batch_size, num_batches=job.batches,
+                                      split=job.text.split, text_field=job.text.text_field,
+                                      dp_rank=mesh.dp_rank, dp_degree=mesh.dims.dp):
+        ids, labels, positions = par.local_batch(batch["input_ids"].to(device), batch["labels"].to(device))
+        acc.add(par.token_stats(ids, labels, positions), labels, positions)
+    return acc.reduce(par.token_comms + [mesh.dp])
+
+
+def _report(job: EvalJob, result, dims) -> None:
+    from tsp_trainer.eval.plot import loss_by_position_plot, passkey_heatmap
+
+    p = job.parallel
+    layout = {"scheme": p.scheme, "tsp_degree": p.tsp_degree, "dp_degree": dims.dp,
+              "world_size": dims.world_size, "tp_degree": p.tp_degree, "sp_degree": p.sp_degree,
+              "dtype": job.dtype}
+    title = f"{_model_name(job.model)} ({p.scheme} D={p.tsp_degree} x dp {dims.dp}, {job.dtype})"
+    head = {"model": str(job.model.folder), "kind": job.model.kind, "layout": layout,
+            "text": asdict(job.text)}
+    print(f"tsp-eval {job.command}: {job.model.describe()}")
+    print(f"layout {p.scheme} D={p.tsp_degree} x dp {dims.dp} on {dims.world_size} process(es), "
+          f"{job.dtype}; text {job.text.source} [{job.text.split}]")
+    job.out.mkdir(parents=True, exist_ok=True)
+    if job.command == "passkey":
+        t = job.task
+        record = {**head, "samples": t.samples, "digits": t.builder.digits, "seed": t.builder.seed,
+                  "accuracy": result.accuracy,
+                  "cells": [dict(zip(("length", "depth", "accuracy", "token_accuracy", "key_nll",
+                                      "samples"), row)) for row in result.rows()]}
+        print(f"{'length':>8} {'depth':>6} {'accuracy':>9} {'token acc':>10} {'key nll':>8}")
+        for n, d, acc, tok_acc, nll, _ in result.rows():
+            print(f"{n:>8} {100 * d:>5.0f}% {acc:>9.2f} {tok_acc:>10.2f} {nll:>8.3f}")
+        print(f"mean accuracy {result.accuracy:.3f} ({t.samples} haystacks per cell, "
+              f"{t.builder.digits}-digit keys)")
+        files = [_write_json(job.out / "passkey.json", record),
+                 passkey_heatmap(result, job.out / "passkey.png", title=title)]
+    else:
+        record = {**head, "seq_len": job.lengths[0], "batches_per_dp_rank": job.batches,
+                  "loss": result.mean_loss,
+                  "buckets": [dict(zip(("position_start", "position_end", "loss", "tokens"), row))
+                              for row in result.rows()]}
+        print(f"{'positions':>14} {'loss':>8} {'tokens':>9}")
+        for a, b, loss, n in result.rows():
+            print(f"{f'{a}-{b}' if a != b else str(a):>14} {loss if loss is not None else float('nan'):>8.4f} {n:>9}")
+        print(f"mean loss {result.mean_loss:.4f} over {int(sum(result.tokens))} tokens")
+        files = [_write_json(job.out / "loss_by_position.json", record),
+                 loss_by_position_plot(result, job.out / "loss_by_position.png", title=title)]
+    print("wrote " + ", ".join(str(f) for f in files))
+
+
+def _model_name(model) -> str:
+    """'tiny_passkey/step_00001500, trained at seq_len 128' for a checkpoint; the folder name for HF."""
+    if model.train_config is None:
+        return model.folder.name
+    run = model.folder.parent.parent.name                 # <run>/checkpoints/step_*
+    return f"{run}/{model.folder.name}, trained at seq_len {model.train_config.data.seq_len}"
+
+
+def _write_json(path: Path, record: dict) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_finite(record), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _finite(value):
+    """Strict JSON: NaN / inf (an empty bucket) as null."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+# Config keys in messages shared with the trainer -> this CLI's flags.
+FLAGS = {"parallel.tsp_degree": "--tsp-degree", "parallel.tp_degree": "--tp-degree",
+         "parallel.sp_degree": "--sp-degree", "parallel.head_buckets": "--head-buckets",
+         "parallel.scheme": "--scheme", "parallel.dp_degree": "dp degree"}
+
+
+def as_flags(message: str) -> str:
+    for key, flag in FLAGS.items():
+        message = message.replace(key, flag)
+    return message
+
+
+def corpus_main(args: argparse.Namespace) -> Path:
+    """`tsp-eval retrieval-corpus` (one process, no group)."""
+    from tsp_trainer.data import load_tokenizer
+
+    return write_retrieval_corpus(args.out, tokenizer=load_tokenizer(args.tokenizer),
+                                  text=args.text or bundled_corpus(), docs=args.docs,
+                                  min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                                  digits=args.digits, seed=args.seed)
