@@ -188,7 +188,8 @@ def _sigterm_held(hold: bool):
 
 def _summary(trainer, history: list[dict]) -> str:
     cfg, step = trainer.cfg, trainer.state.step
-    where = f"checkpoints in {cfg.train.output_dir}/checkpoints"
+    where = (f"checkpoints in {cfg.train.output_dir}/checkpoints" if cfg.checkpoint.enabled
+             else "no checkpoints (checkpoint.enabled=false)")
     if trainer.stop_reason:
         return (f"tsp-train: stopped after step {step} of {cfg.train.steps} ({trainer.stop_reason}); "
                 f"{where}; relaunch with train.resume=auto to continue (exit code {EXIT_PREEMPTED})")
