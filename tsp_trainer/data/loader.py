@@ -54,7 +54,8 @@ class PackedLoader:
                  seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_degree: int = 1,
                  text_field: str = "text", token_field: str | None = None, shuffle: bool = False,
                  seed: int = 0, shuffle_buffer: int = 1024, source: str = "<dataset>",
-                 split: str = "train", schedule: LengthSchedule | None = None):
+                 split: str = "train", schedule: LengthSchedule | None = None,
+                 document_ids: bool = False):
         check_dp_layout(dp_rank=dp_rank, dp_degree=dp_degree)
         for key, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
                            ("shuffle_buffer", shuffle_buffer)):
@@ -66,6 +67,8 @@ class PackedLoader:
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.source, self.split = str(source), split
         self.schedule = schedule or LengthSchedule.constant(seq_len, micro_batch_size)
+        # data.document_masking: each batch also carries "document_ids" (B, S), cut at EOS
+        self.document_ids = document_ids
         if hasattr(documents, "next_document"):
             self.documents = documents
         else:
@@ -112,7 +115,13 @@ class PackedLoader:
         return windows
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        return windows_to_batch(self.next_windows())  # {"input_ids": (B, S), "labels": (B, S)}
+        # {"input_ids": (B, S), "labels": (B, S)[, "document_ids": (B, S)]}
+        return windows_to_batch(self.next_windows(), self.document_eos)
+
+    @property
+    def document_eos(self) -> int | None:
+        """The EOS id that cuts documents when batches carry document ids, else None."""
+        return self.tokenizer.eos_id if self.document_ids else None
 
     def describe(self) -> list[str]:
         """Lines for the start-up log: the mixture's estimates, upsampling, the length schedule."""
