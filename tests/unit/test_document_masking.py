@@ -185,3 +185,46 @@ def test_masking_changes_the_loss():
     with torch.no_grad():
         s, _ = model.loss_sum(ids, labels)
     assert abs(s.item() - ref_loss) > 1e-3
+
+
+# -- the data side: the loader carries document ids, cut after every EOS -------------------------
+def test_document_ids_start_after_each_eos():
+    from tsp_trainer.data.packing import document_ids, windows_to_batch
+
+    eos = 2
+    ids = torch.tensor([[5, 2, 7, 8, 2, 9], [2, 2, 4, 4, 4, 4]])
+    assert document_ids(ids, eos).tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]
+    batch = windows_to_batch([[5, 2, 7, 8, 2, 9, 1]], eos_id=eos)
+    assert Documents.from_ids(batch["document_ids"]).starts == ((0, 2, 5),)
+    assert "document_ids" not in windows_to_batch([[5, 2, 7, 8, 2, 9, 1]])
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_loader_batches_carry_document_ids(prefetch):
+    from tests.unit.data_helpers import CORPUS, TOKENIZER
+    from tsp_trainer.data import PrefetchLoader, build_loader, load_tokenizer
+    from tsp_trainer.data.packing import document_ids
+
+    tok = load_tokenizer(TOKENIZER)
+    loader = build_loader(str(CORPUS), tokenizer=tok, seq_len=512, micro_batch_size=2, document_ids=True)
+    loader = PrefetchLoader(loader, depth=2) if prefetch else loader
+    with loader:
+        batches = [next(loader) for _ in range(3)]
+    assert any(int(b["document_ids"].max()) > 0 for b in batches)      # boundaries inside windows
+    for b in batches:
+        assert b["document_ids"].shape == b["input_ids"].shape
+        torch.testing.assert_close(b["document_ids"], document_ids(b["input_ids"], tok.eos_id))
+        for row, starts in enumerate(Documents.from_ids(b["document_ids"]).starts):
+            assert all(int(b["input_ids"][row, s - 1]) == tok.eos_id for s in starts[1:])
+
+
+def test_config_keys_and_their_rule():
+    from tsp_trainer.config.load import load_config
+    from tsp_trainer.config.validate import validate_config
+
+    cfg = load_config(None, ["parallel.tsp_degree=2", "data.document_masking=true", "data.reset_positions=true"])
+    assert cfg.data.document_masking and cfg.data.reset_positions
+    validate_config(cfg, world_size=4)
+    bad = load_config(None, ["parallel.tsp_degree=2", "data.reset_positions=true"])
+    with pytest.raises(ValueError, match=r"^data.reset_positions=true needs data.document_masking=true"):
+        validate_config(bad, world_size=4)

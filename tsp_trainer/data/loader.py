@@ -136,6 +136,9 @@ class PackedLoader:
             lines.append("data: length schedule " + ", ".join(
                 f"from step {s.start_step}: {s.micro_batch_size} x {s.seq_len} tokens"
                 for s in self.schedule.stages))
+        if self.document_ids:
+            lines.append(f"data: document masking: each batch carries document ids cut after EOS "
+                         f"(id {self.tokenizer.eos_id}); attention stops at every document boundary")
         return lines
 
     @property
@@ -271,7 +274,8 @@ def build_loader(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,
                  dp_degree: int = 1, seed: int = 0, shuffle: bool = False,
                  shuffle_buffer: int = 1024, config_name: str | None = None,
                  load_kwargs: Mapping[str, Any] | None = None, max_example_split_dp: int = 8,
-                 mode: str = "train", schedule: LengthSchedule | None = None) -> PackedLoader:
+                 mode: str = "train", schedule: LengthSchedule | None = None,
+                 document_ids: bool = False) -> PackedLoader:
     """Open `source` for this DP rank and wrap it in a PackedLoader (plain arguments only)."""
     tok = load_tokenizer(tokenizer)
     documents = open_documents(source, tokenizer=tok, split=split, text_field=text_field,
@@ -283,7 +287,8 @@ def build_loader(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,
     return PackedLoader(documents, tokenizer=tok, seq_len=seq_len,
                         micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
                         shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer,
-                        source=str(source), split=split, schedule=schedule)
+                        source=str(source), split=split, schedule=schedule,
+                        document_ids=document_ids)
 
 
 def iterate_eval_batches(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,
