@@ -22,8 +22,11 @@ cu_seqlens mode for bf16/fp16, memory-efficient's for fp32; both bottom-right ca
 autograd in torch 2.13: `torch.ops.aten._flash_attention_forward`, `_efficient_attention_forward`),
 and one bottom-right causal call per segment elsewhere.
 
-On CPU the route is a boolean mask per block of CPU_MASK_QUERY_BLOCK queries (the validation
-path; CPU SDPA has no lower-right bias without a mask). `attention_core` takes the route as given,
+On CPU (the validation path; CPU SDPA has no lower-right bias without a mask) the route splits a
+bottom-right causal call into its key prefix (no mask) and diagonal block (`is_causal`) and merges
+them by log-sum-exp (model/attention_lse.py): no mask, no masked-out scores computed. The former
+route, a boolean mask per block of CPU_MASK_QUERY_BLOCK queries, stays selectable
+(SdpaRoute("cpu_blocked_mask", query_block=...)) as the comparison. `attention_core` takes the route as given,
 so a test runs the CUDA route's math on CPU tensors (tests/unit/test_attention_route.py).
 """
 
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from tsp_trainer.model.attention_lse import prefix_causal_attention
 from tsp_trainer.model.documents import Segment, VarlenPlan, varlen_plan
 
 # Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
@@ -44,6 +48,7 @@ from tsp_trainer.model.documents import Segment, VarlenPlan, varlen_plan
 CPU_MASK_QUERY_BLOCK = 512
 
 FLASH_MAX_HEAD_DIM = 256
+_CPU_KERNELS = ("cpu_lse_merge", "cpu_blocked_mask")
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -55,19 +60,21 @@ class UnsupportedAttentionError(ValueError):
 class SdpaRoute:
     """How `attention_core` calls SDPA on one device: the kernel, and the calls themselves."""
 
-    kernel: str                 # "flash" | "efficient" (CUDA, fused, no mask) | "cpu_blocked_mask"
+    # "flash" | "efficient" (CUDA, fused, no mask) | "cpu_lse_merge" (CPU default: prefix and
+    # diagonal merged by log-sum-exp, no mask) | "cpu_blocked_mask" (CPU, a mask per query block)
+    kernel: str
     expand_kv: bool = False     # repeat K/V heads to the query heads before the call
     query_block: int | None = None   # queries per call for the CPU mask path
 
     @property
     def lower_right_bias(self) -> bool:
         """Bottom-right causal runs use torch's CausalBias (no mask in memory)."""
-        return self.kernel != "cpu_blocked_mask"
+        return self.kernel not in _CPU_KERNELS
 
     def kernels(self, device_type: str):
         """Context restricting SDPA on CUDA to this route's kernel. A no-op on CPU, also for a
         CUDA route run on CPU tensors (the CPU twin in the tests: CPU has no such kernels)."""
-        if self.kernel == "cpu_blocked_mask" or device_type != "cuda":
+        if self.kernel in _CPU_KERNELS or device_type != "cuda":
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -90,6 +97,8 @@ class SdpaRoute:
         causal mask: query i sees keys 0 .. n_k - n + i (a zigzag chunk's prefix, or the keys of
         one document)."""
         n, n_k = q.shape[2], k.shape[2]
+        if self.kernel == "cpu_lse_merge":
+            return prefix_causal_attention(q, k, v)
         if self.lower_right_bias:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, n_k),
                                                   enable_gqa=gqa)
@@ -162,7 +171,7 @@ _VARLEN_KERNELS = {"flash": _flash_varlen, "efficient": _efficient_varlen}
 def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int) -> SdpaRoute:
     """The kernel `attention_core` uses for these inputs (pure; see the module docstring)."""
     if device_type != "cuda":
-        return SdpaRoute("cpu_blocked_mask", query_block=CPU_MASK_QUERY_BLOCK)
+        return SdpaRoute("cpu_lse_merge")
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
         return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
     alignment = 8 if dtype in _HALF else 4
