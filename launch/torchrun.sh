@@ -11,8 +11,11 @@ python=${PYTHON:-$here/.venv/bin/python}
 if ! "$python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export DS_ACCELERATOR=cpu
 fi
+# One node and no MASTER_ADDR: port 0 (a free one), so two jobs on one machine do not collide.
+# Several nodes must all name the same endpoint: MASTER_ADDR and MASTER_PORT (default 29500).
+if [ "${NNODES:-1}" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then default_port=0; else default_port=29500; fi
 exec "$python" -m torch.distributed.run \
   --nnodes "${NNODES:-1}" --node_rank "${NODE_RANK:-0}" --nproc_per_node "${NPROC:-4}" \
-  --rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
+  --rdzv_backend c10d --rdzv_endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-$default_port}" \
   --rdzv_id "${RDZV_ID:-tsp_trainer}" \
   -m tsp_trainer train "$recipe" "$@"

@@ -5,14 +5,24 @@ This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, L
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
 rank leaves through destroy_process_group + os._exit (DeepSpeed + gloo can abort in interpreter
 finalisation otherwise; ENV_NOTES.md section 3).
+
+tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
+found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
+exit silently); 75 stopped early at a checkpoint by a preemption signal or train.max_runtime_min
+(continue with train.resume=auto); 1 anything else (a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
+
+EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
+EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -28,6 +38,16 @@ def _launcher_env() -> tuple[int, int, int]:
         os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
     return int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def nccl_env(*, blocking_wait: bool) -> dict[str, str]:
+    """Environment for ProcessGroupNCCL (read when the process group is created). torch 2.13's
+    default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) lets NCCL's watchdog thread tear the process down
+    when an op exceeds the group's timeout: the job dies (non-zero) but no Python exception names
+    the op. TORCH_NCCL_BLOCKING_WAIT=1 makes every wait() block the host until the op completes or
+    times out and raise DistBackendError in the caller, which Comm turns into CommError (op, axis,
+    peers), at the cost of the host running ahead of the GPU (docs/reliability.md "Stalls")."""
+    return {"TORCH_NCCL_BLOCKING_WAIT": "1"} if blocking_wait else {}
 
 
 # Against fragmentation of the CUDA caching allocator (long-context steps free and reallocate
@@ -59,7 +79,7 @@ def cuda_device_index(local_rank: int, visible: int, local_world_size: int | Non
                      f"process all of the node's GPUs (at most {visible} processes per node)")
 
 
-def _prepare_runtime(local_rank: int, world_size: int) -> bool:
+def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bool = False) -> bool:
     """Device, allocator and threads; returns whether CUDA is used."""
     os.environ.update(default_allocator_env(os.environ))      # before CUDA initialises
     import torch
@@ -69,6 +89,7 @@ def _prepare_runtime(local_rank: int, world_size: int) -> bool:
         local_world = os.environ.get("LOCAL_WORLD_SIZE")
         torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count(),
                                                 int(local_world) if local_world else None))
+        os.environ.update(nccl_env(blocking_wait=nccl_blocking_wait))
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -82,7 +103,7 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():
-        if code == 0:
+        if code in (0, EXIT_PREEMPTED):          # every rank leaves together (they agreed to)
             dist.barrier()
         dist.destroy_process_group()
     os._exit(code)
@@ -101,35 +122,80 @@ def train_main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", help="recipes/*.yaml")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)
-    from tsp_trainer.config import load_config, validate_config
-
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-        world, rank, local_rank = _launcher_env()
-        validate_config(cfg, world)                    # before any process-group work
-    except ValueError as err:
-        print(f"tsp-train: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    cuda = _prepare_runtime(local_rank, world)
+    world, rank, local_rank = _launcher_env()
+    cfg, inputs = _check_inputs_or_exit(args, world=world, rank=rank)
+    cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
     from tsp_trainer.trainer import Trainer
 
     code = 0
     try:
-        trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda)
+        trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs)
         history = trainer.fit()
-        if rank == 0 and history:
-            first, last = history[0]["train/loss"], history[-1]["train/loss"]
-            print(f"tsp-train: done: {trainer.state.step} steps, loss {first:.4f} -> {last:.4f}, "
-                  f"checkpoints in {cfg.train.output_dir}/checkpoints")
+        code = EXIT_PREEMPTED if trainer.stop_reason else 0
+        if rank == 0:
+            print(_summary(trainer, history), flush=True)
     except ValueError as err:                           # bad input found after start-up
         print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
-        code = 2
+        code = EXIT_BAD_INPUT
     except BaseException:
         import traceback
 
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def _check_inputs_or_exit(args, *, world: int, rank: int):
+    """(config, checked inputs), or exit 2 with one line from rank 0 (the other ranks exit silently).
+    Runs before any process group: the config first (standard library + OmegaConf, no torch), then
+    tokenizer, data, resume path and output folder (run/inputs.py).
+
+    Every rank runs the same checks, and under torchrun / accelerate launch the first rank to exit
+    makes the launcher SIGTERM the others, possibly rank 0 before it printed: rank 0 holds SIGTERM
+    back until its own check is done, then leaves."""
+    from tsp_trainer.config import load_config, validate_config
+
+    with _sigterm_held(rank == 0) as held:
+        try:
+            cfg = load_config(args.recipe, args.overrides)
+            validate_config(cfg, world)
+            from tsp_trainer.run import check_inputs
+
+            inputs = check_inputs(cfg, world_size=world)
+        except ValueError as err:
+            if rank == 0:                              # one line per job, not one per rank
+                print(f"tsp-train: error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
+    if held:                                           # the launcher is tearing the job down
+        sys.exit(128 + signal.SIGTERM)
+    return cfg, inputs
+
+
+@contextlib.contextmanager
+def _sigterm_held(hold: bool):
+    """Within the block a SIGTERM is recorded instead of killing the process; the yielded list is
+    non-empty afterwards if one came."""
+    received: list[int] = []
+    if not hold:
+        yield received
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _summary(trainer, history: list[dict]) -> str:
+    cfg, step = trainer.cfg, trainer.state.step
+    where = f"checkpoints in {cfg.train.output_dir}/checkpoints"
+    if trainer.stop_reason:
+        return (f"tsp-train: stopped after step {step} of {cfg.train.steps} ({trainer.stop_reason}); "
+                f"{where}; relaunch with train.resume=auto to continue (exit code {EXIT_PREEMPTED})")
+    if not history:
+        return f"tsp-train: done: nothing to do, the run is at step {step} of {cfg.train.steps}; {where}"
+    return (f"tsp-train: done: {step} steps, loss {history[0]['train/loss']:.4f} -> "
+            f"{history[-1]['train/loss']:.4f}, {where}")
 
 
 def bench_main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,7 @@
-"""The Trainer: builds, in order, mesh -> model with its parallel scheme -> DeepSpeed engine under
-Accelerate -> data -> checkpoints -> logging; then fit() runs train_step() / evaluate().
+"""The Trainer: checks its inputs (run/inputs.py), then builds, in order, mesh -> model with its
+parallel scheme -> DeepSpeed engine under Accelerate -> data -> checkpoints -> run folder and
+logging; then fit() runs train_step() / evaluate() under the run's lifecycle guards (run/: the
+preemption agreement at step boundaries and the hang watchdog).
 
 One optimizer step = grad_accum micro-batches per DP rank. Every rank of a TSP group reads the same
 micro-batch (the loader is split by dp rank only) and takes its zigzag slice. The loss backpropagated
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,12 +23,11 @@ from tsp_trainer.checkpoint import reshard
 # CheckpointSaveError is re-exported: callers and tests import it from the trainer.
 from tsp_trainer.checkpoint.async_writer import CheckpointSaveError, Checkpointer, Snapshot  # noqa: F401
 from tsp_trainer.checkpoint.manager import CheckpointManager
-from tsp_trainer.config import (ModelConfig, TrainConfig, config_to_yaml, resolve_config, run_facts,
-                                save_resolved_config, validate_config)
+from tsp_trainer.config import (TrainConfig, config_to_yaml, hang_dump_after_s, resolve_config, run_facts,
+                                save_resolved_config)
 from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.config.validate import check_precision
-from tsp_trainer.data import (build_eval_batches, build_train_loader, check_data_config,
-                              check_tokenizer_fits, load_run_tokenizer)
+from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.attention_route import check_cuda_attention
@@ -38,6 +40,8 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
+from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs, check_same_model
+from tsp_trainer.run.session import open_run_folder
 
 _LAYOUT_POLICY = {"refuse": "error", "restart": "restart"}
 
@@ -54,14 +58,14 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False):
-        validate_config(cfg, world_size)                 # bad input fails before any group exists
+    def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False,
+                 inputs: CheckedInputs | None = None):
+        # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
+        inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size)
         cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
         self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
-        self.tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
-        check_tokenizer_fits(self.tokenizer, self.model_cfg.vocab_size)
+        self.tokenizer, self.data_plan = inputs.tokenizer, inputs.data_plan
         dp = world_size // cfg.parallel.tsp_degree
-        self.data_plan = check_data_config(cfg, dp, tokenizer=self.tokenizer)   # before any group
         self.log = get_logger(__name__, rank=global_rank)
         self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -69,7 +73,8 @@ class Trainer:
         self._check_device_support()                     # still before any process group
         self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                       timeout_s=cfg.train.collective_timeout_s)
-        self.mesh = build_mesh(cfg.parallel.tsp_degree, device=self.device)
+        self.mesh = build_mesh(cfg.parallel.tsp_degree, timeout_s=cfg.train.collective_timeout_s,
+                               device=self.device)
         self.par = self._build_model()
         self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
         self.optimizer = build_optimizer(self.par.model, cfg.optim)
@@ -86,7 +91,12 @@ class Trainer:
         self.nonfinite.watch(self.par.model.parameters())
         self._poisoned = False
         self._saved_step = -1                # step of the newest checkpoint this run wrote or loaded
-        self._resume()
+        self._consecutive_skips = 0
+        self._resume(inputs.resume_path)
+        self.session = open_run_folder(cfg, world=self.mesh.world, resume_path=inputs.resume_path,
+                                       resume_meta=inputs.resume_meta, resumed_step=self.state.step)
+        for note in self.session.notes:
+            self.log.info(note)
         if self.mesh.rank == 0:
             save_resolved_config(cfg, f"{cfg.train.output_dir}/config.yaml")
         peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else detect_peak_flops(self.device)
@@ -97,16 +107,21 @@ class Trainer:
                                         recompute=cfg.train.activation_checkpointing))
         facts = run_facts(cfg, world_size=world_size, device=str(self.device),
                           peak_tflops=None if peak is None else peak / 1e12)
-        self.sinks = make_sinks(global_rank=self.mesh.rank, wandb_mode=cfg.logging.wandb_mode,
-                                project=cfg.logging.wandb_project, run_name=cfg.logging.run_name,
-                                config={**cfg.to_dict(), "run": facts},
-                                output_dir=cfg.train.output_dir, jsonl=cfg.logging.jsonl)
+        self.sinks = self._build_sinks(config={**cfg.to_dict(), "run": facts})
         self._data_epoch = 0                                  # last training-data pass logged
         for line in self.data_plan.notes + self.loader.describe():
             self.log.info(line)
         if self.mesh.rank == 0:              # warnings pass on every rank; say these once
             for line in self.data_plan.warnings:
                 self.log.warning(line)
+        self.stopper = StopAgreement(self.mesh.world, signals=cfg.train.preempt_signals,
+                                     max_runtime_s=cfg.train.max_runtime_min * 60, device=self.device)
+        self.watchdog = HangWatchdog(dump_after_s=hang_dump_after_s(cfg.train), rank=global_rank,
+                                     in_flight=self.mesh.ledger.in_flight.describe,
+                                     dump_dir=f"{cfg.train.output_dir}/hang_dumps")
+        self.stop_reason: str | None = None   # set when a signal or max_runtime_min ended fit() early
+        self._slowest = {"step": 0.0, "save": 0.0}   # seconds, for the max-runtime margin
+        self._save_started: float | None = None      # an async save in flight since then
 
     # -- building ---------------------------------------------------------------------------------
     def _check_device_support(self) -> None:
@@ -147,6 +162,16 @@ class Trainer:
                                    replicate=self.data_plan.eval_replicate) if c.train.eval_every else None
         return train, evals
 
+    def _build_sinks(self, config: dict):
+        """metrics.jsonl, console, W&B (rank 0), under the run's identity (run/session.py)."""
+        c, s = self.cfg.logging, self.session
+        wandb_options = dict(entity=c.wandb_entity, group=c.wandb_group, tags=c.wandb_tags,
+                             continues=s.wandb.continues, skip_through_step=s.wandb.skip_through_step,
+                             rewind_to_step=s.wandb.rewind_to_step)
+        return make_sinks(global_rank=self.mesh.rank, wandb_mode=c.wandb_mode, project=c.wandb_project,
+                          run_name=s.identity.name, config=config, output_dir=self.cfg.train.output_dir,
+                          jsonl=c.jsonl, wandb_run_id=s.identity.wandb_run_id, wandb_options=wandb_options)
+
     # -- one step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
         c, mesh = self.cfg, self.mesh
@@ -165,11 +190,14 @@ class Trainer:
             # A non-finite loss poisons every gradient (NaN scale), so DeepSpeed's overflow check,
             # agreed over dp and tsp, skips the update.
             loss = self.nonfinite.poison_if_nonfinite(loss_sum, loss_sum * mesh.dims.dp / total)
-            self.engine.backward(loss)
+            with mesh.dp.foreign_ops("DeepSpeed ZeRO gradient reduction (engine.backward)"):
+                self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary():
                 self._check_finite()
             self.checkpointer.before_update()              # an async snapshot has been copied
-            self.engine.step()
+            with mesh.dp.foreign_ops("DeepSpeed ZeRO step (engine.step: norm and overflow "
+                                     "all-reduces, parameter all-gather)", also=[mesh.tsp]):
+                self.engine.step()
             sums[0] += reduce_loss_sum(loss_sum, self._loss_comms) / total.clamp(min=1) / c.train.grad_accum
             sums[1] += total
         loss_value, tokens = sums.tolist()                  # the step's one read of its sums
@@ -215,11 +243,20 @@ class Trainer:
                                "applied the update; refusing to continue from a poisoned state")
         if skipped:
             self.state.skipped_steps += 1
+            self._consecutive_skips += 1
             self.log.warning(f"step {self.state.step + 1}: non-finite loss or gradient, update skipped "
                              f"({self.state.skipped_steps} skipped so far)")
         else:
             self.scheduler.step()
+            self._consecutive_skips = 0
         self.state.step += 1
+        limit = self.cfg.train.max_consecutive_skips
+        if self._consecutive_skips >= limit:
+            raise NonFiniteError(
+                f"{limit} steps in a row (steps {self.state.step - limit + 1}-{self.state.step}) had a "
+                f"non-finite loss or gradient and were skipped (train.max_consecutive_skips={limit}): "
+                f"the run is not recovering; the latest checkpoint is {self.ckpt.latest()}; resume "
+                "from it with a lower optim.lr, or look at the data of these steps")
         return skipped
 
     def _data_metrics(self, seq_len: int) -> dict:
@@ -243,43 +280,84 @@ class Trainer:
 
     # -- loop -------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
+        """Train to train.steps, or until a preemption signal / train.max_runtime_min stops every
+        rank after the same step (self.stop_reason says which); either way the state is saved."""
         c, history = self.cfg, []
         bar = ProgressBar(c.train.steps, initial=self.state.step, rank=self.mesh.rank,
                           enabled=None if c.logging.progress_bar else False)
-        with bar:
-            while self.state.step < c.train.steps:
+        with bar, self.watchdog, self.stopper:
+            while self.state.step < c.train.steps and self.stop_reason is None:
+                t0 = time.perf_counter()
+                self.watchdog.step_started(self.state.step + 1)
                 metrics = self.train_step()
                 step = self.state.step
                 if c.train.eval_every and step % c.train.eval_every == 0:
                     metrics["eval/loss"] = self.evaluate()
+                self.watchdog.step_finished()
+                self._time_step_and_save(t0)
                 if step % c.logging.log_every == 0 or step == c.train.steps:
                     self.sinks.log(step, metrics)
                 bar.update(loss=metrics["train/loss"], tokens_per_s=metrics["perf/tokens_per_s"])
                 history.append(metrics)
                 if c.checkpoint.enabled and c.checkpoint.every and step % c.checkpoint.every == 0:
                     self.save()
-        if c.checkpoint.enabled and self.state.step != self._saved_step:
-            self.save()          # the final state, unless that exact checkpoint already exists
-        self.checkpointer.wait()                            # publish the save in flight, if any
+                if step < c.train.steps:          # collective: all ranks stop after the same step
+                    self.stop_reason = self.stopper.agree(step_s=self._slowest["step"],
+                                                          save_s=self._slowest["save"])
+            # Still under the signal handlers: a second SIGTERM (the scheduler's own, after the
+            # launcher's) must not kill the final save.
+            if c.checkpoint.enabled and self.state.step != self._saved_step:
+                self.save()      # the final state, unless that exact checkpoint already exists
+            self.checkpointer.wait()                        # publish the save in flight, if any
+        if self.stop_reason:
+            self.log.warning(f"stopped after step {self.state.step} of {c.train.steps}: "
+                             f"{self.stop_reason}; continue with train.resume=auto")
+            self.sinks.mark_preempting()
         self.sinks.close()
         return history
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self) -> None:
         """Collective: checkpoint the current state (published at once, or with
-        checkpoint.async_save when the background write completes; see checkpoint/async_writer.py)."""
+        checkpoint.async_save when the background write completes; see checkpoint/async_writer.py).
+        Never with non-finite weights."""
+        t0 = time.perf_counter()
+        self._refuse_nonfinite_weights(self.state.step)
         self.checkpointer.save(self.state.step, self._snapshot)
         self._saved_step = self.state.step
+        if self.checkpointer.in_flight:
+            self._save_started = t0                    # timed when the background write is done
+        else:
+            self._slowest["save"] = max(self._slowest["save"], time.perf_counter() - t0)
+
+    def _time_step_and_save(self, step_started: float) -> None:
+        """The slowest step and the slowest complete save so far: train.max_runtime_min leaves
+        room for one more of each."""
+        now = time.perf_counter()
+        self._slowest["step"] = max(self._slowest["step"], now - step_started)
+        if self._save_started is not None and not self.checkpointer.in_flight:
+            self._slowest["save"] = max(self._slowest["save"], now - self._save_started)
+            self._save_started = None
 
     def _snapshot(self, host_copy) -> Snapshot:
         return Snapshot(reshard.snapshot_layout_free_state(self.par, self.optimizer, host_copy=host_copy),
                         self._rank_state(), self._meta())
 
+    def _refuse_nonfinite_weights(self, step: int) -> None:
+        """Collective: a checkpoint is never published with NaN/inf weights (every rank checks its
+        shards; one host sync). The previous checkpoint stays `latest`."""
+        finite = [torch.isfinite(p).all() for p in self.par.model.parameters()]
+        bad = torch.stack(finite).logical_not().any().float().reshape(1).to(self.device)
+        self.mesh.world.all_reduce(bad, tag="nonfinite.weights", op=torch.distributed.ReduceOp.MAX)
+        if bool(bad.item()):
+            raise NonFiniteError(f"refusing to checkpoint step {step}: the weights hold NaN or inf; "
+                                 f"{self.ckpt.latest()} stays the latest checkpoint")
+
     def _meta(self) -> dict:
         c = self.cfg
         return {"step": self.state.step, "tokens_seen": self.state.tokens_seen,
                 "skipped_steps": self.state.skipped_steps,
-                "layout": self._layout(),
+                "layout": self._layout(), "run": self.session.identity.as_dict(),
                 "model": self.model_cfg.to_dict(), "config_yaml": config_to_yaml(c)}
 
     def _rank_state(self) -> dict:
@@ -289,8 +367,7 @@ class Trainer:
                         # this process's device only: a resume may see fewer GPUs (one per task)
                         "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}}
 
-    def _resume(self) -> None:
-        path = self.ckpt.resolve(self.cfg.train.resume)
+    def _resume(self, path) -> None:
         if path is None:
             return
         meta = self.ckpt.verify(path)
@@ -320,11 +397,7 @@ class Trainer:
     def _check_compatible(self, meta: dict, path) -> bool:
         """Raises for another model shape or a refused layout change; True if the layout is the
         saved one."""
-        saved, here = ModelConfig.from_dict(meta["model"]).to_dict(), self.model_cfg.to_dict()
-        if saved != here:
-            diff = {k: (v, here.get(k)) for k, v in saved.items() if here.get(k) != v}
-            raise ValueError(f"checkpoint {path} is of another model shape: "
-                             + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint" for k, (a, b) in diff.items()))
+        check_same_model(meta, self.model_cfg, path)
         reshard.check_layout_change(meta["layout"], self._layout(),
                                     policy=self.cfg.data.on_layout_change, path=path)
         return not reshard.layout_changed(meta["layout"], self._layout())

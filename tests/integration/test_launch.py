@@ -4,6 +4,7 @@ a short variant. Subprocesses, like a user would run them."""
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +22,12 @@ def _env():
 
 
 def test_accelerate_launch_tiny_cpu_recipe(tmp_path):
+    """The launch line of recipes/tiny_cpu.yaml's comment (the README's main job), as written."""
+    from tests.integration.test_lifecycle_launch import recipe_launch_line
+
     out = tmp_path / "tiny"
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "launch/accelerate/cpu_4proc.yaml",
-           "--main_process_port", "0", "-m", "tsp_trainer", "train", "recipes/tiny_cpu.yaml",
-           f"train.output_dir={out}", "logging.progress_bar=false"]
+    written = shlex.split(recipe_launch_line("tiny_cpu.yaml"))
+    cmd = [str(BIN / "accelerate")] + written[1:] + [f"train.output_dir={out}", "logging.progress_bar=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

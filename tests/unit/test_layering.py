@@ -86,6 +86,18 @@ def test_collectives_only_through_comm():
         assert not calls, (rel, calls)
 
 
+def test_run_package_is_called_by_the_conductors_only():
+    """run/ (the job's lifecycle) is used by trainer.py and cli.py; it imports none of the engine,
+    the observability sinks, the trainer or the CLI, and no accelerate / deepspeed / wandb."""
+    for rel, names in _modules():
+        if _uses(names, "tsp_trainer.run") and not rel.startswith("run/"):
+            assert rel in ("trainer.py", "cli.py"), rel
+        if rel.startswith("run/"):
+            for forbidden in ("tsp_trainer.engine", "tsp_trainer.observability", "tsp_trainer.trainer",
+                              "tsp_trainer.cli", "accelerate", "deepspeed", "wandb"):
+                assert not _uses(names, forbidden), (rel, forbidden)
+
+
 def test_data_knows_nothing_of_distribution():
     """The data package takes dp_rank and dp_degree as integers (STYLE.md section 2): no
     torch.distributed, and none of parallel/, engine/, checkpoint/ or the trainer."""

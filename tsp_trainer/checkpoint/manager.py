@@ -89,36 +89,39 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
             _fsync_dir(self.root)
             atomic_write_text(self.root / LATEST, final.name + "\n")
-            self._prune()
+            self._prune(final)
         self.world.barrier()
         return final
 
-    def _prune(self) -> None:
+    def _prune(self, final: Path) -> None:
+        """Keep `final` (the checkpoint `latest` now names) and the keep_last - 1 newest before it.
+        Checkpoints of later steps than `final` belong to an abandoned timeline (the run resumed
+        from an earlier checkpoint of this folder): they go first, so pruning can never delete the
+        checkpoint `latest` names."""
         if self.keep_last <= 0:
             return
-        done = sorted(p for p in self.root.glob("step_*") if (p / MANIFEST).exists())
-        for old in done[:-self.keep_last]:
+        done = [p for p in self.root.glob("step_*") if (p / MANIFEST).exists() and p.name != final.name]
+        older = sorted(p for p in done if p.name < final.name)
+        abandoned = [p for p in done if p.name > final.name]
+        for old in abandoned + older[:max(len(older) - (self.keep_last - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
 
     # -- resume -----------------------------------------------------------------------------------
     def latest(self) -> Path | None:
-        pointer = self.root / LATEST
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / MANIFEST).exists() else None
+        return latest_checkpoint(self.root)
 
     def resolve(self, resume: str) -> Path | None:
         """"none" -> None; "auto" -> the latest complete checkpoint (None if there is none);
-        anything else is a checkpoint folder that must exist."""
+        anything else is a checkpoint folder, or a run / checkpoints folder whose latest is taken."""
         if resume == "none":
             return None
         if resume == "auto":
             return self.latest()
-        path = Path(resume)
-        if not (path / MANIFEST).exists():
-            raise ValueError(f"train.resume={resume!r} is not a complete checkpoint folder "
-                             f"(no {MANIFEST}); pass 'auto', 'none' or a step_* folder")
+        path = find_checkpoint(resume)
+        if path is None:
+            raise ValueError(f"train.resume={resume!r} is neither a complete checkpoint folder (a "
+                             f"step_* folder with {MANIFEST}) nor a run or checkpoints folder that "
+                             "holds one; pass 'auto', 'none', a step_* folder or a run folder")
         return path
 
     def verify(self, path: Path) -> dict:
@@ -135,6 +138,31 @@ class CheckpointManager:
         """This rank's state, or saved rank `rank`'s (a resume under another layout)."""
         rank = self.world.rank if rank is None else rank
         return torch.load(path / "ranks" / f"rank_{rank:05d}.pt", weights_only=False)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint `root/latest` names; if the pointer is missing or names an
+    incomplete folder (deleted by hand), the complete step_* folder of the highest step."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if (path / MANIFEST).exists():
+            return path
+    complete = sorted(p for p in root.glob("step_*") if (p / MANIFEST).exists())
+    return complete[-1] if complete else None
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint `path` names: a step_* folder itself, or the latest complete checkpoint of a
+    checkpoints root or of a run folder (its checkpoints/ subfolder); None if it names none."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir() and (found := latest_checkpoint(root)) is not None:
+            return found
+    return None
 
 
 def read_verified_meta(folder: Path) -> dict:

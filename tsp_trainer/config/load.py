@@ -190,7 +190,9 @@ def _describe(kind: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin is list:
-        return f"a list of {args[0].__name__} mappings"
+        if dataclasses.is_dataclass(args[0]):
+            return f"a list of {args[0].__name__} mappings"
+        return f"a list of {_describe(args[0]).split(' ', 1)[-1]}s"       # "a list of strings"
     names = {int: "an int", float: "a number", bool: "a bool (true/false)", str: "a string",
              type(None): "null"}
     return names.get(kind, kind.__name__)

@@ -28,6 +28,7 @@ def resolved_dtype(dtype: str, cuda: bool) -> str:
 
 NonFinite = Literal["skip", "stop"]
 WandbMode = Literal["disabled", "offline", "online"]
+WandbReplay = Literal["skip", "rewind"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 Family = Literal["llama", "mistral", "qwen2"]
 
@@ -188,9 +189,16 @@ class TrainSection:
     eval_batches: int = 4                      # micro-batches per evaluation
     seed: int = 0                              # RNG seed for data order and per-rank streams
     output_dir: str = "runs/default"           # run folder: config.yaml, checkpoints, metrics
-    resume: str = "none"                       # "none", "auto" (latest in output_dir) or a checkpoint path
+    resume: str = "none"                       # "none", "auto" (latest in output_dir), a checkpoint or a run folder
+    overwrite_output_dir: bool = False         # with resume=none: delete an earlier run's checkpoints and metrics
     nonfinite: NonFinite = "skip"              # on a NaN/inf loss or grad norm: skip the step or stop
-    collective_timeout_s: int = 600            # process-group timeout (seconds)
+    max_consecutive_skips: int = 10            # nonfinite=skip: stop with an error after this many skips in a row
+    collective_timeout_s: int = 600            # timeout of every process group (seconds)
+    hang_dump_s: float | None = None           # a step running longer dumps stacks + ops in flight;
+                                               # None = half of collective_timeout_s, 0 = off
+    nccl_blocking_wait: bool = False           # NCCL: TORCH_NCCL_BLOCKING_WAIT=1, a stalled peer raises CommError
+    preempt_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # checkpoint, then exit 75
+    max_runtime_min: float = 0.0               # checkpoint and exit 75 before this many minutes; 0 = no limit
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,10 @@ class CheckpointSection:
 class LoggingSection:
     wandb_mode: WandbMode = "disabled"
     wandb_project: str = "tsp_trainer"
+    wandb_entity: str | None = None            # W&B team or user; None = the login's default
+    wandb_group: str | None = None             # groups related runs (e.g. a sweep) in the W&B UI
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_replay: WandbReplay = "skip"         # steps replayed after a resume: skip them or rewind the run
     run_name: str | None = None                # None = derived from output_dir
     log_every: int = 1                         # optimizer steps between metric lines
     progress_bar: bool = True

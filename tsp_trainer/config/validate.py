@@ -37,15 +37,16 @@ _INT_MIN = {
     "parallel.sp_degree": 1, "parallel.dp_degree": 1, "data.seq_len": 1, "data.micro_batch_size": 1,
     "data.shuffle_buffer": 1, "optim.warmup_steps": 0, "train.steps": 1, "train.grad_accum": 1,
     "train.global_batch_size": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.seed": 0,
-    "train.collective_timeout_s": 1, "checkpoint.every": 0, "checkpoint.keep_last": 1,
-    "logging.log_every": 1, "logging.rank_stats_every": 0, "data.prefetch": 0,
+    "train.collective_timeout_s": 1, "train.max_consecutive_skips": 1, "checkpoint.every": 0,
+    "checkpoint.keep_last": 1, "logging.log_every": 1, "logging.rank_stats_every": 0, "data.prefetch": 0,
     "data.mixture_estimate_docs": 1, "data.max_example_split_dp": 1, "data.dataset_tokens": 1,
     "data.upsample.min_tokens": 0, "data.upsample.gap_docs": 1,
 }
 _OPTIONAL_INTS = {"parallel.tp_degree", "parallel.sp_degree", "parallel.dp_degree",
                   "train.global_batch_size", "data.dataset_tokens"}
 
-# key -> (predicate, rule) for the optimizer's floats.
+# key -> (predicate, rule) for the float fields; every one must also be finite (an `.inf` learning
+# rate would apply one update of infinities and then skip every later step).
 _FLOAT_RULES = {
     "optim.lr": (lambda v: v > 0, "must be > 0"),
     "optim.min_lr": (lambda v: v >= 0, "must be >= 0"),
@@ -54,10 +55,19 @@ _FLOAT_RULES = {
     "optim.beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "optim.eps": (lambda v: v > 0, "must be > 0"),
     "optim.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
+    "train.max_runtime_min": (lambda v: v >= 0, "must be >= 0 minutes (0 = no limit)"),
     "data.max_epochs_warning": (lambda v: 0 < v < math.inf, "must be a finite number > 0"),
     "data.upsample.factor": (lambda v: 1 <= v < math.inf, "must be a finite number >= 1 "
                                                           "(1 = no upsampling)"),
 }
+# The resolved model's floats (a size's defaults or an override; ModelSection's are optional).
+_MODEL_FLOAT_RULES = {
+    "rope_theta": (lambda v: v > 0, "must be > 0"),
+    "norm_eps": (lambda v: v > 0, "must be > 0"),
+    "init_std": (lambda v: v > 0, "must be > 0"),
+}
+# Signals a preemption may arrive with; SIGKILL and SIGSTOP cannot be caught, SIGINT stays Ctrl-C.
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
 
 
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
@@ -74,6 +84,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     # ModelConfig checks its own shape (head_dim, GQA groups, family rules).
     model = cfg.model.to_model_config()
     cfg.tokenizer_source()                # a model folder without a tokenizer needs data.tokenizer
+    _check_model_floats(model)
+    _check_lifecycle(cfg)
     p = cfg.parallel
     check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=cfg.data.seq_len,
                           head_buckets=p.head_buckets, tp_degree=p.tp_degree, sp_degree=p.sp_degree)
@@ -161,14 +173,48 @@ def _check_numbers(cfg: TrainConfig) -> None:
         if not (value is None and key in _OPTIONAL_INTS):
             _require_int(key, value, minimum)
     for key, (ok, rule) in _FLOAT_RULES.items():
-        value = _get(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ValueError(f"{key}={value!r} {rule}")
+        _require_float(key, _get(cfg, key), ok, rule)
     peak = cfg.logging.peak_tflops
     if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
                              or not math.isfinite(peak) or peak <= 0):
         raise ValueError(f"logging.peak_tflops={peak!r} must be a finite number > 0 (one device's "
                          "peak TFLOP/s, for MFU), or null to detect it on a known GPU")
+
+
+def _require_float(key: str, value: Any, ok, rule: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}={value!r} must be a number; it {rule}")
+    if not math.isfinite(value) and "finite" not in rule:      # (a rule may say it already)
+        raise ValueError(f"{key}={value!r} must be a finite number; it {rule}")
+    if not ok(value):
+        raise ValueError(f"{key}={value!r} {rule}")
+
+
+def _check_model_floats(model: ModelConfig) -> None:
+    for name, (ok, rule) in _MODEL_FLOAT_RULES.items():
+        _require_float(f"model.{name}", getattr(model, name), ok, rule)
+
+
+def hang_dump_after_s(train) -> float:
+    """train.hang_dump_s resolved: None means half of the collective timeout (the dump comes well
+    before the timeout ends the job); 0 turns the watchdog off."""
+    return train.collective_timeout_s / 2 if train.hang_dump_s is None else float(train.hang_dump_s)
+
+
+def _check_lifecycle(cfg: TrainConfig) -> None:
+    t = cfg.train
+    if t.hang_dump_s is not None:
+        _require_float("train.hang_dump_s", t.hang_dump_s, lambda v: v >= 0,
+                       "must be >= 0 seconds (0 = no hang dumps, null = half the collective timeout)")
+    if t.hang_dump_s and t.hang_dump_s >= t.collective_timeout_s:
+        raise ValueError(f"train.hang_dump_s={t.hang_dump_s:g} must be below train.collective_timeout_s="
+                         f"{t.collective_timeout_s} (the dump has to come before the timeout ends the "
+                         "job); lower it or set it to 0 to turn hang dumps off")
+    signals = t.preempt_signals
+    if not isinstance(signals, (list, tuple)) or any(s not in PREEMPT_SIGNALS for s in signals):
+        raise ValueError(f"train.preempt_signals={list(signals) if isinstance(signals, (list, tuple)) else signals!r} "
+                         f"must name signals among {', '.join(PREEMPT_SIGNALS)} (SIGKILL and SIGSTOP "
+                         "cannot be caught; SIGINT stays Ctrl-C); use [] to disable")
 
 
 def _check_zero(stage: Any) -> None:

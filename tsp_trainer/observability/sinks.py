@@ -45,6 +45,9 @@ class NullSink:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         pass
 
+    def mark_preempting(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -53,9 +56,9 @@ class JsonlSink:
     """One JSON object per line, {"step": step, **metrics}, flushed after each line so tools and
     tests can read the file while training runs.
 
-    The file is opened in append mode: after a resume, steps between the last checkpoint and the
-    crash appear twice, and readers should keep the last line for each step. Non-finite floats are
-    written as null so every line is strict JSON.
+    The file is opened in append mode. The Trainer first cuts it back to the step it resumes from
+    (run/rundir.py rewrite_metrics), so the steps replayed after a crash appear once. Non-finite
+    floats are written as null so every line is strict JSON.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -132,6 +135,11 @@ class MultiSink:
         for sink in self.sinks:
             sink.log(step, metrics)
 
+    def mark_preempting(self) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "mark_preempting"):
+                sink.mark_preempting()
+
     def close(self) -> None:
         errors = []
         for sink in self.sinks:
@@ -145,10 +153,11 @@ class MultiSink:
 
 def make_sinks(*, global_rank: int, wandb_mode: str, project: str, run_name: str, config: dict[str, Any],
                output_dir: str | os.PathLike, jsonl: bool = True, console: bool = True,
-               wandb_run_id: str | None = None) -> MetricsSink:
+               wandb_run_id: str | None = None, wandb_options: dict[str, Any] | None = None) -> MetricsSink:
     """The job's metric sink: NullSink on ranks != 0; on global rank 0 a MultiSink of
     JsonlSink(output_dir/metrics.jsonl), ConsoleSink and WandbSink (unless wandb_mode="disabled";
-    its files go under output_dir/wandb). wandb_run_id resumes the same W&B run after a restart."""
+    its files go under output_dir/wandb). wandb_run_id names the W&B run; wandb_options are the
+    other WandbSink keywords (entity, group, tags, continues, skip_through_step, rewind_to_step)."""
     if wandb_mode not in WANDB_MODES:
         raise ValueError(f"logging.wandb_mode={wandb_mode!r} is not one of {WANDB_MODES}")
     if global_rank != 0:
@@ -161,5 +170,5 @@ def make_sinks(*, global_rank: int, wandb_mode: str, project: str, run_name: str
         sinks.append(ConsoleSink())
     if wandb_mode != "disabled":
         sinks.append(WandbSink(project, run_name=run_name, config=config, mode=wandb_mode,
-                               dir=output_dir, run_id=wandb_run_id))
+                               dir=output_dir, run_id=wandb_run_id, **(wandb_options or {})))
     return MultiSink(sinks)

@@ -54,10 +54,19 @@ def define_metrics(run) -> None:
 
 
 class WandbSink:
-    """Logs each step's metrics to one W&B run; close() finishes the run (idempotent)."""
+    """Logs each step's metrics to one W&B run; close() finishes the run (idempotent).
+
+    Continuing a run across relaunches (run/identity.py decides which): `run_id` with
+    `continues=True` resumes that run (resume="allow") and drops steps <= `skip_through_step`,
+    which an earlier launch already logged (W&B would drop them itself, with a warning per step);
+    `rewind_to_step` instead truncates the run's history to that step (resume_from, W&B's beta
+    "rewind") so the replayed steps are logged again."""
 
     def __init__(self, project: str, *, run_name: str | None, config: dict[str, Any], mode: str,
-                 dir: str | os.PathLike, run_id: str | None = None):  # noqa: A002 (wandb's name)
+                 dir: str | os.PathLike, run_id: str | None = None,  # noqa: A002 (wandb's name)
+                 entity: str | None = None, group: str | None = None, tags: list[str] | None = None,
+                 continues: bool = False, skip_through_step: int | None = None,
+                 rewind_to_step: int | None = None):
         if mode not in WANDB_MODES:
             raise ValueError(f"logging.wandb_mode={mode!r} is not one of {WANDB_MODES}")
         _refuse_off_rank0()
@@ -67,15 +76,28 @@ class WandbSink:
         os.makedirs(self.dir, exist_ok=True)
         # reinit="create_new": this sink owns its run object and never picks up (or finishes)
         # another run that happens to be active in the process.
-        self.run = wandb.init(project=project, name=run_name, config=config, mode=mode, dir=self.dir,
-                              id=run_id, resume="allow" if run_id else None, reinit="create_new")
+        kwargs: dict[str, Any] = dict(project=project, entity=entity, group=group, tags=list(tags or []),
+                                      name=run_name, config=config, mode=mode, dir=self.dir,
+                                      reinit="create_new")
+        if rewind_to_step is not None and run_id:
+            kwargs["resume_from"] = f"{run_id}?_step={int(rewind_to_step)}"
+        else:
+            kwargs.update(id=run_id, resume="allow" if (run_id and continues) else None)
+        self.run = wandb.init(**kwargs)
+        self.skip_through_step = skip_through_step
         define_metrics(self.run)
         self._closed = False
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self._closed:
             raise RuntimeError("WandbSink.log called after close")
+        if self.skip_through_step is not None and step <= self.skip_through_step:
+            return        # replayed after a resume: logged before, with the same values (exact resume)
         self.run.log(_loggable(metrics), step=int(step))
+
+    def mark_preempting(self) -> None:
+        """Tell W&B the run stops for a preemption (shown as such, and resumed by the relaunch)."""
+        self.run.mark_preempting()
 
     def close(self) -> None:
         if not self._closed:

@@ -2,10 +2,15 @@
 rank). Every op takes ranks *within the group*, records itself in the ledger, and is a local no-op
 on a group of size 1. This is the only module in the package that calls torch.distributed ops.
 
-Failures: a collective runs under the process group's timeout (train.collective_timeout_s). When a
-peer dies or the timeout expires, the backend's error is re-raised as CommError naming the op, what
-it moved, the axis, this rank and the peers involved, instead of a bare backend message (or, with
-no timeout, a hang).
+Failures: a collective runs under the process group's timeout (train.collective_timeout_s; every
+group of parallel/mesh.py is created with it). When a peer dies, or stalls until the timeout
+expires, the backend's error is re-raised as CommError naming the op, what it moved, the axis, this
+rank and the peers involved, instead of a bare backend message (or, with no timeout, a hang).
+
+In flight: every op is entered into `ledger.in_flight` when issued and removed when it returns (or
+its Work is waited), so the hang watchdog can name the op a stalled step is waiting on. Ops another
+library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are covered by
+`Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
 
 Device guard: a Comm knows the compute device of the run (cuda:<local device> under NCCL, cpu
 under gloo). Every tensor op checks its tensors are there before it is issued, also on groups of
@@ -14,6 +19,7 @@ handed to it fails deep inside the backend ("No backend type associated with dev
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -38,10 +44,12 @@ class _Done:
 
 
 class _Work:
-    """An async Work whose wait() re-raises failures as CommError with the op's context."""
+    """An async Work whose wait() re-raises failures as CommError with the op's context, and takes
+    the op out of the in-flight set once it completed (or failed)."""
 
     def __init__(self, work, describe, ledger: CommLedger):
         self._work, self._describe, self._ledger = work, describe, ledger
+        self._token = ledger.in_flight.begin(describe)
 
     def wait(self) -> bool:
         start = time.perf_counter()
@@ -51,6 +59,7 @@ class _Work:
             raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
         finally:
             self._ledger.add_blocked(time.perf_counter() - start)
+            self._ledger.in_flight.end(self._token)
 
 
 class Comm:
@@ -89,6 +98,8 @@ class Comm:
             who = f"group global ranks {self.ranks}" if peers is None else f"peer global rank(s) {peers}"
             return (f"{op} of {tag!r} ({nbytes} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
+        in_flight = self.ledger.in_flight
+        token = in_flight.begin(describe)        # until the call returns (sync) or is issued (async)
         start = time.perf_counter()
         try:
             result = call()
@@ -96,9 +107,33 @@ class Comm:
             raise CommError(f"{describe()} failed: {_first_line(err)}") from err
         finally:
             self.ledger.add_blocked(time.perf_counter() - start)
+            in_flight.end(token)
         if async_op:
             return _Work(result, describe, self.ledger)
         return result
+
+    @contextlib.contextmanager
+    def foreign_ops(self, what: str, *, also: list[Comm] | tuple = ()):
+        """Wrap code in which another library issues ops on this group (DeepSpeed's ZeRO gradient
+        reduction over dp inside engine.backward / engine.step): they are shown in flight while it
+        runs, and a backend failure (a dead or stalled peer) becomes a CommError naming the axis
+        and its ranks (and those of the groups in `also` the library may use in the same block).
+        CommErrors of our own ops inside the block pass through unchanged."""
+        def describe() -> str:
+            axes = " or ".join(f"axis {c.axis!r} (global ranks {c.ranks})"
+                               for c in (self, *also) if c.size > 1)
+            return f"{what} on {axes or 'no group of more than one rank'}, rank {self.ranks[self.rank]}"
+        token = self.ledger.in_flight.begin(describe)
+        try:
+            yield
+        except CommError:
+            raise
+        except RuntimeError as err:
+            if not is_backend_error(err):
+                raise
+            raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+        finally:
+            self.ledger.in_flight.end(token)
 
     # -- collectives ------------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int, *, tag: str, async_op: bool = False):
@@ -193,9 +228,12 @@ class Comm:
                dist.P2POp(dist.irecv, recv, src, self.group, p2p_tag)]
         works = self._run("recv", tag, _nbytes(recv), lambda: dist.batch_isend_irecv(ops),
                           peers=[dst, src], dtype=recv.dtype)
-        return [_Work(w, lambda: f"send/recv of {tag!r} on axis {self.axis!r}, rank "
-                                 f"{self.ranks[self.rank]} sending to global rank {dst}, receiving "
-                                 f"from global rank {src}", self.ledger) for w in works]
+
+        def describe() -> str:
+            return (f"send/recv of {tag!r} ({_nbytes(send)} bytes) on axis {self.axis!r}, rank "
+                    f"{self.ranks[self.rank]} sending to global rank {dst}, receiving from global "
+                    f"rank {src}")
+        return [_Work(w, describe, self.ledger) for w in works]
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> bool:
@@ -209,6 +247,13 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def is_backend_error(err: BaseException) -> bool:
+    """A failure of the communication backend (peer gone, timeout, aborted communicator) rather
+    than of the code around it: torch's DistError family (NCCL, store) or a gloo transport error
+    (gloo raises plain RuntimeErrors whose message names its source file)."""
+    return isinstance(err, dist.DistError) or "/gloo/" in str(err) or "Gloo" in str(err)
 
 
 def _first_line(err: BaseException) -> str:

@@ -17,7 +17,10 @@ rank's own time, which names the rank the others wait for (observability's rank 
 from __future__ import annotations
 
 import collections
+import itertools
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,42 @@ class CommRecord:
     dtype: str = ""   # element type of the payload, e.g. "float32" ("" for control messages)
 
 
+class InFlight:
+    """The ops issued and not yet completed on this rank, for the hang watchdog (run/watchdog.py):
+    begin() when an op is issued, end() when it returns or its Work is waited. Entries hold a
+    description callable (built only when a dump asks) and the time the op started.
+
+    Touched from the training thread only; the watchdog thread reads a snapshot (dict copies are
+    atomic under the GIL)."""
+
+    def __init__(self):
+        self._ops: dict[int, tuple[float, Callable[[], str]]] = {}
+        self._ids = itertools.count()
+
+    def begin(self, describe: Callable[[], str]) -> int:
+        token = next(self._ids)
+        self._ops[token] = (time.monotonic(), describe)
+        return token
+
+    def end(self, token: int) -> None:
+        self._ops.pop(token, None)
+
+    def describe(self) -> list[str]:
+        """One line per op in flight, oldest first, with how long it has been waiting."""
+        now = time.monotonic()
+        return [f"{describe()} (in flight for {now - started:.1f} s)"
+                for started, describe in sorted(dict(self._ops).values(), key=lambda e: e[0])]
+
+
 class CommLedger:
-    """An append-only list of CommRecord with group-by helpers. Disabled ledgers record nothing."""
+    """An append-only list of CommRecord with group-by helpers. Disabled ledgers record nothing.
+    `in_flight` tracks the ops not yet completed (always on: a hang dump needs it most when the
+    byte accounting is off)."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.records: list[CommRecord] = []
+        self.in_flight = InFlight()
         self.blocked_s = 0.0          # host seconds blocked in ops since the last reset()
 
     def record(self, op: str, *, axis: str, tag: str, group_size: int, nbytes: int,

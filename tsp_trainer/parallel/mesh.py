@@ -3,10 +3,17 @@
 Global rank r has tsp_rank = r % D and dp_rank = r // D. The DP group of a rank is the set of ranks
 with the same tsp_rank: they hold the same weight shard and different data. Groups are created by
 every rank in the same order (torch.distributed requires it) and handed out explicitly as `Comm`
-objects; nothing here is global state."""
+objects; nothing here is global state.
+
+Timeouts: `dist.new_group` without `timeout=` gets torch's backend default (30 minutes for gloo),
+not the timeout the default group was created with (ENV_NOTES.md, measured 2026-11-30). Every group
+created here gets `timeout_s` (the Trainer passes train.collective_timeout_s), or else the default
+group's own timeout, so a stalled peer fails every axis within the same bound. Each group carries
+its axis name as `group_desc`, which NCCL's watchdog prints when it aborts a timed-out op."""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -67,23 +74,47 @@ def compute_device() -> torch.device:
 
 
 def build_mesh(tsp_degree: int, *, ledger: CommLedger | None = None,
-               device: torch.device | str | None = None) -> Mesh:
-    """Create the dp and tsp groups of the already-initialised default process group. `device` is
-    the run's compute device, which every Comm op checks its tensors against (default: the one
-    the default group serves, `compute_device()`)."""
+               timeout_s: float | None = None, device: torch.device | str | None = None) -> Mesh:
+    """Create the dp and tsp groups of the already-initialised default process group.
+
+    Args:
+        timeout_s: collective timeout of every group created (train.collective_timeout_s); None
+            takes the default group's timeout.
+        device: the run's compute device, which every Comm op checks its tensors against
+            (default: the one the default group serves, `compute_device()`).
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     device = compute_device() if device is None else torch.device(device)
     dims = ParallelDims(world, tsp_degree)
     ledger = ledger if ledger is not None else CommLedger()
+    timeout = group_timeout(timeout_s)
     dp_rank, tsp_rank = dims.coords(rank)
     # Every rank must call new_group for every group, in the same order.
-    tsp_groups = [dist.new_group(dims.tsp_group_ranks(d)) for d in range(dims.dp)]
-    dp_groups = [dist.new_group(dims.dp_group_ranks(t)) for t in range(dims.tsp)]
+    tsp_groups = [_new_group(dims.tsp_group_ranks(d), "tsp", timeout) for d in range(dims.dp)]
+    dp_groups = [_new_group(dims.dp_group_ranks(t), "dp", timeout) for t in range(dims.tsp)]
     tsp = Comm(tsp_groups[dp_rank], dims.tsp_group_ranks(dp_rank), tsp_rank, ledger, "tsp",
                device=device)
     dp = Comm(dp_groups[tsp_rank], dims.dp_group_ranks(tsp_rank), dp_rank, ledger, "dp", device=device)
     world_comm = Comm(dist.group.WORLD, list(range(world)), rank, ledger, "world", device=device)
     return Mesh(dims, rank, tsp, dp, world_comm, ledger)
+
+
+def group_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+    """`timeout_s` as a timedelta, or the default group's timeout when None (None again if the
+    backend does not expose it, e.g. the planner's fake process group)."""
+    if timeout_s is not None:
+        return datetime.timedelta(seconds=timeout_s)
+    default = dist.group.WORLD
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        try:
+            return default._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def _new_group(ranks: list[int], axis: str, timeout: datetime.timedelta | None):
+    return dist.new_group(ranks, timeout=timeout, group_desc=axis)
 
 
 def axis_view(comm: Comm, axis: str) -> Comm:
@@ -92,7 +123,8 @@ def axis_view(comm: Comm, axis: str) -> Comm:
     return Comm(comm.group, comm.ranks, comm.rank, comm.ledger, axis, device=comm.device)
 
 
-def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int) -> tuple[Comm, Comm]:
+def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int, *,
+                      timeout_s: float | None = None) -> tuple[Comm, Comm]:
     """Split every tsp group (D = T x S consecutive ranks) into a tp and an sp sub-axis, tp innermost:
     tsp rank t has tp_rank = t % T and sp_rank = t // T. Returns this rank's (tp, sp) Comms.
 
@@ -107,14 +139,15 @@ def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int) -> tuple[Comm,
     base = [mesh.dims.tsp_group_ranks(dp) for dp in range(mesh.dims.dp)]
     tp_groups = [[ranks[s * tp_degree + i] for i in range(tp_degree)] for ranks in base for s in range(sp_degree)]
     sp_groups = [[ranks[s * tp_degree + i] for s in range(sp_degree)] for ranks in base for i in range(tp_degree)]
-    tp = _member_comm(tp_groups, mesh, "tp")
-    sp = _member_comm(sp_groups, mesh, "sp")
+    timeout = group_timeout(timeout_s)
+    tp = _member_comm(tp_groups, mesh, "tp", timeout)
+    sp = _member_comm(sp_groups, mesh, "sp", timeout)
     return tp, sp
 
 
-def _member_comm(groups: list[list[int]], mesh: Mesh, axis: str) -> Comm:
+def _member_comm(groups: list[list[int]], mesh: Mesh, axis: str, timeout) -> Comm:
     """Create every group (same order on all ranks); return the Comm of the one holding this rank."""
-    handles = [dist.new_group(g) if len(g) > 1 else None for g in groups]
+    handles = [_new_group(g, axis, timeout) if len(g) > 1 else None for g in groups]
     for ranks, handle in zip(groups, handles):
         if mesh.rank in ranks:
             return Comm(handle, ranks, ranks.index(mesh.rank), mesh.ledger, axis,

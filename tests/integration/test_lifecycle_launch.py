@@ -1,0 +1,214 @@
+"""The run lifecycle as a user meets it, through the real launchers (subprocesses): SIGTERM to
+`accelerate launch` mid-run gives a checkpoint and a clean stop, and the relaunch continues the
+same run; two jobs on one machine do not collide; input errors are one line from rank 0 before
+start-up; the launch lines in the recipes name a launcher config that fits; the SLURM script
+forwards a preemption signal to the trainer and requeues (with stand-ins for srun / scontrol)."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SHORT = ["data.seq_len=64", "optim.warmup_steps=1", "logging.progress_bar=false"]
+
+
+def _env(**extra):
+    env = dict(os.environ, **{"DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled", **extra})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        env.pop(key, None)
+    return env
+
+
+def recipe_launch_line(recipe: str) -> str:
+    """The launch command written in a recipe's header comment."""
+    for line in (REPO / "recipes" / recipe).read_text().splitlines():
+        text = line.lstrip("# ").strip()
+        if text.startswith(("accelerate launch", "sbatch ")):
+            return text.split("  (")[0].strip()
+    raise AssertionError(f"recipes/{recipe} has no launch line in its comments")
+
+
+def _accelerate(recipe_args: list[str]) -> list[str]:
+    cmd = shlex.split(recipe_launch_line("tiny_cpu.yaml"))
+    return [str(BIN / "accelerate")] + cmd[1:] + recipe_args
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")
+                                          if p.name != "base.yaml"))
+def test_recipe_launch_lines_name_a_launcher_config_for_their_world(recipe, tmp_path):
+    """The commented launch line works as written: it names an existing launcher config (not only
+    --num_processes, which fails on CPU) and this recipe, which validates at that config's number
+    of processes. (tiny_cpu's line is also run as written, by test_launch.py.)"""
+    line = recipe_launch_line(recipe)
+    if line.startswith("sbatch "):
+        script = (REPO / line.split()[1]).read_text()
+        assert f"recipes/{recipe}" in script
+        return
+    args = shlex.split(line)
+    assert args[args.index("-m") + 1:args.index("-m") + 4] == ["tsp_trainer", "train", f"recipes/{recipe}"]
+    config = yaml.safe_load((REPO / args[args.index("--config_file") + 1]).read_text())
+    from tsp_trainer.config import load_config, validate_config
+
+    # The recipe validates at the launcher config's world size (mesh, batch and shape rules).
+    cfg = load_config(REPO / "recipes" / recipe)
+    if cfg.model.init_from is not None:        # a placeholder the user edits: stand in a folder
+        from tests.unit.test_config import _llama31_folder
+
+        cfg = load_config(REPO / "recipes" / recipe, [f"model.init_from={_llama31_folder(tmp_path)}"])
+    validate_config(cfg, config["num_processes"])
+
+
+def test_readme_main_job_is_the_recipe_launch_line():
+    readme = (REPO / "README.md").read_text()
+    assert recipe_launch_line("tiny_cpu.yaml") in readme
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues(tmp_path):
+    """`accelerate launch` (4 ranks, no periodic checkpoints) gets SIGTERM once step 3 is logged:
+    torch elastic forwards it to the ranks, which agree, checkpoint the step they reached and exit
+    75; the launcher then exits non-zero with its own SignalException traceback (documented). The
+    relaunch with train.resume=auto continues the same W&B run and metrics.jsonl holds each step
+    once."""
+    out = tmp_path / "run"
+    args = ["train.steps=200", "checkpoint.every=0", f"train.output_dir={out}", "train.resume=auto",
+            "logging.wandb_mode=offline"] + SHORT
+    env = _env(WANDB_MODE="offline", WANDB_SILENT="true")
+    proc = subprocess.Popen(_accelerate(args), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 400
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    k = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    seconds = time.monotonic() - t0
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.split("_")[1])
+    print(f"\nSIGTERM to the launcher after step {k} was logged: checkpoint {latest}, launcher "
+          f"exited {seconds:.2f} s after the signal with code {proc.returncode}")
+    assert step in (k, k + 1, k + 2), (k, latest)      # the step in flight, or the next
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds)
+    assert f"tsp-train: stopped after step {step} of 200 (signal SIGTERM)" in stdout, stdout
+    assert "exit code 75" in stdout and "SignalException" in stderr
+    first_id = json.loads((out / "run.json").read_text())["wandb_run_id"]
+
+    again = subprocess.run(_accelerate(args[1:] + [f"train.steps={step + 2}"]), cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / latest} at step {step}" in again.stderr
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert steps == list(range(1, step + 3))
+    assert json.loads((out / "run.json").read_text())["wandb_run_id"] == first_id
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(first_id) for r in runs)
+
+
+@pytest.mark.slow
+def test_two_jobs_on_one_machine_do_not_collide(tmp_path):
+    """launch/accelerate/cpu_4proc.yaml used to fix port 29511; two launches at once both finish."""
+    procs = [subprocess.Popen(_accelerate(["train.steps=2", f"train.output_dir={tmp_path / str(i)}"]
+                                          + SHORT), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=500)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert "tsp-train: done: 2 steps" in stdout
+
+
+@pytest.mark.slow
+def test_two_torchrun_jobs_on_one_machine_do_not_collide(tmp_path):
+    env = _env(NPROC="2", PYTHON=sys.executable)
+    procs = [subprocess.Popen(["bash", "launch/torchrun.sh", "recipes/tiny_cpu.yaml", "train.steps=2",
+                               f"train.output_dir={tmp_path / str(i)}"] + SHORT, cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=500)
+        assert proc.returncode == 0, stderr[-3000:]
+
+
+def _used_folder(tmp_path):
+    out = tmp_path / "used"
+    (out / "checkpoints" / "step_00000040").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000040" / "manifest.json").write_text("{}")
+    (out / "checkpoints" / "latest").write_text("step_00000040\n")
+    return out
+
+
+def _single_process_error(out):
+    single = subprocess.run([str(BIN / "tsp-train"), "recipes/tiny_cpu.yaml", "parallel.tsp_degree=1",
+                             f"train.output_dir={out}"], cwd=REPO, env=_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert single.returncode == 2 and single.stdout == ""
+    errors = [x for x in single.stderr.splitlines() if x.startswith("tsp-train: error:")]
+    assert len(errors) == 1 and "already holds checkpoints" in errors[0], single.stderr
+    return errors
+
+
+def test_input_error_is_one_line_and_exit_code_2(tmp_path):
+    """A relaunch into a used folder with resume=none: tsp-train exits 2 with one line."""
+    _single_process_error(_used_folder(tmp_path))
+
+
+@pytest.mark.slow
+def test_input_errors_are_one_line_from_rank_0_before_start_up(tmp_path):
+    """The same under accelerate launch (4 ranks): rank 0 prints the same one line, the other ranks
+    nothing, and no DeepSpeed or Accelerate start-up happened; the launcher adds its
+    ChildFailedError summary."""
+    out = _used_folder(tmp_path)
+    errors = _single_process_error(out)
+    t0 = time.monotonic()
+    launched = subprocess.run(_accelerate([f"train.output_dir={out}"]), cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - t0
+    print(f"\ninput error under accelerate launch (4 ranks): {seconds:.1f} s to the launcher's exit")
+    assert launched.returncode != 0
+    lines = [x for x in launched.stderr.splitlines() if "tsp-train: error" in x]
+    assert lines == errors, launched.stderr[-3000:]
+    assert "ChildFailedError" in launched.stderr and "exitcode  : 2" in launched.stderr
+    assert not re.search(r"DeepSpeed info|Initializing TorchBackend|deepspeed.runtime", launched.stderr)
+
+
+def test_slurm_script_forwards_the_preemption_signal_and_requeues(tmp_path):
+    """The sbatch script under stand-ins for srun and scontrol: USR1 to the batch shell (SLURM's
+    --signal=B:USR1 lead time) reaches the srun step as SIGTERM; once the step has exited the job
+    requeues itself. Without a signal a failing step's status is the script's."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text('#!/bin/bash\nif [ "$1" = show ]; then echo node0; '
+                                   'else echo "$*" >> "$LOG"; fi\n')
+    # srun stand-in: the "trainer" saves on SIGTERM (after a moment) and exits 75.
+    (fake / "srun").write_text('#!/bin/bash\ntrap \'sleep 0.5; echo saved >> "$LOG"; exit 75\' TERM\n'
+                               'echo started >> "$LOG"\nfor i in $(seq 300); do sleep 0.1; done\n'
+                               'exit ${SRUN_STATUS:-0}\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    log = tmp_path / "log"
+    env = _env(PATH=f"{fake}:{os.environ['PATH']}", LOG=str(log), SLURM_JOB_ID="42",
+               SLURM_JOB_NODELIST="node0", SLURM_SUBMIT_DIR=str(tmp_path), REPO=str(tmp_path))
+    script = str(REPO / "launch" / "slurm_7b_128k_1024gpu.sbatch")
+    job = subprocess.Popen(["bash", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    while not (log.exists() and "started" in log.read_text()):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    stdout, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, stdout
+    assert log.read_text().splitlines() == ["started", "saved", "requeue 42"], log.read_text()
+    assert "caught USR1" in stdout
+    log.unlink()
+    (fake / "srun").write_text('#!/bin/bash\necho started >> "$LOG"\nexit 3\n')
+    plain = subprocess.run(["bash", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert plain.returncode == 3 and "requeue" not in log.read_text()

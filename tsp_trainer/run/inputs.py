@@ -1,0 +1,82 @@
+"""The "check inputs" phase: everything a user can get wrong, found before any process group,
+Accelerate or DeepSpeed starts (seconds instead of the tens of seconds of start-up).
+
+    inputs = check_inputs(cfg, world_size=world)     # ValueError: one line, the CLI exits 2
+
+In order, each cheap: the config against the world size (config/validate.py); the tokenizer loads
+and fits the model's vocabulary; the data (data/checks.py check_data_config: sources, format,
+columns, eval split and source, token budget); the resume path names a checkpoint whose model shape and layout this run accepts; the
+output folder is writable and not another run's (run/rundir.py). The cli runs it on every rank and
+hands the result to the Trainer (the tokenizer is not loaded twice); a Trainer built directly runs
+it itself. Never imports torch.distributed, accelerate or deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tsp_trainer.checkpoint.manager import META
+from tsp_trainer.checkpoint.reshard import check_layout_change
+from tsp_trainer.config import TrainConfig, validate_config
+from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, load_run_tokenizer
+from tsp_trainer.data.tokenize import TextTokenizer
+from tsp_trainer.run.rundir import check_output_dir, resolve_resume
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    tokenizer: TextTokenizer
+    data_plan: DataPlan             # data/checks.py: shares, epochs, eval layout, notes
+    resume_path: Path | None        # the checkpoint to continue from (None: start at step 0)
+    resume_meta: dict | None        # its meta.json (read here; the manifest is verified at load)
+
+
+def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
+    """Raise ValueError naming the key, the value and the rule on the first bad input."""
+    validate_config(cfg, world_size)
+    model_cfg = cfg.model.to_model_config()
+    tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's
+    check_tokenizer_fits(tokenizer, model_cfg.vocab_size)
+    data_plan = check_data_config(cfg, world_size // cfg.parallel.tsp_degree, tokenizer=tokenizer)
+    resume_path = resolve_resume(cfg.train.resume, cfg.train.output_dir)
+    meta = None
+    if resume_path is not None:
+        meta = read_meta(resume_path)
+        check_same_model(meta, model_cfg, resume_path)
+        check_layout_change(meta["layout"], run_layout(cfg, world_size),
+                            policy=cfg.data.on_layout_change, path=resume_path)
+    check_output_dir(cfg.train.output_dir, resume=cfg.train.resume, resume_path=resume_path,
+                     overwrite=cfg.train.overwrite_output_dir)
+    return CheckedInputs(tokenizer, data_plan, resume_path, meta)
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of the checkpoint to resume (read only; the manifest is verified at load)."""
+    meta = Path(path) / META
+    if not meta.is_file():
+        raise ValueError(f"train.resume: checkpoint {path} is missing {META}: it is incomplete or "
+                         "not a tsp_trainer checkpoint")
+    try:
+        return json.loads(meta.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"train.resume: checkpoint {path} has an unreadable {META} ({err})") from err
+
+
+def check_same_model(meta: dict, model_cfg: ModelConfig, path: Path) -> None:
+    """The checkpoint must hold this model's shape; the message names every field that differs."""
+    saved, mine = ModelConfig.from_dict(meta["model"]).to_dict(), model_cfg.to_dict()
+    if saved != mine:
+        diff = {k: (v, mine.get(k)) for k, v in saved.items() if mine.get(k) != v}
+        raise ValueError(f"checkpoint {path} is of another model shape: "
+                         + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint"
+                                     for k, (a, b) in diff.items()))
+
+
+def run_layout(cfg: TrainConfig, world_size: int) -> dict:
+    """meta.json's `layout` of a run of `cfg` on `world_size` ranks."""
+    return {"scheme": cfg.parallel.scheme, "tsp_degree": cfg.parallel.tsp_degree,
+            "dp_degree": world_size // cfg.parallel.tsp_degree, "world_size": world_size,
+            "zero_stage": cfg.zero.stage}

@@ -1,0 +1,113 @@
+"""Stopping early on purpose: a preemption signal, or the end of the allocation.
+
+A signal handler only sets a flag (it may run in the middle of a collective; nothing else is safe
+there). At every step boundary all ranks agree with one MAX all-reduce over the world group, so a
+signal that reached one rank only (or one node first) stops every rank after the same step; the
+Trainer then writes a checkpoint and the process exits with EXIT_PREEMPTED.
+
+    stopper = StopAgreement(mesh.world, signals=("SIGTERM", "SIGUSR1"), max_runtime_s=3600, device=dev)
+    with stopper:                              # installs the handlers, restores them on exit
+        while ...:
+            train_step()
+            reason = stopper.agree(step_s=..., save_s=...)    # collective
+            if reason: save(); break
+
+train.max_runtime_min counts from the start of this process (its age is read from /proc on
+Linux, so start-up counts as it does for the allocation) and fires when the time left is less than
+the slowest step so far plus the slowest save so far, so the final checkpoint still fits.
+
+Under a launcher (accelerate launch, torchrun) the signal usually reaches the launcher: torch
+elastic forwards the signals in TORCHELASTIC_SIGNALS_TO_HANDLE (SIGTERM, SIGINT, SIGHUP, SIGQUIT;
+add SIGUSR1 with PET_SIGNALS_TO_HANDLE) to every worker and SIGKILLs them after
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30): that must cover one step plus one save
+(docs/reliability.md "Preemption").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from tsp_trainer.parallel.comm import Comm
+
+# sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry": the run stopped at a
+# checkpoint and continues with train.resume=auto.
+EXIT_PREEMPTED = 75
+
+# The code each rank contributes to the MAX all-reduce: 0 = carry on, 1 = out of time, else the
+# signal number (so a signal wins over the clock, and its name survives the reduction).
+_OUT_OF_TIME = 1
+
+
+class StopAgreement:
+    """Preemption flag (set by signals) + max-runtime clock, agreed by all ranks at step boundaries."""
+
+    def __init__(self, world: Comm, *, signals: tuple[str, ...] | list[str], max_runtime_s: float = 0.0,
+                 device: torch.device | str = "cpu", clock=time.monotonic):
+        self.world = world
+        self.signals = tuple(signals)
+        self.max_runtime_s = float(max_runtime_s)
+        self.device = torch.device(device)
+        self._clock = clock
+        self._start = clock() - (process_age_s() if clock is time.monotonic else 0.0)
+        self._received: int = 0              # signal number of the first signal caught, 0 if none
+        self._previous: dict[int, object] = {}
+
+    # -- signal handlers --------------------------------------------------------------------------
+    def __enter__(self) -> StopAgreement:
+        if threading.current_thread() is not threading.main_thread():
+            return self          # Python delivers signals to the main thread only; the clock still works
+        for name in self.signals:
+            signum = getattr(signal, name)
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        # Runs between two bytecodes of the main thread: set the flag, nothing else.
+        if not self._received:
+            self._received = signum
+
+    @property
+    def received(self) -> str | None:
+        return signal.Signals(self._received).name if self._received else None
+
+    # -- the decision -----------------------------------------------------------------------------
+    def out_of_time(self, *, step_s: float, save_s: float) -> bool:
+        """True when the time left is less than one more step plus the final save."""
+        if self.max_runtime_s <= 0:
+            return False
+        return self._clock() - self._start + step_s + save_s >= self.max_runtime_s
+
+    def agree(self, *, step_s: float, save_s: float) -> str | None:
+        """Collective (world): why every rank stops after this step, or None to carry on."""
+        code = self._received or (_OUT_OF_TIME if self.out_of_time(step_s=step_s, save_s=save_s) else 0)
+        flag = torch.tensor([float(code)], device=self.device)
+        self.world.all_reduce(flag, tag="lifecycle.stop", op=torch.distributed.ReduceOp.MAX)
+        code = int(flag.item())
+        if code == 0:
+            return None
+        if code == _OUT_OF_TIME:
+            return (f"train.max_runtime_min={self.max_runtime_s / 60:g} reached (the next step and "
+                    "the final save would not fit)")
+        return f"signal {signal.Signals(code).name}"
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])    # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -1,0 +1,146 @@
+"""The run folder (train.output_dir): who may write into it, what a relaunch does with it, and the
+files that must agree with the checkpoint a run continues from.
+
+    <output_dir>/
+        config.yaml       resolved config of the newest launch
+        run.json          the run's identity: W&B run id and name (run/identity.py)
+        metrics.jsonl     one line per logged step, each step once (cut back to the resumed step)
+        checkpoints/      step_* folders and `latest` (checkpoint/manager.py)
+        hang_dumps/       rank_XXXXX.txt, written by the hang watchdog (run/watchdog.py)
+
+Rules (docs/reliability.md, "Output folders"):
+- A launch with train.resume=none into a folder that holds checkpoints is refused, naming the
+  choices: train.resume=auto, another train.output_dir, or train.overwrite_output_dir=true.
+- train.resume accepts a step_* folder, a checkpoints folder or a run folder (its latest).
+- After a resume from step s, metrics.jsonl holds each step <= s once (rewritten atomically), so
+  the steps replayed after a crash appear once.
+
+`check_output_dir` and `resolve_resume` only read (and probe writability); they run before any
+process group exists (run/inputs.py). `claim_output_dir` mutates and runs on global rank 0 only.
+Imports nothing of ours but checkpoint.manager's path helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tsp_trainer.checkpoint.manager import (MANIFEST, atomic_write_text, find_checkpoint,
+                                            latest_checkpoint)
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+RUN_FILE = "run.json"
+HANG_DUMPS = "hang_dumps"
+
+
+def checkpoints_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint train.resume names (None for 'none', or 'auto' with nothing to resume)."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoints_root(output_dir))
+    found = find_checkpoint(resume)
+    if found is None:
+        raise ValueError(f"train.resume={resume!r} is neither a complete checkpoint (a step_* folder "
+                         f"with {MANIFEST}) nor a run or checkpoints folder holding one; pass 'auto', "
+                         "'none', a step_* folder or a run folder")
+    return found
+
+
+def check_output_dir(output_dir: str, *, resume: str, resume_path: Path | None, overwrite: bool) -> None:
+    """Refuse to mix two runs in one folder, and an output folder this process cannot write.
+    Creates the folder if it is missing (the probe needs it; training would create it anyway)."""
+    root = checkpoints_root(output_dir)
+    existing = latest_checkpoint(root)
+    inside = resume_path is not None and is_inside(resume_path, root)
+    if overwrite and (resume == "auto" or inside):
+        raise ValueError(f"train.overwrite_output_dir=true would delete the checkpoints of "
+                         f"{output_dir!r} that train.resume={resume!r} continues from; drop one of them")
+    foreign = resume not in ("none", "auto") and not inside      # another folder's checkpoint
+    if existing is not None and not overwrite and (resume == "none" or foreign):
+        what = ("train.resume=none starts a new run" if resume == "none" else
+                f"train.resume={resume!r} continues another run's checkpoint")
+        raise ValueError(f"train.output_dir={output_dir!r} already holds checkpoints of a run (latest "
+                         f"{existing.name}) and {what}; continue that run with train.resume=auto, "
+                         "write to another train.output_dir, or set train.overwrite_output_dir=true "
+                         "to delete them and start over")
+    _probe_writable(output_dir)
+
+
+def _probe_writable(output_dir: str) -> None:
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_probe.", dir=output_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"train.output_dir={output_dir!r} is not writable ({err.strerror or err}); "
+                         "point it at a folder this job can write to") from err
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    """Whether `path` lies in the folder `root` (both resolved)."""
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def abandoned_checkpoints(output_dir: str | os.PathLike, resume_path: Path | None) -> list[str]:
+    """Checkpoints of this folder newer than the one resumed (a rollback): the first save of the
+    resumed run prunes them (checkpoint/manager.py), so the caller says so up front."""
+    if resume_path is None or not is_inside(resume_path, checkpoints_root(output_dir)):
+        return []
+    return sorted(p.name for p in checkpoints_root(output_dir).glob("step_*")
+                  if (p / MANIFEST).exists() and p.name > Path(resume_path).name)
+
+
+def claim_output_dir(output_dir: str | os.PathLike, *, overwrite: bool) -> list[str]:
+    """Global rank 0, before anything is written: with train.overwrite_output_dir, remove the earlier
+    run's checkpoints, metrics and identity. Returns what was removed."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    removed = []
+    if overwrite:
+        for name in (CHECKPOINTS, METRICS, RUN_FILE):
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+            else:
+                continue
+            removed.append(name)
+    return removed
+
+
+def rewrite_metrics(path: str | os.PathLike, *, up_to_step: int) -> int | None:
+    """Cut metrics.jsonl back to the steps <= up_to_step, one line per step (the last written wins),
+    atomically. Returns the highest step the file held before (the last step any sink logged), or
+    None if there was no file. Lines a crash cut short are dropped."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    by_step: dict[int, str] = {}
+    last = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        last = step if last is None else max(last, step)
+        if step <= up_to_step:
+            by_step[step] = line
+    text = "".join(by_step[s] + "\n" for s in sorted(by_step))
+    if text != path.read_text(encoding="utf-8"):
+        atomic_write_text(path, text)
+    return last
