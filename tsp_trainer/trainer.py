@@ -34,6 +34,7 @@ from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.model.attention_route import check_cuda_attention
+from tsp_trainer.model.documents import Documents
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks, model_and_hardware_flops_per_token)
 from tsp_trainer.optim import build_optimizer, build_scheduler
@@ -224,9 +225,17 @@ class Trainer:
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
         # non_blocking: a host-to-device copy that does not wait for the GPU's queue (no sync)
         ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device, non_blocking=True),
-                                                batch["labels"].to(self.device, non_blocking=True))
+                                                batch["labels"].to(self.device, non_blocking=True),
+                                                self._documents(batch))
         loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
         return loss_sum, global_count(count, self._loss_comms)
+
+    def _documents(self, batch: dict) -> Documents | None:
+        """data.document_masking: the batch's document starts, read from its host tensor (host
+        ints: attention never reads boundaries back from the device)."""
+        if not self.cfg.data.document_masking:
+            return None
+        return Documents.from_ids(batch["document_ids"], reset_positions=self.cfg.data.reset_positions)
 
     def _check_finite(self) -> None:
         """All ranks agree, before the update, whether this step is poisoned."""

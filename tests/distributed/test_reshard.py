@@ -122,7 +122,12 @@ def test_resume_under_another_layout_matches_original(source, reference, tmp_pat
     assert got["lrs"] == ref["lrs"]
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
     for name, w in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+        # k_proj.bias: its gradient is zero in exact arithmetic (q . b_k adds the same score to
+        # every key of a query: softmax ignores it), so AdamW turns fp32 rounding noise, which
+        # depends on how each layout splits attention into calls (CPU prefix + diagonal merged by
+        # log-sum-exp), into updates of up to lr: compared at that scale, not at 1e-6
+        atol = 1e-3 if name.endswith("k_proj.bias") else 1e-6
+        torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=atol, msg=name)
     ckpt = out / "checkpoints" / "step_00000005"
     assert read_extra(ckpt / "optim", "optim")["adam_steps"] == [5, 5]
     mine, theirs = read_full_state_dict(ckpt / "optim", "optim"), read_full_state_dict(ref_ckpt / "optim", "optim")

@@ -151,6 +151,8 @@ class DataSection:
     dataset_tokens: int | None = None          # tokens in one epoch of the train data, if known
     max_epochs_warning: float = 1.0            # warn at start-up when the run reads its data more often
     on_layout_change: LayoutChange = "refuse"  # resuming loader state under another DP degree
+    document_masking: bool = False             # no token attends across a document boundary (EOS)
+    reset_positions: bool = False              # with document_masking: RoPE positions restart per document
 
 
 @dataclass(frozen=True)

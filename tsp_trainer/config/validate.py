@@ -95,6 +95,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_schedule(cfg, model)
     _check_eval(cfg, model)
     _check_data_sources(cfg)
+    _check_document_masking(cfg)
     _check_length_schedule(cfg, model)
     _check_paths(cfg)
 
@@ -408,6 +409,16 @@ def _check_data_sources(cfg: TrainConfig) -> None:
     if d.eval_source is not None and cfg.train.eval_every and d.eval_split is None:
         raise ValueError("data.eval_source is set but data.eval_split is null; name the split to "
                          "read from it")
+
+
+def _check_document_masking(cfg: TrainConfig) -> None:
+    d = cfg.data
+    for key in ("document_masking", "reset_positions"):
+        if not isinstance(getattr(d, key), bool):
+            raise ValueError(f"data.{key}={getattr(d, key)!r} must be true or false")
+    if d.reset_positions and not d.document_masking:
+        raise ValueError("data.reset_positions=true needs data.document_masking=true (positions "
+                         "restart per document only where attention stops at its boundary)")
 
 
 def _check_length_schedule(cfg: TrainConfig, model: ModelConfig) -> None:

@@ -72,7 +72,8 @@ def build_train_loader(data: DataSection, *, tokenizer: TextTokenizer, dp_rank: 
                           dp_degree=dp_degree, shuffle=data.shuffle, seed=seed,
                           shuffle_buffer=data.shuffle_buffer,
                           source=",".join(s.name for s in specs), split=specs[0].split,
-                          schedule=length_schedule(data, grad_accum=grad_accum))
+                          schedule=length_schedule(data, grad_accum=grad_accum),
+                          document_ids=data.document_masking)
     return PrefetchLoader(loader, depth=data.prefetch) if data.prefetch > 0 else loader
 
 
@@ -103,5 +104,5 @@ def build_eval_batches(data: DataSection, *, tokenizer: TextTokenizer, dp_rank: 
                                data_format=fmt, dp_rank=rank, dp_degree=degree, mode="eval")
     loader = PackedLoader(documents, tokenizer=tokenizer, seq_len=data.seq_len,
                           micro_batch_size=data.micro_batch_size, dp_rank=rank, dp_degree=degree,
-                          source=source, split=split)
+                          source=source, split=split, document_ids=data.document_masking)
     return EvalBatches(loader, num_batches=num_batches)

@@ -54,7 +54,8 @@ class PackedLoader:
                  seq_len: int, micro_batch_size: int, dp_rank: int = 0, dp_degree: int = 1,
                  text_field: str = "text", token_field: str | None = None, shuffle: bool = False,
                  seed: int = 0, shuffle_buffer: int = 1024, source: str = "<dataset>",
-                 split: str = "train", schedule: LengthSchedule | None = None):
+                 split: str = "train", schedule: LengthSchedule | None = None,
+                 document_ids: bool = False):
         check_dp_layout(dp_rank=dp_rank, dp_degree=dp_degree)
         for key, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
                            ("shuffle_buffer", shuffle_buffer)):
@@ -66,6 +67,8 @@ class PackedLoader:
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.source, self.split = str(source), split
         self.schedule = schedule or LengthSchedule.constant(seq_len, micro_batch_size)
+        # data.document_masking: each batch also carries "document_ids" (B, S), cut at EOS
+        self.document_ids = document_ids
         if hasattr(documents, "next_document"):
             self.documents = documents
         else:
@@ -112,7 +115,13 @@ class PackedLoader:
         return windows
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        return windows_to_batch(self.next_windows())  # {"input_ids": (B, S), "labels": (B, S)}
+        # {"input_ids": (B, S), "labels": (B, S)[, "document_ids": (B, S)]}
+        return windows_to_batch(self.next_windows(), self.document_eos)
+
+    @property
+    def document_eos(self) -> int | None:
+        """The EOS id that cuts documents when batches carry document ids, else None."""
+        return self.tokenizer.eos_id if self.document_ids else None
 
     def describe(self) -> list[str]:
         """Lines for the start-up log: the mixture's estimates, upsampling, the length schedule."""
@@ -127,6 +136,9 @@ class PackedLoader:
             lines.append("data: length schedule " + ", ".join(
                 f"from step {s.start_step}: {s.micro_batch_size} x {s.seq_len} tokens"
                 for s in self.schedule.stages))
+        if self.document_ids:
+            lines.append(f"data: document masking: each batch carries document ids cut after EOS "
+                         f"(id {self.tokenizer.eos_id}); attention stops at every document boundary")
         return lines
 
     @property
@@ -262,7 +274,8 @@ def build_loader(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,
                  dp_degree: int = 1, seed: int = 0, shuffle: bool = False,
                  shuffle_buffer: int = 1024, config_name: str | None = None,
                  load_kwargs: Mapping[str, Any] | None = None, max_example_split_dp: int = 8,
-                 mode: str = "train", schedule: LengthSchedule | None = None) -> PackedLoader:
+                 mode: str = "train", schedule: LengthSchedule | None = None,
+                 document_ids: bool = False) -> PackedLoader:
     """Open `source` for this DP rank and wrap it in a PackedLoader (plain arguments only)."""
     tok = load_tokenizer(tokenizer)
     documents = open_documents(source, tokenizer=tok, split=split, text_field=text_field,
@@ -274,7 +287,8 @@ def build_loader(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,
     return PackedLoader(documents, tokenizer=tok, seq_len=seq_len,
                         micro_batch_size=micro_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
                         shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer,
-                        source=str(source), split=split, schedule=schedule)
+                        source=str(source), split=split, schedule=schedule,
+                        document_ids=document_ids)
 
 
 def iterate_eval_batches(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,

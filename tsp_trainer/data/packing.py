@@ -5,7 +5,9 @@ Legend: B = micro_batch_size, S = seq_len. The token stream is [BOS] doc_0 EOS [
 window k is stream[k*S : k*S + S + 1] (S may change between windows: a length schedule), so
 consecutive windows share one token and every token after the first is a label exactly once. A
 document longer than S continues in the next window: nothing is dropped. Attention is not masked at
-document boundaries (standard for packed pre-training); EOS tells the model a new document starts.
+document boundaries unless asked (standard for packed pre-training; EOS tells the model a new
+document starts); with data.document_masking the batch also carries "document_ids", from which
+attention stops at every boundary (model/documents.py).
 Labels are already shifted over the full sequence; the parallel code takes its zigzag slices of
 both tensors later (STYLE.md 5.4). Imports torch only (DocumentTokenizer, which lived here, is
 re-exported from documents.py).
@@ -61,10 +63,25 @@ class TokenPacker:
         return self._tokens[self._start:]
 
 
-def windows_to_batch(windows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """B windows of S + 1 tokens -> {"input_ids": (B, S), "labels": (B, S)}, labels[t] = ids[t+1]."""
-    tokens = torch.tensor(windows, dtype=torch.long)  # (B, S + 1)
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+def windows_to_batch(windows: list[list[int]] | torch.Tensor,
+                     eos_id: int | None = None) -> dict[str, torch.Tensor]:
+    """B windows of S + 1 tokens -> {"input_ids": (B, S), "labels": (B, S)}, labels[t] = ids[t+1].
+    With `eos_id` (document masking) also "document_ids" (B, S): see `document_ids`."""
+    tokens = torch.as_tensor(windows, dtype=torch.long)  # (B, S + 1)
+    batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+    if eos_id is not None:
+        batch["document_ids"] = document_ids(batch["input_ids"], eos_id)
+    return batch
+
+
+def document_ids(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-token document index within each row (B, S) int32: the packer ends every document with
+    EOS, so a document starts at the token after an EOS (its BOS when the tokenizer has one).
+    Token t's id is the number of EOS among input_ids[:, :t]; a window that begins mid-document
+    gives that document id 0. Any document length works."""
+    after_eos = torch.zeros_like(input_ids, dtype=torch.int32)
+    after_eos[:, 1:] = (input_ids[:, :-1] == eos_id).to(torch.int32)
+    return after_eos.cumsum(dim=1, dtype=torch.int32)
 
 
 def pack_documents(docs: Iterable[list[int]], *, seq_len: int, micro_batch_size: int,

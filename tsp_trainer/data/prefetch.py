@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from tsp_trainer.data.loader import PackedLoader
+from tsp_trainer.data.packing import windows_to_batch
 
 
 class _Failure:
@@ -56,7 +57,8 @@ class PrefetchLoader:
                     if self._stop:
                         return
                     tokens = torch.tensor(self.loader.next_windows(), dtype=torch.long)
-                    item = (_to_batch(tokens), tokens, dict(self.loader.stats))
+                    item = (windows_to_batch(tokens, self.loader.document_eos), tokens,
+                            dict(self.loader.stats))
             except BaseException as exc:                 # handed to the training loop
                 item = _Failure(exc)
             with self._cond:
@@ -125,8 +127,3 @@ class PrefetchLoader:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def _to_batch(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-    """(B, S + 1) windows -> {"input_ids": (B, S), "labels": (B, S)}, labels[t] = ids[t+1]."""
-    return {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}

@@ -17,8 +17,16 @@ before any process group exists, naming shape and dtype:
   fp32 head_dim not a multiple of 4,    refused: neither fused kernel takes it
   half head_dim > 256 not a multiple of 8
 
-On CPU the route is a boolean mask per block of CPU_MASK_QUERY_BLOCK queries (the validation
-path; CPU SDPA has no lower-right bias without a mask). `attention_core` takes the route as given,
+Document masking (model/documents.py) runs a row's segments in one varlen call on CUDA (flash's
+cu_seqlens mode for bf16/fp16, memory-efficient's for fp32; both bottom-right causal, both with
+autograd in torch 2.13: `torch.ops.aten._flash_attention_forward`, `_efficient_attention_forward`),
+and one bottom-right causal call per segment elsewhere.
+
+On CPU (the validation path; CPU SDPA has no lower-right bias without a mask) the route splits a
+bottom-right causal call into its key prefix (no mask) and diagonal block (`is_causal`) and merges
+them by log-sum-exp (model/attention_lse.py): no mask, no masked-out scores computed. The former
+route, a boolean mask per block of CPU_MASK_QUERY_BLOCK queries, stays selectable
+(SdpaRoute("cpu_blocked_mask", query_block=...)) as the comparison. `attention_core` takes the route as given,
 so a test runs the CUDA route's math on CPU tensors (tests/unit/test_attention_route.py).
 """
 
@@ -31,12 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from tsp_trainer.model.attention_lse import prefix_causal_attention
+from tsp_trainer.model.documents import Segment, VarlenPlan, varlen_plan
+
 # Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
 # the float copy SDPA makes of it) is [block, keys], so blocking bounds it at block * S elements
 # instead of (S / D) * S.
 CPU_MASK_QUERY_BLOCK = 512
 
 FLASH_MAX_HEAD_DIM = 256
+_CPU_KERNELS = ("cpu_lse_merge", "cpu_blocked_mask")
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -48,19 +60,21 @@ class UnsupportedAttentionError(ValueError):
 class SdpaRoute:
     """How `attention_core` calls SDPA on one device: the kernel, and the calls themselves."""
 
-    kernel: str                 # "flash" | "efficient" (CUDA, fused, no mask) | "cpu_blocked_mask"
+    # "flash" | "efficient" (CUDA, fused, no mask) | "cpu_lse_merge" (CPU default: prefix and
+    # diagonal merged by log-sum-exp, no mask) | "cpu_blocked_mask" (CPU, a mask per query block)
+    kernel: str
     expand_kv: bool = False     # repeat K/V heads to the query heads before the call
     query_block: int | None = None   # queries per call for the CPU mask path
 
     @property
     def lower_right_bias(self) -> bool:
         """Bottom-right causal runs use torch's CausalBias (no mask in memory)."""
-        return self.kernel != "cpu_blocked_mask"
+        return self.kernel not in _CPU_KERNELS
 
     def kernels(self, device_type: str):
         """Context restricting SDPA on CUDA to this route's kernel. A no-op on CPU, also for a
         CUDA route run on CPU tensors (the CPU twin in the tests: CPU has no such kernels)."""
-        if self.kernel == "cpu_blocked_mask" or device_type != "cuda":
+        if self.kernel in _CPU_KERNELS or device_type != "cuda":
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -75,25 +89,89 @@ class SdpaRoute:
     def prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, *,
                gqa: bool) -> torch.Tensor:
         """Queries [B, H, n, d] at positions first..first+n-1 against keys 0..first+n-1."""
-        n = q.shape[2]
+        n_k = first + q.shape[2]
+        return self.segment(q, k[:, :, :n_k], v[:, :, :n_k], gqa=gqa)
+
+    def segment(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, gqa: bool) -> torch.Tensor:
+        """Queries [B, H, n, d] against keys [B, H, n_k, d] (n_k >= n) with a bottom-right aligned
+        causal mask: query i sees keys 0 .. n_k - n + i (a zigzag chunk's prefix, or the keys of
+        one document)."""
+        n, n_k = q.shape[2], k.shape[2]
+        if self.kernel == "cpu_lse_merge":
+            return prefix_causal_attention(q, k, v)
         if self.lower_right_bias:
-            n_k = first + n
-            return F.scaled_dot_product_attention(q, k[:, :, :n_k], v[:, :, :n_k],
-                                                  attn_mask=causal_lower_right(n, n_k), enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, n_k),
+                                                  enable_gqa=gqa)
         outs = []
         for s in range(0, n, self.query_block):
             e = min(n, s + self.query_block)
-            n_k = first + e                    # keys 0 .. position of the block's last query
-            mask = torch.ones(e - s, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - (e - s))
-            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :n_k], v[:, :, :n_k],
+            k_end = n_k - (n - e)              # keys up to the block's last query
+            mask = torch.ones(e - s, k_end, dtype=torch.bool, device=q.device).tril(diagonal=k_end - (e - s))
+            outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :k_end], v[:, :, :k_end],
                                                        attn_mask=mask, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
+
+    def documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  segments: tuple[Segment, ...], *, gqa: bool) -> torch.Tensor:
+        """One batch row under document masking: q [1, H, Tq, d] against logical-order keys
+        [1, H, S, d]; each segment's queries see only their document's causal keys. On CUDA one
+        varlen fused call (cu_seqlens); elsewhere one bottom-right causal call per segment."""
+        if self.kernel in _VARLEN_KERNELS and q.device.type == "cuda":
+            return varlen_attention(q, k, v, varlen_plan(segments), _VARLEN_KERNELS[self.kernel])
+        outs = []
+        for s in segments:
+            qs, ks, vs = q[:, :, s.q_start:s.q_stop], k[:, :, s.k_start:s.k_stop], v[:, :, s.k_start:s.k_stop]
+            # a document that starts inside the run: its keys are the queries (square causal)
+            call = self.causal if s.n_prefix == 0 else self.segment
+            outs.append(call(qs, ks, vs, gqa=gqa))
+        return torch.cat(outs, dim=2)
+
+
+# -- varlen fused attention (CUDA): all of a row's segments in one kernel call ----------------------
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
+                     kernel) -> torch.Tensor:
+    """q [1, H, Tq, d] (queries already in segment order), k, v [1, Hkv, S, d] -> [1, H, Tq, d].
+    The keys of each segment are gathered into one packed [sum of key ranges, Hkv, d] buffer (at
+    most two ranges per document and rank: linear in S); `kernel(q, k, v, cu_q, cu_k, max_q,
+    max_k)` takes packed [total, heads, d] tensors and int32 offsets and applies a bottom-right
+    causal mask per segment, as flash attention's varlen mode does."""
+    index = plan.key_index(device=q.device)
+    qp = q[0].transpose(0, 1)                                   # [Tq, H, d]
+    kp, vp = (t[0].index_select(1, index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
+    cu_q, cu_k = (_device_offsets(c, q.device) for c in (plan.cu_q, plan.cu_k))
+    out = kernel(qp, kp, vp, cu_q, cu_k, plan.max_q, plan.max_k)
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def _device_offsets(offsets: tuple[int, ...], device) -> torch.Tensor:
+    """int32 offsets on `device`, copied from pinned host memory without blocking the host."""
+    host = torch.tensor(offsets, dtype=torch.int32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    """torch's flash attention in varlen mode (bf16/fp16, GQA native, causal bottom-right)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True,
+                                                   False)[0]
+
+
+def _efficient_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
+    """torch's memory-efficient attention in varlen mode (fp32; custom_mask_type 2 = causal from
+    the bottom right). K/V heads are already expanded to the query heads (route.expand_kv)."""
+    return torch.ops.aten._efficient_attention_forward(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, cu_q, cu_k, max_q, max_k, 0.0, 2,
+        True)[0].squeeze(0)
+
+
+_VARLEN_KERNELS = {"flash": _flash_varlen, "efficient": _efficient_varlen}
 
 
 def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int) -> SdpaRoute:
     """The kernel `attention_core` uses for these inputs (pure; see the module docstring)."""
     if device_type != "cuda":
-        return SdpaRoute("cpu_blocked_mask", query_block=CPU_MASK_QUERY_BLOCK)
+        return SdpaRoute("cpu_lse_merge")
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
         return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
     alignment = 8 if dtype in _HALF else 4

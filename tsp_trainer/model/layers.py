@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.documents import Documents, plan_segments
 from tsp_trainer.model.attention_route import CPU_MASK_QUERY_BLOCK, SdpaRoute, sdpa_route  # noqa: F401
 from tsp_trainer.model.rms_norm import rms_norm
 from tsp_trainer.model.rope import PositionRuns, Rotary, apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
@@ -35,7 +36,7 @@ class RMSNorm(nn.Module):
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_runs: tuple[tuple[int, int, int], ...] | None = None,
-                   route: SdpaRoute | None = None) -> torch.Tensor:
+                   route: SdpaRoute | None = None, documents: Documents | None = None) -> torch.Tensor:
     """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
     position j). Returns [B, Tq, Hq * d].
 
@@ -46,6 +47,10 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape)
     makes the SDPA calls: a fused kernel with torch's lower-right CausalBias on CUDA (no mask in
     memory), a boolean mask per block of queries on CPU (model/attention_route.py).
+
+    documents (document masking): each row's queries see only the keys of their own document
+    (row b's starts in documents.starts[b]); the runs are cut into per-document segments
+    (model/documents.py), so the work follows the documents' lengths.
     """
     if isinstance(q_runs, torch.Tensor):              # positions [Tq]: read once (a host sync)
         q_runs = PositionRuns.of(q_runs).query_runs()
@@ -57,7 +62,14 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kt, vt = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (kt, vt))
         gqa = False
     with route.kernels(q.device.type):
-        if q_runs is None:
+        if documents is not None:
+            runs = q_runs if q_runs is not None else ((0, tq, 0),)
+            if len(documents.starts) != b:
+                raise ValueError(f"document boundaries for {len(documents.starts)} rows, batch has {b}")
+            out = torch.cat([route.documents(qt[i:i + 1], kt[i:i + 1], vt[i:i + 1],
+                                             plan_segments(runs, documents.starts[i]), gqa=gqa)
+                             for i in range(b)], dim=0)
+        elif q_runs is None:
             out = route.causal(qt, kt, vt, gqa=gqa)
         else:
             out = torch.cat([route.prefix(qt[:, :, start:stop], kt, vt, first, gqa=gqa)
@@ -80,7 +92,9 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(b, t, -1, self.head_dim), rope.cos, rope.sin)
         k = apply_rope(self.k_proj(x).view(b, t, -1, self.head_dim), rope.cos, rope.sin)
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
-        return self.o_proj(attention_core(q, k, v))
+        # the queries are the keys; with document masking, at the positions of rope.runs
+        runs = rope.runs if rope.documents is not None else None
+        return self.o_proj(attention_core(q, k, v, runs, documents=rope.documents))
 
 
 def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

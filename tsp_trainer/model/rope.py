@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tsp_trainer.config.model import ModelConfig, RopeScaling
+from tsp_trainer.model.documents import Documents, rope_positions
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,16 @@ class PositionRuns:
     batch layout, so attention never reads positions back from the device (a host sync per call)."""
 
     runs: tuple[tuple[int, int], ...]
+    # Document starts of the full rows these tokens come from (document masking), or None: every
+    # token sees its whole causal prefix (model/documents.py).
+    documents: Documents | None = None
 
     @classmethod
     def contiguous(cls, length: int, first: int = 0) -> "PositionRuns":
         return cls(((first, length),))
+
+    def with_documents(self, documents: Documents | None) -> "PositionRuns":
+        return PositionRuns(self.runs, documents)
 
     @classmethod
     def of(cls, positions: torch.Tensor) -> "PositionRuns":
@@ -65,12 +72,15 @@ class PositionRuns:
 class Rotary:
     """Global positions [T] of the tokens in hand, their RoPE tables cos, sin [T, head_dim], and
     the positions as runs (host ints, for attention's causal structure). A sequence-parallel caller
-    passes the positions of its own slice (e.g. two zigzag chunks)."""
+    passes the positions of its own slice (e.g. two zigzag chunks). With document masking
+    `documents` holds the rows' document starts; with reset_positions the tables are per row,
+    cos, sin [B, T, head_dim], at positions restarted per document."""
 
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     runs: tuple[tuple[int, int, int], ...] = ()     # (start, stop, first position) per run
+    documents: Documents | None = None
 
     @classmethod
     def build(cls, positions: "PositionRuns | torch.Tensor", head_dim: int, theta: float,
@@ -81,8 +91,11 @@ class Rotary:
             tensor = positions if device is None else positions.to(device)
         else:
             runs, tensor = positions, positions.tensor(device)
+        docs = runs.documents
+        if docs is not None and docs.reset_positions:
+            tensor = rope_positions(runs.runs, docs, device=tensor.device)          # [B, T]
         cos, sin = rope_cos_sin(tensor, head_dim, theta, scaling)
-        return cls(tensor, cos, sin, runs.query_runs())
+        return cls(tensor, cos, sin, runs.query_runs(), docs)
 
     @classmethod
     def for_model(cls, positions: "PositionRuns | torch.Tensor", cfg: ModelConfig, device=None) -> "Rotary":
@@ -91,10 +104,11 @@ class Rotary:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
                  dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [T, head_dim] for integer positions [T] (global token positions), scaled
-    by the RoPE type's attention factor (yarn; 1 otherwise) as transformers does."""
+    """cos, sin of shape [T, head_dim] for integer positions [T] (global token positions), or
+    [B, T, head_dim] for per-row positions [B, T], scaled by the RoPE type's attention factor
+    (yarn; 1 otherwise) as transformers does."""
     inv_freq, attention_scaling = rope_frequencies(head_dim, theta, scaling, device=positions.device)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]      # [T, d/2]
+    freqs = positions.to(torch.float32)[..., None] * inv_freq              # [(B,) T, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)                                # [T, d]
     cos, sin = emb.cos(), emb.sin()
     if attention_scaling != 1.0:
@@ -185,6 +199,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, d]; cos/sin: [T, d] (fp32 tables, applied in x's dtype as HF does)."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    """x: [B, T, heads, d]; cos/sin: [T, d] or per row [B, T, d] (fp32 tables, applied in x's
+    dtype as HF does)."""
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
     return x * cos + _rotate_half(x) * sin

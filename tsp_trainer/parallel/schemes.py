@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns
 from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
@@ -38,8 +39,15 @@ class Parallelized:
     layout: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, PositionRuns]]
     info: dict = field(default_factory=dict)
 
-    def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        return self.layout(input_ids, labels)
+    def local_batch(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                    documents: Documents | None = None):
+        """This rank's (input_ids, labels, positions). `documents` (document masking: the full
+        rows' document starts, model/documents.py) travels with the positions; each scheme's
+        attention cuts its own query runs at those starts."""
+        ids, labels, positions = self.layout(input_ids, labels)
+        if documents is not None:
+            positions = positions.with_documents(documents)
+        return ids, labels, positions
 
     def loss_sum(self, input_ids, labels, positions):
         return self.model.loss_sum(input_ids, labels, positions)

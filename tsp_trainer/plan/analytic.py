@@ -216,8 +216,8 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     the largest of the phases listed in `phases`, for the rank with the largest causal prefix.
 
     device: "cuda" (what the planner predicts: `attention_core` passes a lower-right CausalBias, no
-    mask in memory) or "cpu" (the validation runs: a boolean mask per block of
-    `model.layers.CPU_MASK_QUERY_BLOCK` queries, turned into an additive mask by SDPA).
+    mask in memory) or "cpu" (the validation runs: prefix and diagonal merged by log-sum-exp, no
+    mask either; the two differ in the K/V expansion of the CUDA memory-efficient kernel).
     """
     e = prec.act
     t, s_p, seqpar = layout.axes
@@ -313,19 +313,13 @@ def norm_backward_chunk_bytes(h: int, rows: int, e: int) -> int:
 
 
 def _mask_terms(seq_len: int, s_p: int, e: int, device: str) -> dict[str, int]:
-    """Causal masks of `attention_core` for the zigzag runs (C = S / (2 S_p) queries each). On CUDA
-    a lower-right CausalBias: nothing in memory. On CPU a bool mask [q_b, prefix] per block of q_b
-    = CPU_MASK_QUERY_BLOCK queries (`mask`, the largest block's) that SDPA turns into an additive
-    mask of the activation dtype (`bias`); with autograd on (TSP's and context attention's
-    recompute in backward) every block's additive mask stays alive until SDPA's backward: summed
-    over the blocks of both runs that is e * C * (S + q_b) on every rank (`biases`)."""
-    c = seq_len // (2 * s_p)
-    if device == "cuda":
-        return {"c": c, "mask": 0, "bias": 0, "biases": 0}
-    from tsp_trainer.model import layers
-
-    qb = min(getattr(layers, "CPU_MASK_QUERY_BLOCK", c) or c, c)
-    return {"c": c, "mask": qb * seq_len, "bias": e * qb * seq_len, "biases": e * c * (seq_len + qb)}
+    """Causal masks of `attention_core` for the zigzag runs (C = S / (2 S_p) queries each): none on
+    either device. CUDA passes a lower-right CausalBias to a fused kernel; CPU splits each run into
+    its key prefix (no mask) and its diagonal block (`is_causal`) and merges them by log-sum-exp
+    (model/attention_lse.py), whose [B, H, C, d] partial outputs are no larger than the `outs`
+    term the callers count. (The former CPU route, a bool mask per block of queries, is
+    SdpaRoute("cpu_blocked_mask"); the planner no longer models it.)"""
+    return {"c": seq_len // (2 * s_p), "mask": 0, "bias": 0, "biases": 0}
 
 
 def _kv_expansion(e: int, device: str, gqa: bool) -> bool:

@@ -158,6 +158,9 @@ def _footprint_route(route):
             n_k = first + q.shape[2]
             return _FusedFootprint.apply(q, k[:, :, :n_k], v[:, :, :n_k])
 
+        def segment(self, q, k, v, *, gqa):          # document masking: one document's keys
+            return _FusedFootprint.apply(q, k, v)
+
     return FusedFootprintRoute(route.kernel, expand_kv=route.expand_kv)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import attention_core
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
@@ -44,11 +45,11 @@ class _ContextAttention(torch.autograd.Function):
     positions. Backward: re-gather K, V, recompute, reduce-scatter dK, dV to the token owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_runs, comm: Comm):
+    def forward(ctx, q, k, v, q_runs, comm: Comm, documents):
         k_all, v_all = gather_kv(k, v, comm)
-        out = attention_core(q, k_all, v_all, q_runs)
+        out = attention_core(q, k_all, v_all, q_runs, documents=documents)
         ctx.save_for_backward(q, k, v)
-        ctx.comm, ctx.q_runs = comm, q_runs
+        ctx.comm, ctx.q_runs, ctx.documents = comm, q_runs, documents
         return out
 
     @staticmethod
@@ -57,18 +58,19 @@ class _ContextAttention(torch.autograd.Function):
         k_all, v_all = gather_kv(k, v, ctx.comm)
         with torch.enable_grad():
             ql, kl, vl = (t.detach().requires_grad_() for t in (q, k_all, v_all))
-            out = attention_core(ql, kl, vl, ctx.q_runs)
+            out = attention_core(ql, kl, vl, ctx.q_runs, documents=ctx.documents)
             dq, dk_all, dv_all = torch.autograd.grad(out, (ql, kl, vl), dout)
         del out, kl, vl, k_all, v_all
         dk, dv = scatter_dkv(dk_all, dv_all, ctx.comm)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      q_runs: tuple[tuple[int, int, int], ...], comm: Comm) -> torch.Tensor:
+                      q_runs: tuple[tuple[int, int, int], ...], comm: Comm,
+                      documents: Documents | None = None) -> torch.Tensor:
     """q [B, T, Hq, d], k, v [B, T, Hkv, d] of the local zigzag tokens, whose global positions
     are the runs `q_runs` (Rotary.runs) -> attention output [B, T, Hq * d]. A group of size 1
-    holds the whole sequence in order."""
+    holds the whole sequence in order. `documents`: the rows' document starts (masking)."""
     if comm.size == 1:
-        return attention_core(q, k, v)
-    return _ContextAttention.apply(q, k, v, q_runs, comm)
+        return attention_core(q, k, v, q_runs if documents is not None else None, documents=documents)
+    return _ContextAttention.apply(q, k, v, q_runs, comm, documents)

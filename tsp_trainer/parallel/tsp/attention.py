@@ -131,7 +131,7 @@ class _TSPAttentionFn(torch.autograd.Function):
                 wq, wk, wv, wo, bq, bk, bv = shard.bucket(b)
                 q, k, v = _project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim)
                 k_all, v_all = _gather_kv(k, v, block.comm)
-                y += attention_core(q, k_all, v_all, rope.runs) @ wo.T
+                y += attention_core(q, k_all, v_all, rope.runs, documents=rope.documents) @ wo.T
         ctx.save_for_backward(x, *params)
         ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
         return y.to(x.dtype)
@@ -174,7 +174,7 @@ def _bucket_backward(x, dy, weights, grads, rope: Rotary, block: TSPAttention) -
         q, k, v = _project(xl, wq, wk, wv, *(bqkv or (None,) * 3), rope, d)
         k_all, v_all = (t.detach().requires_grad_() for t in _gather_kv(k.detach(), v.detach(), comm))
         q_l = q.detach().requires_grad_()
-        out = attention_core(q_l, k_all, v_all, rope.runs) @ wo.T
+        out = attention_core(q_l, k_all, v_all, rope.runs, documents=rope.documents) @ wo.T
         dq, dk_all, dv_all, dwo = torch.autograd.grad(out, (q_l, k_all, v_all, wo), dy)
         dk, dv = _scatter_dkv(dk_all, dv_all, comm)
         dxl, dwq, dwk, dwv, *dbqkv = torch.autograd.grad((q, k, v), (xl, wq, wk, wv, *bqkv), (dq, dk, dv))

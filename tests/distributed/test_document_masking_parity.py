@@ -1,0 +1,88 @@
+"""Document masking under every scheme: the loss and every gradient of a packed batch with
+masking equal the sum over its documents, each run alone on one process (fp32, rtol 1e-5 /
+atol 1e-6), on 2 and 4 ranks for TSP (zigzag) and every baseline, with and without activation
+checkpointing and reset_positions. Documents have lengths that are no multiple of 2D (one token,
+odd lengths, documents across chunk and rank boundaries). One rank: tests/unit/test_document_masking.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from tests.distributed.tsp_cases import init_model
+from tests.helpers.dist import run_on_ranks
+from tests.unit.test_document_masking import per_document_reference
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model import Transformer
+from tsp_trainer.model.documents import Documents
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
+
+pytestmark = pytest.mark.distributed
+
+SEED, SEQ = 11, 32
+CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                  intermediate_size=128, max_seq_len=64, qkv_bias=True, o_bias=True)
+LENGTHS = [[5, 11, 1, 15], [3, 29]]
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+# (scheme, world, options, activation checkpointing, reset_positions)
+CASES = [("tsp", 2, {}, False, False), ("tsp", 2, {}, True, True), ("tsp", 4, {}, False, True),
+         ("tsp", 4, {}, True, False), ("tsp", 2, {"head_buckets": 2}, False, False),
+         ("tp", 2, {}, True, False), ("tp", 4, {}, False, True),
+         ("tp_sp", 2, {}, False, True), ("tp_sp", 4, {}, True, False),
+         ("sp", 2, {}, True, True), ("sp", 4, {}, False, False), ("sp", 4, {}, True, True),
+         ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2}, True, True),
+         ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}, False, False)]
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, CFG.vocab_size, (len(LENGTHS), SEQ + 1), generator=gen)
+    labels = tokens[:, 1:].clone()
+    labels[1, :2] = -100
+    return tokens[:, :-1].contiguous(), labels
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(reset_positions: bool):
+    model = Transformer(CFG)
+    init_model(model, SEED)
+    ids, labels = _batch()
+    return per_document_reference(model, ids, labels, LENGTHS, reset_positions=reset_positions)
+
+
+def _masked_rank(rank, world, scheme, options, checkpointing, reset_positions, ids, labels):
+    mesh = build_mesh(world)
+    model = Transformer(CFG)
+    init_model(model, SEED)
+    par = parallelize(model, scheme, mesh, seq_len=ids.shape[1], **options)
+    if checkpointing:
+        model.block_wrapper = lambda block, x, rope: torch.utils.checkpoint.checkpoint(
+            block, x, rope, use_reentrant=False)
+    docs = Documents.from_lengths(LENGTHS, reset_positions=reset_positions)
+    local_ids, local_labels, pos = par.local_batch(ids, labels, docs)
+    loss_sum, count = par.loss_sum(local_ids, local_labels, pos)
+    total = global_count(count, par.token_comms)
+    (loss_sum / total).backward()
+    return {"loss_sum": reduce_loss_value(loss_sum, total, par.token_comms) * float(total),
+            "count": int(total), "grads": par.gather_full_grads()}
+
+
+@pytest.mark.parametrize("scheme,world,options,checkpointing,reset_positions", CASES,
+                         ids=[f"{s}-d{w}{'-' + '-'.join(f'{k}{v}' for k, v in o.items()) if o else ''}"
+                              f"{'-ac' if ac else ''}{'-reset' if r else ''}" for s, w, o, ac, r in CASES])
+def test_packed_documents_equal_documents_alone(scheme, world, options, checkpointing, reset_positions):
+    ref_loss, ref_count, ref_grads = _reference(reset_positions)
+    ids, labels = _batch()
+    results = run_on_ranks(_masked_rank, world, scheme, options, checkpointing, reset_positions, ids, labels)
+    for rank, out in enumerate(results):
+        assert out["count"] == ref_count
+        assert out["loss_sum"] == pytest.approx(ref_loss, rel=1e-5), f"rank {rank} loss"
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(out["grads"][name], grad, **TOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")

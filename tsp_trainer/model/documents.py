@@ -1,0 +1,142 @@
+"""Document masking for packed sequences: which keys each query may see, as host integers.
+
+A packed row of S tokens holds several documents back to back. With masking on, a query at
+position p attends to keys ds(p) .. p, where ds(p) is the first position of p's document, never
+across a boundary; with `reset_positions` RoPE also sees p - ds(p) instead of p.
+
+Boundaries travel as `Documents` (per batch row, the logical positions where a document starts,
+host ints read once from the loader's `document_ids` on the host), attached to the positions of
+the tokens in hand (`PositionRuns.documents`). Every scheme keeps the full row's boundaries and its
+own query runs (two zigzag chunks for TSP / SP, one run otherwise), so any document length works:
+no rule ties documents to the 2D chunks.
+
+Attention is planned as *segments*: a query run cut at document starts. A segment is a
+contiguous block of queries at positions k_stop - n .. k_stop - 1 of one document, against its
+keys k_start .. k_stop - 1 (lower-right causal alignment). Work is sum over segments of
+n * (k_stop - k_start), i.e. it follows the squared document lengths, not S^2, and no N x N mask
+exists anywhere (the CPU route masks one [block, keys of the document] rectangle at a time).
+
+    segments = plan_segments(q_runs, doc_starts)          # tuple[Segment, ...], host ints
+    varlen = varlen_plan(segments)                        # cu_seqlens for a varlen kernel (CUDA)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Document starts per batch row (logical positions, sorted, first 0) and whether RoPE
+    positions restart at each document."""
+
+    starts: tuple[tuple[int, ...], ...]
+    reset_positions: bool = False
+
+    @classmethod
+    def from_ids(cls, document_ids: torch.Tensor, *, reset_positions: bool = False) -> "Documents":
+        """From per-token document ids [B, S] (any ints; a change between neighbours starts a
+        document). Reads the tensor: pass the loader's host copy, before it moves to a GPU."""
+        ids = document_ids.detach().cpu()
+        change = ids[:, 1:] != ids[:, :-1]                           # [B, S-1]
+        starts = tuple((0,) + tuple(int(i) + 1 for i in row.nonzero().flatten().tolist())
+                       for row in change)
+        return cls(starts, reset_positions)
+
+    @classmethod
+    def from_lengths(cls, lengths: list[list[int]], *, reset_positions: bool = False) -> "Documents":
+        """From document lengths per row (each row's lengths sum to its S)."""
+        rows = []
+        for row in lengths:
+            if any(n < 1 for n in row):
+                raise ValueError(f"document lengths {row} must be positive")
+            starts = [0]
+            for n in row[:-1]:
+                starts.append(starts[-1] + n)
+            rows.append(tuple(starts))
+        return cls(tuple(rows), reset_positions)
+
+    def document_start(self, row: int, position: int) -> int:
+        """First position of the document holding `position` in batch row `row`."""
+        starts = self.starts[row]
+        return starts[bisect.bisect_right(starts, position) - 1]
+
+
+class Segment(NamedTuple):
+    """Queries q_start..q_stop-1 (token indices in hand) at positions k_stop - n .. k_stop - 1
+    (n = q_stop - q_start), attending to keys k_start..k_stop-1 of the logical sequence."""
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+
+    @property
+    def n_prefix(self) -> int:
+        """Keys before the diagonal block (seen by every query of the segment)."""
+        return self.k_stop - self.k_start - (self.q_stop - self.q_start)
+
+
+def plan_segments(q_runs: tuple[tuple[int, int, int], ...],
+                  doc_starts: tuple[int, ...] = (0,)) -> tuple[Segment, ...]:
+    """Cut each query run (start, stop, first position) at the document starts inside it.
+    Segments come in query order and tile the queries exactly (pure; host ints)."""
+    out = []
+    for start, stop, first in q_runs:
+        last = first + (stop - start)                            # one past the run's last position
+        i = bisect.bisect_right(doc_starts, first) - 1           # document holding `first`
+        pos = first
+        while pos < last:
+            doc_start = doc_starts[i]
+            doc_end = doc_starts[i + 1] if i + 1 < len(doc_starts) else last
+            end = min(last, doc_end)
+            out.append(Segment(start + pos - first, start + end - first, doc_start, end))
+            pos, i = end, i + 1
+    return tuple(out)
+
+
+def rope_positions(runs: tuple[tuple[int, int], ...], docs: Documents, device=None) -> torch.Tensor:
+    """RoPE positions [B, T] restarted per document: position - start of its document, for the
+    tokens in hand (runs of (first position, length)). Built on `device` from host ints (one
+    arange per piece; nothing copied from the host)."""
+    q_runs, start = [], 0
+    for first, n in runs:
+        q_runs.append((start, start + n, first))
+        start += n
+    rows = []
+    for starts in docs.starts:
+        pieces = [torch.arange(s.k_stop - (s.q_stop - s.q_start) - s.k_start, s.k_stop - s.k_start,
+                               device=device) for s in plan_segments(tuple(q_runs), starts)]
+        rows.append(torch.cat(pieces))
+    return torch.stack(rows)
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """One row's segments as a varlen attention call: queries are already packed in segment order
+    (cu_q), keys are gathered per segment (key_index, cu_k); causal is bottom-right aligned."""
+
+    cu_q: tuple[int, ...]           # [n_segments + 1] query offsets
+    cu_k: tuple[int, ...]           # [n_segments + 1] offsets into the gathered keys
+    max_q: int
+    max_k: int
+    key_ranges: tuple[tuple[int, int], ...]   # (k_start, k_stop) per segment, gathered in order
+
+    def key_index(self, device=None) -> torch.Tensor:
+        """Indices [cu_k[-1]] of the keys to gather (one arange per segment, made on `device`)."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.key_ranges])
+
+
+def varlen_plan(segments: tuple[Segment, ...]) -> VarlenPlan:
+    """cu_seqlens and key ranges of a varlen kernel call for these segments (pure)."""
+    cu_q, cu_k = [0], [0]
+    for s in segments:
+        cu_q.append(cu_q[-1] + s.q_stop - s.q_start)
+        cu_k.append(cu_k[-1] + s.k_stop - s.k_start)
+    return VarlenPlan(tuple(cu_q), tuple(cu_k), max(s.q_stop - s.q_start for s in segments),
+                      max(s.k_stop - s.k_start for s in segments),
+                      tuple((s.k_start, s.k_stop) for s in segments))
