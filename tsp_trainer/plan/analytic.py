@@ -367,8 +367,11 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device)
     d_, nb, b = layout.degree, layout.head_buckets, layout.micro_batch
     h, hkv, inter, V = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.vocab_size
     n = tok["region"]
-    z = _zigzag_attention(e, b, seq_len, d_, h // (d_ * nb), hkv // (d_ * nb), n,
-                          recomputed_qkv=True, scatter_copies=4, device=device)
+    # At the dK/dV reduce-scatter: the re-gathered K/V, dK/dV, their stack and the reordered copy;
+    # on CPU the log-sum-exp route (model/attention_lse.py) leaves one more K/V-sized gradient
+    # buffer alive there (measured on fake tensors, tests/unit/test_plan_fake.py).
+    z = _zigzag_attention(e, b, seq_len, d_, h // (d_ * nb), hkv // (d_ * nb), n, recomputed_qkv=True,
+                          scatter_copies=5 if device == "cpu" else 4, device=device)
     w_attn, w_mlp = p_attn // d_ * ew, cfg.mlp_sharded_params // d_ * ew
     own = norm_saved(n, True)                           # norm's saved tensors + X_p
     acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
