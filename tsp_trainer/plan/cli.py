@@ -71,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cluster(parser: argparse.ArgumentParser, args):
+    """(--nodes, the GPU profile) checked: one line naming the flag on bad input."""
+    from tsp_trainer.plan.hardware import get_profile
+
+    nodes = 1 if args.nodes is None else args.nodes
+    if nodes < 1:
+        _fail(parser, f"--nodes={nodes} must be >= 1")
+    try:
+        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node)
+    except ValueError as err:
+        _fail(parser, str(err))
+    return nodes, hw
+
+
 def _fail(parser: argparse.ArgumentParser, message: str) -> None:
     parser.print_usage(sys.stderr)
     print(f"tsp-plan: error: {message}", file=sys.stderr)
@@ -121,19 +135,12 @@ def main(argv: list[str] | None = None) -> int:
 def _longest(parser, args, cfg) -> int:
     import json
 
-    from tsp_trainer.plan.hardware import get_profile
     from tsp_trainer.plan.longest import format_longest, longest_seq_len
 
-    nodes = 1 if args.nodes is None else args.nodes
-    if nodes < 1:
-        _fail(parser, f"--nodes={nodes} must be >= 1")
+    nodes, hw = _cluster(parser, args)
     batch = 1 if args.global_batch is None else args.global_batch
     if batch < 1:
         _fail(parser, f"--global-batch={batch} must be >= 1 (sequences per optimizer step)")
-    try:
-        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node)
-    except ValueError as err:
-        _fail(parser, str(err))
     assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
                               hbm_usable=args.hbm_usable)
     schemes = _schemes(parser, args.schemes, SCHEMES)
@@ -158,19 +165,12 @@ def _longest(parser, args, cfg) -> int:
 
 
 def _plan(parser, args, cfg) -> int:
-    from tsp_trainer.plan.hardware import get_profile
     from tsp_trainer.plan.report import format_table, write_json, write_plot
     from tsp_trainer.plan.search import PlanError, plan
 
     if args.global_batch is None:
         _fail(parser, "--global-batch (sequences per optimizer step) is required to plan a job")
-    nodes = 1 if args.nodes is None else args.nodes
-    if nodes < 1:
-        _fail(parser, f"--nodes={nodes} must be >= 1")
-    try:
-        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node)
-    except ValueError as err:
-        _fail(parser, str(err))
+    nodes, hw = _cluster(parser, args)
     for flag, value in (("--efficiency", args.efficiency), ("--comm-efficiency", args.comm_efficiency),
                         ("--hbm-usable", args.hbm_usable)):
         if not 0 < value <= 1:
