@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,8 +19,17 @@ FAST = [f"data.source={REPO / 'data' / 'corpus'}", f"data.tokenizer={REPO / 'dat
         "logging.progress_bar=false", "optim.warmup_steps=2", "optim.lr=3e-3"]
 
 
+# Runs that name no train.output_dir write here, never into the checkout's runs/tiny_cpu (which the
+# README's main job fills: a test there would meet a used output folder). Made once per pytest
+# process; forked ranks inherit it.
+DEFAULT_OUTPUT_DIR = tempfile.mkdtemp(prefix="tsp_trainer_tests_")
+
+
 def config(overrides):
-    return load_config(RECIPE, FAST + list(overrides))
+    overrides = list(overrides)
+    if not any(o.startswith("train.output_dir=") for o in overrides):
+        overrides.append(f"train.output_dir={DEFAULT_OUTPUT_DIR}")
+    return load_config(RECIPE, FAST + overrides)
 
 
 def train_rank(rank, world, overrides, return_weights=True):

@@ -91,14 +91,11 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
-        block.self_attn = TSPAttention(*(local(attn + f"{n}_proj.weight") for n in "qkvo"),
-                                       head_dim=cfg.head_dim, comm=comm, head_buckets=head_buckets,
-                                       qkv_bias=local.biases(attn, "qkv") if cfg.qkv_bias else None,
-                                       o_bias=local(attn + "o_proj.bias") if cfg.o_bias else None)
-        block.mlp = TSPGatedMLP(*(local(mlp + f"{n}_proj.weight") for n in ("gate", "up", "down")),
-                                comm=comm,
-                                gate_up_bias=local.biases(mlp, ("gate", "up")) if cfg.mlp_bias else None,
-                                down_bias=local(mlp + "down_proj.bias") if cfg.mlp_bias else None)
+        weights, biases = local.attention(attn, cfg)
+        block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
+                                       head_buckets=head_buckets, **biases)
+        weights, biases = local.mlp(mlp, cfg)
+        block.mlp = TSPGatedMLP(*weights, comm=comm, **biases)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
                                                         pre + "input_layernorm"), comm=comm)
         block.post_attention_layernorm = TSPRMSNorm(
@@ -133,6 +130,20 @@ class LocalShards:
     def biases(self, prefix: str, projections) -> tuple[torch.Tensor, ...]:
         """This rank's shards of `prefix + "{p}_proj.bias"` for each projection p."""
         return tuple(self(f"{prefix}{p}_proj.bias") for p in projections)
+
+    def attention(self, prefix: str, cfg) -> tuple[tuple[torch.Tensor, ...], dict]:
+        """This rank's (W_q, W_k, W_v, W_o) of `prefix` ("layers.i.self_attn.") and the bias
+        keywords every scheme's attention block takes (qkv_bias, o_bias; None when absent)."""
+        weights = tuple(self(f"{prefix}{n}_proj.weight") for n in "qkvo")
+        return weights, {"qkv_bias": self.biases(prefix, "qkv") if cfg.qkv_bias else None,
+                         "o_bias": self(prefix + "o_proj.bias") if cfg.o_bias else None}
+
+    def mlp(self, prefix: str, cfg) -> tuple[tuple[torch.Tensor, ...], dict]:
+        """This rank's (W_gate, W_up, W_down) of `prefix` ("layers.i.mlp.") and the bias keywords
+        (gate_up_bias, down_bias; None when the model has no MLP biases)."""
+        weights = tuple(self(f"{prefix}{n}_proj.weight") for n in ("gate", "up", "down"))
+        return weights, {"gate_up_bias": self.biases(prefix, ("gate", "up")) if cfg.mlp_bias else None,
+                         "down_bias": self(prefix + "down_proj.bias") if cfg.mlp_bias else None}
 
 
 def materialize_norm(norm: nn.Module, local: LocalShards, prefix: str) -> nn.Module:

@@ -45,14 +45,10 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
-        block.self_attn = ParallelAttention(*(local(attn + f"{n}_proj.weight") for n in "qkvo"),
-                                            head_dim=cfg.head_dim, groups=groups,
-                                            qkv_bias=local.biases(attn, "qkv") if cfg.qkv_bias else None,
-                                            o_bias=local(attn + "o_proj.bias") if cfg.o_bias else None)
-        block.mlp = ParallelMLP(*(local(mlp + f"{n}_proj.weight") for n in ("gate", "up", "down")),
-                                groups=groups,
-                                gate_up_bias=local.biases(mlp, ("gate", "up")) if cfg.mlp_bias else None,
-                                down_bias=local(mlp + "down_proj.bias") if cfg.mlp_bias else None)
+        weights, biases = local.attention(attn, cfg)
+        block.self_attn = ParallelAttention(*weights, head_dim=cfg.head_dim, groups=groups, **biases)
+        weights, biases = local.mlp(mlp, cfg)
+        block.mlp = ParallelMLP(*weights, groups=groups, **biases)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             setattr(block, norm, _norm(getattr(block, norm), local, pre + norm, groups))
     model.norm = _norm(model.norm, local, "norm", groups)
