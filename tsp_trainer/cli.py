@@ -248,7 +248,8 @@ def eval_main(argv: list[str] | None = None) -> None:
     try:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=600))
-        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        # the device _prepare_runtime chose (cuda_device_index: 0 under one GPU per task)
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         eval_cli.run(job, rank=rank, device=device)
     except ValueError as err:
         print(f"tsp-eval: error (rank {rank}): {eval_cli.as_flags(str(err))}", file=sys.stderr)
