@@ -70,6 +70,27 @@ def test_tsp_families_biases_and_scaled_rope(family, degree, buckets, seq_len):
         assert ledger_totals(o["ledger"]) == expected
 
 
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family", [
+    (1, 4, 1, 16, None), (2, 4, 2, 32, None), (2, 2, 1, 24, "qwen2_yarn"),
+    (4, 4, 1, 40, "llama_bias_llama3"), (4, 8, 2, 48, None),
+])
+def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, seq_len, family):
+    """parallel.tsp_recompute=selective (attention output and K/V views kept from forward, K/V
+    re-gathered) gives the same logits, loss, gradients and, after two SGD steps, weights; it moves
+    exactly the bytes of full recompute (backward re-gathers K/V in both)."""
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **FAMILY_CFGS.get(family, {}))
+    ids, labels = make_batch(cfg, 2, seq_len)
+    ref = reference(cfg, 7, ids, labels, steps=2, optim="sgd")
+    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd",
+                        "selective")
+    _assert_parity(ref, outs)
+    expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=seq_len, head_buckets=buckets)
+    for o in outs:
+        assert ledger_totals(o["ledger"]) == expected
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(o["weights"][name], w, rtol=RTOL, atol=ATOL, msg=name)
+
+
 def test_tsp_gqa_on_four_ranks():
     cfg = model_config("tiny", num_heads=8, num_kv_heads=4, hidden_size=64)
     ids, labels = make_batch(cfg, 1, 32)

@@ -58,7 +58,7 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 
 
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
-             optim="adamw"):
+             optim="adamw", recompute="full"):
     mesh = build_mesh(world)
     if meta:
         with torch.device("meta"):
@@ -67,7 +67,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
         model = Transformer(cfg)
         init_model(model, seed)
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
-                      init_seed=seed if meta else None)
+                      init_seed=seed if meta else None, tsp_recompute=recompute)
     local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, mesh.dims.tsp)
 
     mesh.ledger.reset()

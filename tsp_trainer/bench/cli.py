@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp: S = D / T")
     p.add_argument("--tp-sequence-parallel", action="store_true", help="tp_x_sp: Megatron SP inside tp")
     p.add_argument("--head-buckets", type=int, default=1, help="tsp: K/V all-gather buckets")
+    p.add_argument("--tsp-recompute", choices=("full", "selective"), default="full",
+                   help="tsp: full (save X_p only) or selective (keep each shard's attention output)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (0: memory and bytes only)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps; the first measures memory")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -81,6 +83,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     spec = BenchSpec(model_name=args.model, model=model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                      degree=args.degree, schemes=schemes, tp_degree=tp, sp_degree=sp,
                      tp_sequence_parallel=args.tp_sequence_parallel, head_buckets=args.head_buckets,
+                     tsp_recompute=args.tsp_recompute,
                      steps=args.steps, warmup=args.warmup, backend=backend,
                      dtype=resolved_dtype(args.dtype, cuda=backend == "nccl"), threads=threads,
                      activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,

@@ -39,11 +39,12 @@ class BenchSpec:
     seed: int
     interleave: bool = True       # all schemes in one launch, timed steps alternating between them
     profile: bool = False         # one more step per scheme under torch.profiler (bench/profile.py)
+    tsp_recompute: str = "full"   # tsp: full | selective (parallel.tsp_recompute)
 
     def options(self, scheme: str) -> dict:
         """Keyword options of parallelize() for `scheme`."""
         if scheme == "tsp":
-            return {"head_buckets": self.head_buckets}
+            return {"head_buckets": self.head_buckets, "tsp_recompute": self.tsp_recompute}
         if scheme == "tp_x_sp":
             return {"tp_degree": self.tp_degree, "sp_degree": self.sp_degree,
                     "tp_sequence_parallel": self.tp_sequence_parallel}

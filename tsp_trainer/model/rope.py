@@ -203,3 +203,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     dtype as HF does)."""
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of apply_rope with respect to x, for a backward written by hand (TSP's
+    attention): rotate_half is a signed permutation R, so d/dx (x cos + R(x) sin) applied to dy is
+    dy cos + R^T(dy sin), with R^T(z) = [z2, -z1] = -R(z). dy: [B, T, heads, d]."""
+    cos, sin = cos.unsqueeze(-2).to(dy.dtype), sin.unsqueeze(-2).to(dy.dtype)
+    z1, z2 = (dy * sin).chunk(2, dim=-1)
+    return dy * cos + torch.cat((z2, -z1), dim=-1)

@@ -79,7 +79,7 @@ def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
 
 
 def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len: int | None = None,
-              init_seed: int | None = None) -> dict[str, ShardSpec]:
+              init_seed: int | None = None, recompute: str = "full") -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
     with init_parameter, one full parameter at a time: the same values a plain model gets)."""
@@ -93,7 +93,7 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         attn, mlp = pre + "self_attn.", pre + "mlp."
         weights, biases = local.attention(attn, cfg)
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
-                                       head_buckets=head_buckets, **biases)
+                                       head_buckets=head_buckets, recompute=recompute, **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, **biases)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,

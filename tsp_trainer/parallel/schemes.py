@@ -77,15 +77,16 @@ class Parallelized:
 
 
 def _tsp(model: Transformer, mesh: Mesh, *, seq_len: int | None, head_buckets: int = 1,
-         init_seed: int | None = None, **_) -> Parallelized:
-    specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=seq_len, init_seed=init_seed)
+         init_seed: int | None = None, tsp_recompute: str = "full", **_) -> Parallelized:
+    specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=seq_len, init_seed=init_seed,
+                      recompute=tsp_recompute)
     rank, degree = mesh.tsp.rank, mesh.tsp.size
 
     def layout(ids, labels):
         return zigzag.shard_batch(ids, labels, rank, degree)
 
     return Parallelized(model, specs, "tsp", mesh, [mesh.tsp], {"tsp": mesh.tsp}, layout,
-                        {"head_buckets": head_buckets})
+                        {"head_buckets": head_buckets, "tsp_recompute": tsp_recompute})
 
 
 SCHEMES: dict[str, Callable[..., Parallelized]] = {"tsp": _tsp}

@@ -1,33 +1,64 @@
 """TSP attention (DESIGN.md section 3; TSP_PAPER.md section 3).
 
 Rank p of D holds rows of W_q, W_k, W_v for head group p and the matching columns of W_o, and the
-N/D tokens X_p of its two zigzag chunks. Forward, for r = 0..D-1 (the same order on every rank):
-owner r broadcasts its packed shard (shard r+1 prefetched meanwhile); every rank projects its local
-tokens with it, all-gathers K and V over the tsp group (per head bucket), reorders them to logical
-order, runs causal attention for its local queries and accumulates A_r W_o^(r)T into its output.
-The sum over heads completes locally: no all-reduce. q/k/v biases (Qwen2, Llama attention_bias)
-belong to their heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The
-o_proj bias is replicated and added once per token after the sum; its gradient is summed over the
-group (like a norm's, tag "bias.grad").
+N/D tokens X_p of its two zigzag chunks. The work is a schedule of items (r, b): owner r's shard,
+head bucket b, in the same order on every rank. For each item every rank projects its local tokens
+with shard r, all-gathers K and V over the tsp group, reorders them to logical order, runs causal
+attention for its local queries and accumulates A_(r,b) W_o^(r,b)T into its output. The sum over
+heads completes locally: no all-reduce. q/k/v biases (Qwen2, Llama attention_bias) belong to their
+heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
+replicated and added once per token after the sum; its gradient is summed over the group (like a
+norm's, tag "bias.grad").
 
-Backward re-broadcasts shard r, recomputes the local projections and the bucket's attention,
-reduce-scatters dK, dV back to the ranks that own those tokens, and reduces this rank's partial
-weight gradients (from its own tokens) to owner r, in fp32 (the sum over D ranks is not rounded
-to bf16 on the way). Saved between forward and backward: X_p only.
-Transient memory: two weight shards (P_attn / D each), one gathered K/V bucket and, in backward,
-one gathered dK/dV bucket and one packed partial gradient in flight.
+Overlap (issue 12). Every transfer is asynchronous and issued one step ahead of the compute that
+needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py checks the order):
+- weights: owner r's shard is broadcast into a fixed pool of buffers (tsp/ring.py ShardBroadcasts),
+  the next shards in flight while shard r is used;
+- K/V: item i+1's projection is computed and its all-gather issued before item i's attention, so
+  the gather runs under the attention kernel (forward and backward);
+- dK/dV: backward issues item i's reduce-scatter, then computes the query side (dW_o, dW_q, dX from
+  dQ) while it runs, and only then waits for it and finishes the key/value side;
+- weight gradients: this rank's partial gradient of shard r is written straight into a packed fp32
+  buffer (no per-weight gradient tensors) and reduced to owner r asynchronously while shard r+1 is
+  computed; the buffer that reduce frees is the next one filled.
+On CUDA these are NCCL ops on NCCL's stream: `wait()` orders the compute stream after them without
+blocking the host, so the transfers run beside the kernels.
+
+Transient memory per block (packed shards P_attn / D; fp32 weights): forward three weight buffers;
+backward two weight buffers and two fp32 gradient buffers (the one filled, the one being reduced):
+4 shards (test_tsp_memory.py), plus two gathered K/V buckets (the one in use, the next one in flight)
+and one gathered dK/dV bucket.
+
+Recompute (`parallel.tsp_recompute`):
+- "full" (default): saved between forward and backward: X_p only. Backward re-broadcasts shard r,
+  recomputes the local projections and the bucket's attention forward, then backpropagates.
+- "selective": forward also keeps, per item, the local q and stacked k, v (after RoPE) and the
+  attention output with its autograd graph, whose saved views of the gathered K/V are dropped (a
+  saved-tensor hook keeps only their geometry) and re-gathered from the local k, v in backward. So
+  backward runs no projection forward and no attention forward: it re-broadcasts the weights (for
+  dX and the weight gradients) and re-gathers K/V. Extra saved bytes per layer and rank: about
+  (2 q + 2 k/v + the kernel's output + log-sum-exp) tokens x heads of this rank's tokens, i.e. ~5
+  X_p for multi-head attention (tsp-plan models it).
+The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
+in both modes; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
+ranks is not rounded to bf16 on the way).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
 
 from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
+from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
-from tsp_trainer.parallel.tsp.ring import broadcast_shards, pack, unpack
+from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, add_matmul, unpack
+
+RECOMPUTE_MODES = ("full", "selective")   # parallel.tsp_recompute (see the module docstring)
 
 
 class TSPAttention(nn.Module):
@@ -37,7 +68,7 @@ class TSPAttention(nn.Module):
     k_proj/v_proj.bias [n_kv/D * d] (sharded) and o_proj.bias [h] (replicated)."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
-                 head_dim: int, comm: Comm, head_buckets: int = 1,
+                 head_dim: int, comm: Comm, head_buckets: int = 1, recompute: str = "full",
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  o_bias: torch.Tensor | None = None):
         super().__init__()
@@ -49,6 +80,9 @@ class TSPAttention(nn.Module):
         if n_kv_local % head_buckets:
             raise ValueError(f"parallel.head_buckets={head_buckets} must divide the KV heads per "
                              f"rank ({n_kv_local})")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"parallel.tsp_recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
+        self.recompute = recompute
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         # The shard's parameters, in packing order: W_q, W_k, W_v, W_o [, b_q, b_k, b_v]
@@ -102,82 +136,263 @@ def _project(x: torch.Tensor, wq, wk, wv, bq, bk, bv, rope: Rotary, d: int):
     return q, k, _linear(x, wv, bv).view(b, t, -1, d)
 
 
-def _gather_kv(k: torch.Tensor, v: torch.Tensor, comm: Comm):
-    """All-gather the local K, V [B, T, H, d] over the tsp group -> logical-order [B, S, H, d] each."""
-    kv = torch.stack((k, v), dim=2)                                    # [B, T, 2, H, d]
-    out = kv.new_empty((comm.size * kv.shape[0],) + kv.shape[1:])
-    comm.all_gather(out, kv, tag="attn.kv")
-    full = zigzag.gathered_to_logical(out.view((comm.size,) + kv.shape))   # [B, S, 2, H, d]
-    return full[:, :, 0], full[:, :, 1]
+def _schedule(degree: int, buckets: int) -> list[tuple[int, int]]:
+    """The items (owner r, head bucket b), in the order every rank runs them."""
+    return [(r, b) for r in range(degree) for b in range(buckets)]
 
 
-def _scatter_dkv(dk: torch.Tensor, dv: torch.Tensor, comm: Comm):
-    """Inverse of _gather_kv: sum dK, dV [B, S, H, d] over the group, keep the local tokens."""
-    dkv = zigzag.logical_to_gathered(torch.stack((dk, dv), dim=2), comm.size)   # [D, B, T, 2, H, d]
-    out = dkv.new_empty(dkv.shape[1:])
-    comm.reduce_scatter(out, dkv.view((-1,) + dkv.shape[2:]), tag="attn.dkv")
-    return out[:, :, 0], out[:, :, 1]
+class _KVGather:
+    """One item's K/V all-gather in flight. kv: this rank's [B, T, 2, H, d] (K and V stacked, after
+    RoPE); wait() -> the logical-order [B, S, 2, H, d] of the whole group."""
+
+    def __init__(self, kv: torch.Tensor, comm: Comm):
+        self.kv, self.comm = kv, comm                  # kv stays referenced until the gather is done
+        self.out = kv.new_empty((comm.size * kv.shape[0],) + kv.shape[1:])
+        self.work = comm.all_gather(self.out, kv, tag="attn.kv", async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        full = zigzag.gathered_to_logical(self.out.view((self.comm.size,) + self.kv.shape))
+        self.out = None
+        return full
+
+
+class _DKVScatter:
+    """Inverse of _KVGather, in flight: sum dK/dV [B, S, 2, H, d] over the group; wait() -> this
+    rank's tokens' dK, dV [B, T, H, d] each."""
+
+    def __init__(self, dkv: torch.Tensor, comm: Comm):
+        self.inp = zigzag.logical_to_gathered(dkv, comm.size)        # [D, B, T, 2, H, d], one copy
+        self.out = self.inp.new_empty(self.inp.shape[1:])
+        self.work = comm.reduce_scatter(self.out, self.inp.view((-1,) + self.inp.shape[2:]),
+                                        tag="attn.dkv", async_op=True)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.work.wait()
+        self.inp = None
+        return self.out[:, :, 0], self.out[:, :, 1]
+
+
+class _KVEntry(torch.autograd.Function):
+    """Where the gathered K/V enter an item's attention graph. Its gradient is handed to `sink`
+    (a list) instead of to a leaf tensor, so the graph holds no reference to the gathered K/V: with
+    selective recompute their memory is freed after the forward kernel (the kernel's saved views
+    are swapped out by _DroppedKV) and backward works from a re-gathered copy."""
+
+    @staticmethod
+    def forward(ctx, anchor, kv, sink: list):
+        ctx.sink = sink
+        return kv.view_as(kv)
+
+    @staticmethod
+    def backward(ctx, dkv):
+        ctx.sink.append(dkv)
+        return torch.zeros((), dtype=dkv.dtype, device=dkv.device), None, None
+
+
+class _DroppedKV:
+    """Saved-tensor hooks (selective recompute): a tensor the attention kernel saves that is a view
+    of the gathered K/V `kv` is kept as its geometry (size, stride, offset) only; in backward it is
+    rebuilt as the same view of `regathered` (the K/V gathered again, same layout)."""
+
+    def __init__(self, kv: torch.Tensor):
+        self.kv, self.regathered = kv, None
+
+    def pack(self, t: torch.Tensor):
+        if t is self.kv or t._base is self.kv:
+            return (tuple(t.shape), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        size, stride, offset = saved
+        return self.regathered.as_strided(size, stride, offset)
+
+
+class _Item:
+    """One item's activations: q [B, T, hq_b, d] and the stacked local k, v [B, T, 2, hkv_b, d]
+    (after RoPE), the K/V all-gather in flight, and once attended the output a [B, T, hq_b * d]
+    with its autograd graph (q_leaf, the gradient sink of the gathered K/V, the K/V hooks)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm):
+        self.q, self.kv, self.comm = q, torch.stack((k, v), dim=2), comm
+        self.gather: _KVGather | None = _KVGather(self.kv, comm)
+        self.a = self.q_leaf = self.anchor = self.sink = self.dropped = None
+
+    def regather(self) -> None:
+        """Issue the K/V all-gather again (selective recompute's backward)."""
+        self.gather = _KVGather(self.kv, self.comm)
+
+    def attend(self, rope: Rotary, *, graph: bool, drop_kv: bool = False) -> torch.Tensor:
+        """Wait for the gathered K/V and compute a = attention(q, K, V); with graph=True record the
+        autograd graph from q and the K/V entry (drop_kv: without keeping the gathered K/V)."""
+        full = self.gather.wait()
+        self.gather = None
+        if not graph:
+            return attention_core(self.q, full[:, :, 0], full[:, :, 1], rope.runs, documents=rope.documents)
+        self.q_leaf, self.sink = self.q.detach().requires_grad_(), []
+        self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
+        hooks = contextlib.nullcontext()
+        with torch.enable_grad():
+            kv = _KVEntry.apply(self.anchor, full, self.sink)
+            if drop_kv:
+                self.dropped = _DroppedKV(kv)
+                hooks = torch.autograd.graph.saved_tensors_hooks(self.dropped.pack, self.dropped.unpack)
+            with hooks:
+                self.a = attention_core(self.q_leaf, kv[:, :, 0], kv[:, :, 1], rope.runs,
+                                        documents=rope.documents)
+        if drop_kv:
+            self.dropped.kv = None                       # nothing refers to the gathered K/V now
+        return self.a
+
+    def backward(self, da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dQ [B, T, hq_b, d] and dK/dV [B, S, 2, hkv_b, d] (logical order, before the sum over
+        the group) of the recorded attention; with dropped K/V, waits for the re-gathered copy."""
+        if self.dropped is not None:
+            self.dropped.regathered = self.gather.wait()
+            self.gather = None
+        dq, _ = torch.autograd.grad(self.a, (self.q_leaf, self.anchor), da)
+        dkv = self.sink.pop()
+        self.a = self.q_leaf = self.anchor = self.sink = self.dropped = None   # the graph is spent
+        return dq, dkv
 
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rope: Rotary, block: TSPAttention, *params):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard)
-        shapes = [tuple(w.shape) for w in params]
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # fp32 sum over r
-        for _, flat in broadcast_shards(block.comm, pack(*params), tag="attn.weights"):
-            shard = _Shard(flat, block, shapes)
-            for b in range(block.head_buckets):
-                wq, wk, wv, wo, bq, bk, bv = shard.bucket(b)
-                q, k, v = _project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim)
-                k_all, v_all = _gather_kv(k, v, block.comm)
-                y += attention_core(q, k_all, v_all, rope.runs, documents=rope.documents) @ wo.T
+        comm, shapes = block.comm, [tuple(w.shape) for w in params]
+        items = _schedule(comm.size, block.head_buckets)
+        selective = block.recompute == "selective"
+        shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
+
+        def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather
+            r, b = items[i]
+            wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
+            return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), comm)
+
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # fp32 sum over items
+        kept, nxt = [], prepare(0)
+        for i, (r, b) in enumerate(items):
+            item, nxt = nxt, (prepare(i + 1) if i + 1 < len(items) else None)   # next gather in flight
+            wo = _Shard(shards.get(r), block, shapes).bucket(b)[3]
+            a = item.attend(rope, graph=selective, drop_kv=selective)
+            y += a.detach() @ wo.T
+            if selective:
+                kept.append(item)
+            if b == block.head_buckets - 1:
+                shards.release(r)
         ctx.save_for_backward(x, *params)
-        ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
+        ctx.rope, ctx.block, ctx.shapes, ctx.items = rope, block, shapes, kept or None
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        block, comm = ctx.block, ctx.block.comm
-        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        own_grad, pending = None, None
-        for r, flat in broadcast_shards(comm, pack(*params), tag="attn.weights"):
-            shard = _Shard(flat, block, ctx.shapes)
-            gflat = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)   # fp32 reduce
-            gshard = _Shard(gflat, block, ctx.shapes)
-            for b in range(block.head_buckets):
-                dx += _bucket_backward(x, dy, shard.bucket(b), gshard.bucket(b), ctx.rope, block)
-            if pending is not None:                 # overlap: reduce r-1 ran during compute of r
-                own_grad = _finish_reduce(pending, comm, own_grad)
-            pending = (r, gflat, comm.reduce(gflat, dst=r, tag="attn.wgrad", async_op=True))
-        own_grad = _finish_reduce(pending, comm, own_grad)
-        grads = (g.to(p.dtype) for g, p in zip(unpack(own_grad, ctx.shapes), params))   # fp32 -> params'
-        return (dx.to(x.dtype), None, None, *grads)
+        block, comm, shapes, rope = ctx.block, ctx.block.comm, ctx.shapes, ctx.rope
+        items, kept = _schedule(comm.size, block.head_buckets), ctx.items
+        ctx.items = None
+        shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
+        grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
+        dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
+
+        def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
+            if kept is not None:
+                kept[i].regather()
+                return kept[i]
+            r, b = items[i]
+            wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
+            return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), comm)
+
+        nxt = prepare(0)
+        for i, (r, b) in enumerate(items):
+            item, nxt = nxt, (prepare(i + 1) if i + 1 < len(items) else None)
+            if kept is None:
+                item.attend(rope, graph=True)    # full recompute: the attention forward again
+            weights = _Shard(shards.get(r), block, shapes).bucket(b)
+            grad = _Shard(grads.buffer(r), block, shapes).bucket(b)
+            _item_backward(x2, dy2, item, weights, grad, rope, block, dx)
+            if b == block.head_buckets - 1:
+                shards.release(r)
+                grads.reduce(r)
+        own_grad = grads.finish()
+        out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
+        return (dx.view(x.shape).to(x.dtype), None, None, *out)
 
 
-def _finish_reduce(pending, comm: Comm, own_grad):
-    r, gflat, work = pending
-    work.wait()
-    return gflat if r == comm.rank else own_grad
+class _GradReduces:
+    """This rank's partial fp32 gradient of each owner's shard, reduced to the owner asynchronously
+    while the next shard is computed. Buffers are reused: at any time one is being filled and one
+    is being reduced (besides the result, this rank's own shard's full gradient)."""
+
+    def __init__(self, comm: Comm, numel: int, device):
+        self.comm, self.numel, self.device = comm, numel, device
+        self._filling: dict[int, torch.Tensor] = {}
+        self._pool: list[torch.Tensor] = []
+        self._pending = None
+        self._own: torch.Tensor | None = None
+
+    def buffer(self, r: int) -> torch.Tensor:
+        """The packed fp32 buffer into which shard r's gradients are written (zeroed once)."""
+        if r not in self._filling:
+            buf = self._pool.pop() if self._pool else torch.empty(
+                self.numel, dtype=torch.float32, device=self.device)
+            self._filling[r] = buf.zero_()
+        return self._filling[r]
+
+    def reduce(self, r: int) -> None:
+        """Shard r's partial gradient is complete: sum it into owner r (asynchronously), then
+        finish the previous reduce and recycle its buffer."""
+        buf = self._filling.pop(r)
+        work = self.comm.reduce(buf, dst=r, tag="attn.wgrad", async_op=True)
+        self._finish_pending()
+        self._pending = (r, buf, work)
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        r, buf, work = self._pending
+        work.wait()
+        if r == self.comm.rank:
+            self._own = buf
+        else:
+            self._pool.append(buf)
+        self._pending = None
+
+    def finish(self) -> torch.Tensor:
+        """The full fp32 gradient of this rank's shard (summed over the group)."""
+        self._finish_pending()
+        return self._own
 
 
-def _bucket_backward(x, dy, weights, grads, rope: Rotary, block: TSPAttention) -> torch.Tensor:
-    """Recompute one bucket of shard r, backpropagate dy through it; write this rank's partial
-    weight (and q/k/v bias) gradients into `grads` (views of the packed gradient) and return dX_p's
-    contribution. weights, grads: (wq, wk, wv, wo, bq, bk, bv) of the bucket, biases maybe None."""
-    comm, d = block.comm, block.head_dim
-    with torch.enable_grad():
-        xl = x.detach().requires_grad_()
-        wl = [w.detach().requires_grad_() for w in weights if w is not None]   # wq, wk, wv, wo [, bq, bk, bv]
-        wq, wk, wv, wo, *bqkv = wl
-        q, k, v = _project(xl, wq, wk, wv, *(bqkv or (None,) * 3), rope, d)
-        k_all, v_all = (t.detach().requires_grad_() for t in _gather_kv(k.detach(), v.detach(), comm))
-        q_l = q.detach().requires_grad_()
-        out = attention_core(q_l, k_all, v_all, rope.runs, documents=rope.documents) @ wo.T
-        dq, dk_all, dv_all, dwo = torch.autograd.grad(out, (q_l, k_all, v_all, wo), dy)
-        dk, dv = _scatter_dkv(dk_all, dv_all, comm)
-        dxl, dwq, dwk, dwv, *dbqkv = torch.autograd.grad((q, k, v), (xl, wq, wk, wv, *bqkv), (dq, dk, dv))
-    for g, dw in zip([g for g in grads if g is not None], (dwq, dwk, dwv, dwo, *dbqkv)):
-        g.copy_(dw)
-    return dxl
+def _item_backward(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: TSPAttention,
+                   dx: torch.Tensor) -> None:
+    """Backpropagate dy through one item whose attention graph is recorded: add this rank's
+    partial weight (and q/k/v bias) gradients into `grads` (fp32 views of the packed gradient) and
+    dX_p's contribution into dx [n, h] fp32. weights, grads: (wq, wk, wv, wo, bq, bk, bv) of the
+    bucket, biases None without q/k/v biases. x2, dy2: [n, h] (n = B * T local tokens)."""
+    wq, wk, wv, wo, *_ = weights
+    gq, gk, gv, go, gbq, gbk, gbv = grads
+    a = item.a
+    add_matmul(go, dy2.t(), a.reshape(dy2.shape[0], -1))                # dW_o += dy^T A
+    dq, dkv = item.backward((dy2 @ wo).view(a.shape))                   # dA = dy W_o
+    scatter = _DKVScatter(dkv, block.comm)                              # dK/dV summed meanwhile
+    del dkv
+    # the query side while dK/dV are reduce-scattered
+    _linear_backward(x2, apply_rope_backward(dq, rope.cos, rope.sin), wq, gq, gbq, dx)
+    dk, dv = scatter.wait()
+    _linear_backward(x2, apply_rope_backward(dk, rope.cos, rope.sin), wk, gk, gbk, dx)
+    _linear_backward(x2, dv, wv, gv, gbv, dx)
+
+
+def _linear_backward(x2: torch.Tensor, dp: torch.Tensor, w: torch.Tensor, gw: torch.Tensor,
+                     gb: torch.Tensor | None, dx: torch.Tensor) -> None:
+    """Backward of p = x W^T (+ b) for one projection of one bucket: dp [B, T, heads, d] ->
+    gw += dp^T x, gb += sum of dp, dx += dp W (all fp32 in place)."""
+    dp2 = dp.reshape(x2.shape[0], -1)                                   # [n, heads * d]
+    add_matmul(gw, dp2.t(), x2)
+    if gb is not None:
+        gb.add_(dp2.sum(0, dtype=torch.float32))
+    dx.add_(dp2 @ w)

@@ -24,7 +24,7 @@ from tsp_trainer.model.layers import gated_mlp
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
-from tsp_trainer.parallel.tsp.ring import pack, ring_backward_into, ring_forward, unpack
+from tsp_trainer.parallel.tsp.ring import add_matmul, pack, ring_backward_into, ring_forward, unpack
 
 
 class TSPGatedMLP(nn.Module):
@@ -95,21 +95,14 @@ def gated_mlp_backward_into(x: torch.Tensor, dy: torch.Tensor, ws: list[torch.Te
     u = F.linear(x, wu, bu)                      # [n, I/D]
     sig = torch.sigmoid(g)
     a = g * sig                                  # silu(g)
-    _add_matmul(acc[2], dy.t(), a * u)           # dW_down [h, I/D] = dy^T (silu(g) * u)
+    add_matmul(acc[2], dy.t(), a * u)           # dW_down [h, I/D] = dy^T (silu(g) * u)
     dp = dy @ wd                                 # [n, I/D] gradient of silu(g) * u
     du = dp * a
     dg = dp.mul_(u).mul_(sig * (1 + g * (1 - sig)))    # silu'(g) = sig (1 + g (1 - sig))
-    _add_matmul(acc[0], dg.t(), x)               # dW_gate [I/D, h]
-    _add_matmul(acc[1], du.t(), x)               # dW_up [I/D, h]
+    add_matmul(acc[0], dg.t(), x)               # dW_gate [I/D, h]
+    add_matmul(acc[1], du.t(), x)               # dW_up [I/D, h]
     if bg is not None:
         acc[3].add_(dg.sum(0, dtype=torch.float32))
         acc[4].add_(du.sum(0, dtype=torch.float32))
     dx.add_(dg @ wg).add_(du @ wu)
 
-
-def _add_matmul(out32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out32 += a @ b: in place in fp32; for bf16 operands through one product in their dtype."""
-    if a.dtype == torch.float32:
-        out32.addmm_(a, b)
-    else:
-        out32.add_(a @ b)

@@ -12,13 +12,13 @@ full gradient (summed over all D ranks' tokens) ends at its owner and no rank ev
 two shards and two accumulators. Traffic per rank: D - 1 weight hops and D accumulator hops
 (accumulator hops only, when the gradient does not need the weights: the embedding).
 
-`broadcast_shards`: the attention schedule: owner r broadcasts its shard, one owner at a time,
-with shard r + 1 prefetched asynchronously while shard r is used.
+`ShardBroadcasts`: the attention schedule: owner r broadcasts its shard, one owner at a time,
+the next shards prefetched asynchronously into a fixed pool of buffers while shard r is used.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -107,24 +107,43 @@ def ring_backward_into(comm: Comm, own: torch.Tensor,
     return acc                                     # shard p's accumulator, home after D hops
 
 
-def broadcast_shards(comm: Comm, own: torch.Tensor, *, tag: str) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (r, shard_r) for r = 0..D-1: owner r broadcasts its packed shard; shard r+1 is
-    prefetched into the second buffer while the caller computes with shard r. Every rank issues the
-    broadcasts in the same order (0, 1, ..., D-1), interleaved identically with the caller's ops."""
-    d = comm.size
-    bufs = [torch.empty_like(own), torch.empty_like(own)] if d > 1 else []
+class ShardBroadcasts:
+    """The attention schedule: owner r broadcasts its packed shard, r = 0..D-1 in that order on
+    every rank, into a pool of `buffers` rotating buffers. A broadcast is issued as soon as a
+    buffer is free, so while the caller computes with shard r the next buffers - 1 shards are
+    already on their way; `release(r)` hands r's buffer to the next broadcast. This rank's own
+    shard is packed into a pool buffer when its turn comes: no standing packed copy, so the block
+    holds exactly `buffers` shards of weights (tests/distributed/test_tsp_memory.py)."""
 
-    def start(r: int):
-        buf = own if r == comm.rank else bufs[r % 2]
-        return buf, comm.broadcast(buf, src=r, tag=tag, async_op=True)
+    def __init__(self, comm: Comm, params: list[torch.Tensor], *, buffers: int, tag: str):
+        self.comm, self.params, self.tag = comm, params, tag
+        numel = sum(p.numel() for p in params)
+        self._free = [params[0].new_empty(numel) for _ in range(max(1, min(buffers, comm.size)))]
+        self._issued: dict[int, list] = {}        # r -> [buffer, work or None once waited]
+        self._next = 0
+        self._issue()
 
-    pending = start(0)
-    for r in range(d):
-        buf, work = pending
-        work.wait()
-        if r + 1 < d:
-            pending = start(r + 1)
-        yield r, buf
+    def _issue(self) -> None:
+        while self._free and self._next < self.comm.size:
+            r, buf = self._next, self._free.pop()
+            self._next += 1
+            if r == self.comm.rank:
+                torch.cat([p.reshape(-1) for p in self.params], out=buf)
+            self._issued[r] = [buf, self.comm.broadcast(buf, src=r, tag=self.tag, async_op=True)]
+
+    def get(self, r: int) -> torch.Tensor:
+        """Shard r (packed), waiting for its broadcast if it is still in flight."""
+        entry = self._issued[r]
+        if entry[1] is not None:
+            entry[1].wait()
+            entry[1] = None
+        return entry[0]
+
+    def release(self, r: int) -> None:
+        """Shard r is no longer needed: its buffer takes the next owner's broadcast."""
+        self.get(r)                      # a buffer is reused only after its broadcast completed
+        self._free.append(self._issued.pop(r)[0])
+        self._issue()
 
 
 def pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -142,3 +161,13 @@ def unpack(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tens
         out.append(flat[offset:offset + n].view(shape))
         offset += n
     return out
+
+
+def add_matmul(out32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out32 += a @ b: in place in fp32 (a weight gradient written into its packed fp32
+    accumulator, no gradient tensor of its own); for bf16 operands through one product in their
+    dtype."""
+    if a.dtype == torch.float32:
+        out32.addmm_(a, b)
+    else:
+        out32.add_(a @ b)
