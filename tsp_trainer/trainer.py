@@ -43,6 +43,7 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
+from tsp_trainer.parallel.tsp.recompute_rules import check_selective_route
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs, check_same_model
 from tsp_trainer.run.session import open_run_folder
 
@@ -135,8 +136,12 @@ class Trainer:
         check_precision(zero_stage=self.cfg.zero.stage, bf16=self.bf16)
         if self.device.type == "cuda":
             m = self.model_cfg
-            check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                                 head_dim=m.head_dim, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+            route = check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                         dtype=torch.bfloat16 if self.bf16 else torch.float32)
+            if self.cfg.parallel.tsp_recompute == "selective":
+                check_selective_route(route, dtype=self.cfg.train.dtype, num_heads=m.num_heads,
+                                      num_kv_heads=m.num_kv_heads,
+                                      document_masking=self.cfg.data.document_masking)
 
     def _ds_config(self, dp: int) -> dict:
         c = self.cfg
@@ -148,9 +153,11 @@ class Trainer:
         c = self.cfg
         with torch.device("meta"):                       # no rank ever holds the full model
             model = Transformer(self.model_cfg)
+        # the baselines refuse options they do not know: tsp_recompute goes to TSP only
+        tsp_only = {"tsp_recompute": c.parallel.tsp_recompute} if c.parallel.scheme == "tsp" else {}
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
-                          tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree)
+                          tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree, **tsp_only)
         if c.model.init_from:
             from tsp_trainer.checkpoint.hf import load_hf_state_dict
             par.load_full_state_dict(load_hf_state_dict(c.model.init_from, self.model_cfg))

@@ -40,7 +40,8 @@ def train_rank(rank, world, overrides, return_weights=True):
     weights = trainer.par.gather_full_state_dict() if return_weights else None
     return {"losses": [h["train/loss"] for h in history], "grad_norms": [h["train/grad_norm"] for h in history],
             "skipped": [h["train/skipped"] for h in history], "weights": weights if rank == 0 else None,
-            "dp_world_size": trainer.engine.dp_world_size, "step": trainer.state.step}
+            "dp_world_size": trainer.engine.dp_world_size, "step": trainer.state.step,
+            "recompute": getattr(trainer.par.model.layers[0].self_attn, "recompute", None)}
 
 
 def reference_run(overrides, *, dp_degree: int):

@@ -251,6 +251,30 @@ def test_head_buckets():
            valid(parallel__scheme="tp", parallel__head_buckets=2))
 
 
+def test_tsp_recompute():
+    """parallel.tsp_recompute: full (default) or selective; selective is TSP's, and refused with a
+    whole-layer checkpoint or activation offload (each with the reason and what to set)."""
+    assert TrainConfig().parallel.tsp_recompute == "full"
+    validate_config(valid(parallel__tsp_recompute="selective"))
+    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'full', 'selective'",
+           load_config, None, ["parallel.tsp_recompute=partial"])
+    raises("parallel.tsp_recompute='partial' is not one of 'full', 'selective'", validate_config,
+           valid(parallel__tsp_recompute="partial"))
+    raises("parallel.tsp_recompute='selective' with parallel.scheme='tp': only parallel.scheme='tsp' "
+           "recomputes by shard; set parallel.tsp_recompute=full", validate_config,
+           valid(parallel__scheme="tp", parallel__tsp_recompute="selective"))
+    validate_config(valid(parallel__scheme="tp", parallel__tsp_recompute="full"))
+    message = raises("parallel.tsp_recompute='selective' with train.activation_checkpointing=true",
+                     validate_config, valid(parallel__tsp_recompute="selective",
+                                            train__activation_checkpointing=True))
+    assert "recomputes the whole layer" in message and "set parallel.tsp_recompute=full" in message
+    message = raises("parallel.tsp_recompute='selective' with train.offload_activations=true",
+                     validate_config, valid(parallel__tsp_recompute="selective",
+                                            train__offload_activations=True))
+    assert "not offloaded" in message
+    validate_config(valid(train__activation_checkpointing=True, train__offload_activations=True))
+
+
 def test_tp_x_sp_axes():
     seven = model_config("7b")
     kw = dict(scheme="tp_x_sp", degree=8, seq_len=131072)

@@ -91,6 +91,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     p = cfg.parallel
     check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=cfg.data.seq_len,
                           head_buckets=p.head_buckets, tp_degree=p.tp_degree, sp_degree=p.sp_degree)
+    _check_tsp_recompute(cfg)
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
     _check_eval(cfg, model)
@@ -317,6 +318,29 @@ def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) 
 
 # ---------------------------------------------------------------------------------------------
 # Cross-section rules
+
+
+def _check_tsp_recompute(cfg: TrainConfig) -> None:
+    """parallel.tsp_recompute=selective keeps each layer's attention outputs (parallel/tsp/
+    attention.py): TSP only, and not under a whole-layer recompute or an offload that would not
+    see them. (The CUDA kernel rules are checked by the Trainer, which knows the device.)"""
+    mode, scheme = cfg.parallel.tsp_recompute, cfg.parallel.scheme
+    if mode == "full":
+        return
+    if scheme != "tsp":
+        raise ValueError(f"parallel.tsp_recompute={mode!r} with parallel.scheme={scheme!r}: only "
+                         "parallel.scheme='tsp' recomputes by shard; set parallel.tsp_recompute=full")
+    if cfg.train.activation_checkpointing:
+        raise ValueError(f"parallel.tsp_recompute={mode!r} with train.activation_checkpointing=true: "
+                         "the checkpoint recomputes the whole layer, so the attention outputs "
+                         "selective keeps would be held for every layer again, defeating it; set "
+                         "parallel.tsp_recompute=full (least memory) or "
+                         "train.activation_checkpointing=false (faster backward)")
+    if cfg.train.offload_activations:
+        raise ValueError(f"parallel.tsp_recompute={mode!r} with train.offload_activations=true: the "
+                         "attention outputs selective keeps are not offloaded (only the blocks' "
+                         "saved tensors go to host memory), so every layer's stay on the device; "
+                         "set parallel.tsp_recompute=full or train.offload_activations=false")
 
 
 def _check_batch(cfg: TrainConfig, dp_degree: int | None) -> None:

@@ -1,0 +1,67 @@
+"""parallel.tsp_recompute=selective on CUDA: the routes whose kernel saves copies of the gathered
+K/V (fp32 + GQA's expanded K/V, document masking's varlen call) are refused before any process
+group, naming dtype / heads / key and what to set; the others pass. Run on CPU: the route
+decision is pure (model/attention_route.py), and the Trainer's check is called on a stand-in."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tsp_trainer.config.schema import TrainConfig
+from tsp_trainer.model.attention_route import sdpa_route
+from tsp_trainer.parallel.tsp.recompute_rules import check_selective_route
+from tsp_trainer.trainer import Trainer
+from tests.unit.test_config import raises, with_
+
+
+def _route(dtype, gqa):
+    return sdpa_route("cuda", dtype, gqa=gqa, head_dim=128)
+
+
+def test_fp32_gqa_expands_kv_and_is_refused():
+    message = raises("parallel.tsp_recompute='selective' on CUDA with train.dtype=fp32 and GQA "
+                     "(model.num_heads=32, model.num_kv_heads=8)", check_selective_route,
+                     _route(torch.float32, True), dtype="fp32", num_heads=32, num_kv_heads=8,
+                     document_masking=False)
+    assert "use train.dtype=bf16" in message and "parallel.tsp_recompute=full" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_document_masking_varlen_is_refused(dtype):
+    message = raises("parallel.tsp_recompute='selective' on CUDA with data.document_masking=true",
+                     check_selective_route, _route(dtype, False), dtype=str(dtype), num_heads=32,
+                     num_kv_heads=32, document_masking=True)
+    assert "varlen" in message and "data.document_masking=false" in message
+
+
+@pytest.mark.parametrize("dtype,gqa", [(torch.bfloat16, True), (torch.bfloat16, False),
+                                       (torch.float32, False)])
+def test_routes_that_save_views_pass(dtype, gqa):
+    check_selective_route(_route(dtype, gqa), dtype="x", num_heads=32, num_kv_heads=8 if gqa else 32,
+                          document_masking=False)
+    # CPU: the lse-merge route slices, also per document segment
+    check_selective_route(sdpa_route("cpu", dtype, gqa=gqa, head_dim=128), dtype="x", num_heads=32,
+                          num_kv_heads=8, document_masking=True)
+
+
+def _trainer_stand_in(**changes):
+    cfg = with_(TrainConfig(), model__num_heads=4, model__num_kv_heads=2, zero__stage=1, **changes)
+    return SimpleNamespace(cfg=cfg, model_cfg=cfg.model.to_model_config(), bf16=cfg.train.dtype == "bf16",
+                           device=torch.device("cuda"))
+
+
+def test_trainer_refuses_before_any_process_group():
+    """Trainer._check_device_support (called before the accelerator and the mesh exist) applies
+    the rule for CUDA devices; full recompute and bf16 pass."""
+    stand_in = _trainer_stand_in(parallel__tsp_recompute="selective", train__dtype="fp32")
+    raises("parallel.tsp_recompute='selective' on CUDA with train.dtype=fp32 and GQA "
+           "(model.num_heads=4, model.num_kv_heads=2)", Trainer._check_device_support, stand_in)
+    stand_in = _trainer_stand_in(parallel__tsp_recompute="selective", train__dtype="bf16",
+                                 data__document_masking=True)
+    raises("data.document_masking=true", Trainer._check_device_support, stand_in)
+    Trainer._check_device_support(_trainer_stand_in(parallel__tsp_recompute="selective",
+                                                    train__dtype="bf16"))
+    Trainer._check_device_support(_trainer_stand_in(parallel__tsp_recompute="full", train__dtype="fp32"))
