@@ -1,7 +1,9 @@
 """The analytic model against the real code run on fake tensors and the fake process group in
 this process (plan/dry_run.py): communication equal to the ledger exactly, saved activations to
 the byte, peak activations within 10%, for every scheme, bf16 and fp32, with and without activation
-checkpointing; and the 1-and-2-layer extrapolation of the dry run equal to a full-depth run."""
+checkpointing, and TSP with parallel.tsp_recompute=selective (without checkpointing, which the
+trainer refuses with it); and the 1-and-2-layer extrapolation of the dry run equal to a full-depth
+run."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.analytic import BF16, FP32, Layout, activation_memory, model_parallel_comm
+from tsp_trainer.plan.analytic import (BF16, FP32, Layout, activation_memory, model_parallel_comm,
+                                       tsp_selective_saved)
 from tsp_trainer.plan.dry_run import run_step, simulate
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
@@ -20,12 +23,15 @@ CASES = [("tsp", 2, {"head_buckets": 2}), ("tsp", 4, {"head_buckets": 1}), ("tp"
          ("tp_sp", 2, {}), ("sp", 2, {}),
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2}),
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True})]
+SELECTIVE = [("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}),
+             ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"})]
 
 
 def _layout(scheme: str, degree: int, kw: dict, **extra) -> Layout:
     axes = ({"tp": kw["tp_degree"], "sp": kw["sp_degree"],
              "tp_sequence_parallel": kw.get("tp_sequence_parallel", False)} if scheme == "tp_x_sp" else {})
-    return Layout(scheme, degree, head_buckets=kw.get("head_buckets", 1), **axes, **extra)
+    return Layout(scheme, degree, head_buckets=kw.get("head_buckets", 1),
+                  tsp_recompute=kw.get("tsp_recompute", "full"), **axes, **extra)
 
 
 def _ids(case):
@@ -33,9 +39,13 @@ def _ids(case):
     return f"{scheme}-D{degree}-" + "-".join(f"{k}{v}" for k, v in kw.items())
 
 
-@pytest.mark.parametrize("ac", [False, True], ids=["noAC", "AC"])
+# selective recompute is refused with activation checkpointing (config/validate.py)
+LAYOUTS = ([(c, ac) for c in CASES for ac in (False, True)] + [(c, False) for c in SELECTIVE])
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("case,ac", LAYOUTS,
+                         ids=[f"{_ids(c)}-{'AC' if ac else 'noAC'}" for c, ac in LAYOUTS])
 def test_analytic_model_matches_the_code_on_fake_tensors(case, dtype, ac):
     scheme, degree, kw = case
     prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
@@ -50,6 +60,22 @@ def test_analytic_model_matches_the_code_on_fake_tensors(case, dtype, ac):
     # the model describes rank 0, whose second zigzag chunk sees the whole prefix (the largest
     # attention masks); the other ranks need at most that
     assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
+
+
+@pytest.mark.parametrize("degree,buckets", [(2, 2), (4, 1)])
+def test_selective_keeps_its_items_and_not_the_gathered_kv(degree, buckets):
+    """What selective recompute keeps beyond full recompute is exactly q, k/v, the attention
+    output, the kernel's output and log-sum-exp of every item (`tsp_selective_saved`), to 64
+    bytes per layer: the attention kernel's views of the gathered K/V are dropped (keeping them
+    would add a whole layer's gathered K/V, 2 e S h_kv per layer, several times the margin)."""
+    kw = dict(world_size=2 * degree, degree=degree, seq_len=SEQ, head_buckets=buckets, rank=0)
+    full, sel = (run_step(CFG, "tsp", tsp_recompute=mode, **kw) for mode in ("full", "selective"))
+    kept = tsp_selective_saved(CFG, Layout("tsp", degree, head_buckets=buckets, tsp_recompute="selective"),
+                               SEQ, BF16)
+    gathered_kv = 2 * 2 * SEQ * CFG.kv_hidden_size
+    assert kept > 0 and gathered_kv > 64 * 8
+    assert abs((sel.stored_bytes - full.stored_bytes) - CFG.num_layers * kept) <= 64 * CFG.num_layers
+    assert sel.comm == full.comm                 # the backward re-gathers what full recompute gathers
 
 
 def test_rank_zero_has_the_largest_attention_masks():

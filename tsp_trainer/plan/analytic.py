@@ -24,6 +24,7 @@ from tsp_trainer.observability.flops import (attention_flops_per_token, block_ma
 from tsp_trainer.plan.hardware import HardwareProfile
 
 SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
+TSP_RECOMPUTE = ("full", "selective")   # parallel.tsp_recompute (parallel/tsp/attention.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,16 +83,39 @@ class Layout:
     micro_batch: int = 1                   # sequences per replica per micro-step
     grad_accum: int = 1
     offload_activations: bool = False      # blocks' saved tensors in host memory (model/offload.py)
+    tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme={self.scheme!r} is not one of {', '.join(SCHEMES)}")
+        self._check_recompute()
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1 or 2")
         if self.scheme == "tp_x_sp":
             t, s, _ = self.axes
             if t * s != self.degree:
                 raise ValueError(f"tp x sp = {t} x {s} is not the degree {self.degree}")
+
+    def _check_recompute(self) -> None:
+        """The trainer's rules (config/validate.py::_check_tsp_recompute), so that no layout the
+        planner offers is one the trainer refuses."""
+        mode = self.tsp_recompute
+        if mode not in TSP_RECOMPUTE:
+            raise ValueError(f"tsp_recompute={mode!r} is not one of {', '.join(TSP_RECOMPUTE)}")
+        if mode == "full":
+            return
+        if self.scheme != "tsp":
+            raise ValueError(f"tsp_recompute={mode!r} with scheme {self.scheme!r}: only tsp "
+                             "recomputes by shard; use tsp_recompute='full'")
+        if self.activation_checkpointing or self.offload_activations:
+            raise ValueError(f"tsp_recompute={mode!r} with "
+                             f"{'activation checkpointing' if self.activation_checkpointing else 'activation offload'}: "
+                             "the trainer refuses it (the kept attention outputs would stay on the "
+                             "device for every layer); use tsp_recompute='full'")
+
+    @property
+    def selective(self) -> bool:
+        return self.tsp_recompute == "selective"
 
     @property
     def axes(self) -> tuple[int, int, bool]:
@@ -121,6 +145,8 @@ class Layout:
                  "AC" if self.activation_checkpointing else "noAC"]
         if self.scheme == "tsp":
             parts.append(f"nb={self.head_buckets}")
+            if self.selective:
+                parts.append("sel")
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
             parts.append("offload")
@@ -235,11 +261,16 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
         return (e + (e if output_kept else 0)) * tokens * h + 4 * tokens
 
     rope = 2 * tok["rope"] * d * 4                               # fp32 cos, sin tables
-    terms: dict[str, int] = {"rope_tables": rope}
+    sel = tsp_selective_saved(cfg, layout, seq_len, prec)       # 0 unless tsp_recompute=selective
+    if sel and _kv_expansion(e, device, nh != cfg.num_kv_heads):
+        raise ValueError("tsp_recompute='selective' on CUDA in fp32 with GQA: the memory-efficient "
+                         "kernel saves expanded K/V copies, which the trainer refuses "
+                         "(parallel/tsp/recompute_rules.py); use bf16 or tsp_recompute='full'")
+    terms: dict[str, int] = {"rope_tables": rope, "tsp_selective_kept": sel}
 
     # ---- saved per layer (no AC) and outside the layers
     if tsp:
-        layer = 2 * norm_saved(n_n, True)
+        layer = 2 * norm_saved(n_n, True) + sel
         outside = norm_saved(n_n, True) + 4 * n_r * 3          # final norm; lse, target, loss
     else:
         layer = 2 * norm_saved(n_n, not seqpar)
@@ -272,7 +303,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
 
     # ---- transients (bytes alive in a phase on top of what earlier layers saved)
     if tsp:
-        tr = _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device)
+        tr = _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device, sel)
     else:
         tr = _baseline_transients(cfg, layout, seq_len, prec, tok, norm_saved, layer, device)
     terms.update({f"transient_{k}": v for k, v in tr.items()})
@@ -310,6 +341,22 @@ def norm_backward_chunk_bytes(h: int, rows: int, e: int) -> int:
     """Peak temporaries of one RmsNormFn backward chunk of `rows` tokens: the fp32 normalised
     input and g = dy * w in fp32, plus (bf16) g's bf16 product before its cast."""
     return (8 + (e if e < 4 else 0)) * rows * h
+
+
+def tsp_selective_saved(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:
+    """Bytes per layer and rank that parallel.tsp_recompute=selective keeps beyond X_p
+    (parallel/tsp/attention.py, `_Item`): per item (owner r, head bucket b) the local q
+    [B, T, hq_b, d] and stacked k/v [B, T, 2, hkv_b, d] after RoPE, the attention output a and the
+    kernel's saved output per zigzag run ([B, T, hq_b d] each, activation dtype) and its fp32
+    log-sum-exp [B, hq_b heads, T]; the kernel's views of the gathered K/V are dropped. Summed
+    over the D n_b items that is every head of the model for this rank's T = B S / D tokens:
+    e T (3 n_h d + 2 h_kv) + 4 T n_h (the same for the CPU log-sum-exp route and CUDA's flash
+    kernel: both save their output and log-sum-exp). 0 under full recompute."""
+    if layout.scheme != "tsp" or not layout.selective:
+        return 0
+    n = layout.micro_batch * seq_len // layout.degree
+    nh, d = cfg.num_heads, cfg.head_dim
+    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh
 
 
 def _mask_terms(seq_len: int, s_p: int, e: int, device: str) -> dict[str, int]:
@@ -359,35 +406,80 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     return {"fwd": fwd, "bwd": bwd, "kv_full": kv_full, **m}
 
 
-def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device) -> dict[str, int]:
-    """Transients of TSP (parallel/tsp/): per layer two weight shards in flight (+ the packed own
-    shard), an fp32 output / dX accumulator, one head bucket of gathered K/V and its masks; in
-    backward also the packed partial gradients being reduced / carried around the ring."""
+def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device, sel) -> dict[str, int]:
+    """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
+    gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
+    ring's logits block. `sel`: the layer's selective-recompute bytes (0 under full), alive from
+    the layer's forward until its attention backward."""
     e, ew = prec.act, prec.weight
-    d_, nb, b = layout.degree, layout.head_buckets, layout.micro_batch
-    h, hkv, inter, V = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d_ = layout.degree
+    h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     n = tok["region"]
-    # At the dK/dV reduce-scatter: the re-gathered K/V, dK/dV, their stack and the reordered copy;
-    # on CPU the log-sum-exp route (model/attention_lse.py) leaves one more K/V-sized gradient
-    # buffer alive there (measured on fake tensors, tests/unit/test_plan_fake.py).
-    z = _zigzag_attention(e, b, seq_len, d_, h // (d_ * nb), hkv // (d_ * nb), n, recomputed_qkv=True,
-                          scatter_copies=5 if device == "cpu" else 4, device=device)
-    w_attn, w_mlp = p_attn // d_ * ew, cfg.mlp_sharded_params // d_ * ew
+    a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel)
+    w_mlp = cfg.mlp_sharded_params // d_ * ew
     own = norm_saved(n, True)                           # norm's saved tensors + X_p
     acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
     mid = e * n * inter // d_                           # one [N/D, I/D] MLP intermediate
-    attn_fwd = acc32 + 3 * w_attn + z["fwd"]
     mlp_fwd = acc32 + 2 * w_mlp + max(3 * mid, mid + e * n * h)
-    out = {"attn_fwd": own + attn_fwd, "mlp_fwd": 2 * own + mlp_fwd,
-           "attn_fwd_nograd": e * n * h + attn_fwd, "mlp_fwd_nograd": e * n * h + mlp_fwd,
-           "attn_bwd": own + e * n * h + acc32 + 6 * w_attn + z["bwd"],
-           "mlp_bwd": 2 * own + 2 * e * n * h + acc32 + _mlp_ring_backward_shards(w_mlp, ew) + 6 * mid,
+    out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_fwd,
+           "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
+           # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
+           "attn_bwd": own + e * n * h + a["bwd"],
+           "mlp_bwd": 2 * own + sel + 2 * e * n * h + acc32 + _mlp_ring_backward_shards(w_mlp, ew) + 6 * mid,
            # ring of vocab shards: fp32 logits block [N/D, V/D] and its exp / softmax, x and dX in
            # fp32, the shards and gradient accumulators
            "head": (8 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
-           "norm_bwd_in_layer": own + norm_saved(n, False) + e * n * h,
-           "kv_bucket": z["kv_full"], "mask": z["mask"], "bias": z["bias"]}
+           "norm_bwd_in_layer": own + sel + norm_saved(n, False) + e * n * h,
+           "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
     return out
+
+
+def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> dict[str, int]:
+    """TSP attention's transient bytes (parallel/tsp/attention.py, issue 12's overlap), per rank,
+    for the worst item (the model describes rank 0). Items (r, b) run one step ahead: item i+1's
+    projection and K/V all-gather are issued before item i's attention. Counted in units of one
+    item (hq_b, hkv_b = this rank's query / K/V channels per bucket, n local tokens):
+
+      qkv   = e n (hq_b + 2 hkv_b)   the item's local q and stacked k/v
+      kv    = 2 e B S hkv_b          one gathered K/V bucket (the raw gather or its logical copy)
+      q_b   = e n hq_b               a query-sized temporary (output a, dA, dq)
+
+    forward:  fp32 output 4nh, min(3, D) weight buffers, the current and the next item's qkv, three
+              K/V buckets (this item's gather and its logical-order copy, the next item's gather in
+              flight), two q_b; selective adds the items already kept (the largest phase is the
+              item before last, or the last with every item kept and two buckets alive);
+    backward: fp32 dX 4nh, min(2, D) weight buffers and min(3, D) fp32 gradient buffers (the one
+              filled, the one being reduced, and rank 0's own summed gradient once its turn is
+              over), two items' qkv (full recompute projects this and the next item), four K/V
+              buckets (re-gathered, the next in flight, dK/dV, its rank-major copy for the
+              reduce-scatter), three q_b; selective projects nothing but holds its kept items and
+              one more K/V bucket and q_b; at the end, in bf16, dX and the gradients cast to the
+              weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase.
+    Coefficients measured on fake tensors per block (tests/unit/test_plan_fake.py checks the
+    step within 10%)."""
+    e, ew = prec.act, prec.weight
+    d_, nb, b = layout.degree, layout.head_buckets, layout.micro_batch
+    h = cfg.hidden_size
+    hq_b = cfg.num_heads * cfg.head_dim // (d_ * nb)
+    hkv_b = cfg.kv_hidden_size // (d_ * nb)
+    items = d_ * nb
+    qkv, q_b = e * n * (hq_b + 2 * hkv_b), e * n * hq_b
+    kv = 2 * e * b * seq_len * hkv_b
+    kv_exp = kv * hq_b // hkv_b if _kv_expansion(e, device, hq_b != hkv_b) else 0
+    w = p_attn // d_ * ew
+    acc32 = 4 * n * h
+    w_fwd = min(3, d_) * w
+    w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
+    cast = (e * n * h + w) if ew != 4 else 0            # dX and the gradients cast from fp32
+    fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp
+    if layout.selective:
+        sel_item = sel // items
+        fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
+        bwd_item = sel + 5 * kv + 4 * q_b + kv_exp
+    else:
+        bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
+    bwd = acc32 + w_bwd + max(bwd_item, cast)
+    return {"fwd": fwd, "bwd": bwd, "kv_bucket": kv}
 
 
 def _mlp_ring_backward_shards(w: int, ew: int) -> int:

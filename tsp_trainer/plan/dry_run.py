@@ -213,9 +213,10 @@ class StepResult:
         return asdict(self)
 
 
-def _scheme_options(scheme: str, head_buckets: int, tp_degree, sp_degree, tp_sequence_parallel) -> dict:
+def _scheme_options(scheme: str, head_buckets: int, tp_degree, sp_degree, tp_sequence_parallel,
+                    tsp_recompute: str = "full") -> dict:
     if scheme == "tsp":
-        return {"head_buckets": head_buckets}
+        return {"head_buckets": head_buckets, "tsp_recompute": tsp_recompute}
     if scheme == "tp_x_sp":
         return {"tp_degree": tp_degree, "sp_degree": sp_degree,
                 "tp_sequence_parallel": tp_sequence_parallel}
@@ -226,9 +227,10 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, head_buckets: int = 1,
              activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
-             seed: int = 0, attention: str = "cpu") -> StepResult:
+             seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
-    attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`)."""
+    attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
+    tsp_recompute: TSP's `parallel.tsp_recompute` ("full" or "selective")."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -243,7 +245,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=gen)
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    options = _scheme_options(scheme, head_buckets, tp_degree, sp_degree, tp_sequence_parallel)
+    options = _scheme_options(scheme, head_buckets, tp_degree, sp_degree, tp_sequence_parallel,
+                              tsp_recompute)
     with fake_world(world_size, rank):
         mesh = build_mesh(degree)
         mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -196,7 +196,9 @@ class _DroppedKV:
     rebuilt as the same view of `regathered` (the K/V gathered again, same layout)."""
 
     def __init__(self, kv: torch.Tensor):
-        self.kv, self.regathered = kv, None
+        # A view of a view has the root tensor as its `_base` (the gathered K/V reach the kernel
+        # as kv[:, :, 0].transpose(1, 2)[..., :n] etc.), so match on kv's root, not on kv.
+        self.kv, self.regathered = (kv if kv._base is None else kv._base), None
 
     def pack(self, t: torch.Tensor):
         if t is self.kv or t._base is self.kv:
@@ -300,8 +302,9 @@ class _TSPAttentionFn(torch.autograd.Function):
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
             if kept is not None:
-                kept[i].regather()
-                return kept[i]
+                item, kept[i] = kept[i], None    # dropped once backpropagated, not at the end
+                item.regather()
+                return item
             r, b = items[i]
             wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
             return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), comm)
