@@ -25,16 +25,31 @@ SEQ = 1024
     ("tsp", 2, {"head_buckets": 2}, "bf16", True),     # the recipe's shape of step: flash, AC
     ("tsp", 2, {"head_buckets": 2}, "fp32", True),     # memory-efficient kernel, K/V expanded
     ("sp", 2, {}, "bf16", False),
-], ids=["tsp-bf16-AC", "tsp-fp32-AC", "sp-bf16"])
+    # selective recompute: flash's saved output + log-sum-exp kept per item, K/V views dropped
+    ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}, "bf16", False),
+    ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"}, "bf16", False),
+], ids=["tsp-bf16-AC", "tsp-fp32-AC", "sp-bf16", "tsp-bf16-selective", "tsp-D4-bf16-selective"])
 def test_cuda_attention_path_matches_the_planners_cuda_variant(scheme, degree, kw, dtype, ac):
     prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
     res = run_step(GQA, scheme, world_size=2 * degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
                    activation_checkpointing=ac, rank=0, attention="cuda", **kw)
-    layout = Layout(scheme, degree, dp=2, activation_checkpointing=ac, head_buckets=kw.get("head_buckets", 1))
+    layout = Layout(scheme, degree, dp=2, activation_checkpointing=ac, head_buckets=kw.get("head_buckets", 1),
+                    tsp_recompute=kw.get("tsp_recompute", "full"))
     cuda = activation_memory(GQA, layout, SEQ, prec, device="cuda")
     assert cuda.stored == pytest.approx(res.stored_bytes, rel=0.01)
     assert cuda.peak == pytest.approx(res.peak_bytes, rel=0.10)
     assert res.host_syncs == {} and res.info["attention"] == "cuda"
+
+
+def test_selective_is_not_modelled_where_the_trainer_refuses_it():
+    """fp32 + GQA on CUDA expands K/V into copies that selective recompute would keep: the trainer
+    refuses it (parallel/tsp/recompute_rules.py), and so does the planner's CUDA variant; bf16
+    and the CPU variant are modelled."""
+    layout = Layout("tsp", 2, head_buckets=2, tsp_recompute="selective")
+    with pytest.raises(ValueError, match="tsp_recompute='selective' on CUDA in fp32 with GQA"):
+        activation_memory(GQA, layout, SEQ, FP32, device="cuda")
+    assert activation_memory(GQA, layout, SEQ, BF16, device="cuda").peak > 0
+    assert activation_memory(GQA, layout, SEQ, FP32, device="cpu").peak > 0
 
 
 def test_cuda_path_peaks_like_the_cpu_path_and_moves_the_same_bytes():

@@ -28,6 +28,8 @@ SEQ = 2048
     ("tsp", 2, {"head_buckets": 2}, False),
     ("tsp", 2, {"head_buckets": 1}, True),
     ("tsp", 4, {"head_buckets": 1}, False),
+    ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}, False),
+    ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"}, False),
     ("tp", 2, {}, False),
     ("tp_sp", 2, {}, True),
     ("sp", 2, {}, False),
@@ -40,7 +42,8 @@ def test_ledger_and_memory_of_the_real_code(scheme, degree, options, ac):
     axes = ({"tp": options["tp_degree"], "sp": options["sp_degree"],
              "tp_sequence_parallel": options["tp_sequence_parallel"]} if scheme == "tp_x_sp" else {})
     layout = Layout(scheme, degree, zero_stage=0, activation_checkpointing=ac,
-                    head_buckets=options.get("head_buckets", 1), **axes)
+                    head_buckets=options.get("head_buckets", 1),
+                    tsp_recompute=options.get("tsp_recompute", "full"), **axes)
     comm = {k: {"count": v["count"], "bytes": v["bytes"]}
             for k, v in model_parallel_comm(CFG, layout, SEQ, FP32).items()}
     state = state_bytes(CFG, layout, FP32)
