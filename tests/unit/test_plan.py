@@ -17,7 +17,7 @@ from tsp_trainer.plan import cli
 from tsp_trainer.plan.analytic import (BF16, FP32, Assumptions, Layout, activation_memory,
                                        data_parallel_comm, hardware_flops_per_token,
                                        model_parallel_comm, param_count, predict, state_bytes,
-                                       wire_bytes)
+                                       wire_bytes, OVERLAPPABLE_TAGS, WIRE_FACTOR)
 from tsp_trainer.plan.hardware import PROFILES, get_profile
 from tsp_trainer.plan.search import PlanError, candidate_layouts, plan
 
@@ -142,9 +142,52 @@ def test_hardware_flops_count_recompute():
     model = flops_per_token(SMALL, s)
     assert hardware_flops_per_token(SMALL, Layout("tp", 2), s) == {"model": model, "hardware": model}
     tsp = hardware_flops_per_token(SMALL, Layout("tsp", 2), s)["hardware"]
-    assert tsp == flops_per_token(SMALL, s, recompute=True)          # TSP recomputes its blocks
+    # full recompute re-runs q/k/v, the attention forward and gate/up in backward (not W_o, W_down)
+    L, h, inter = SMALL.num_layers, SMALL.hidden_size, SMALL.intermediate_size
+    qkv = 2 * L * h * (SMALL.num_heads * SMALL.head_dim + 2 * SMALL.kv_hidden_size)
+    core, gate_up = L * 2 * s * h, 2 * L * 2 * h * inter            # causal attention: half of 4 S h
+    assert tsp == model + qkv + core + gate_up
+    assert tsp < flops_per_token(SMALL, s, recompute=True)          # less than a whole block forward
+    sel = hardware_flops_per_token(SMALL, Layout("tsp", 2, tsp_recompute="selective"), s)["hardware"]
+    assert sel == model + gate_up                                    # selective keeps the attention
     tsp_ac = hardware_flops_per_token(SMALL, Layout("tsp", 2, activation_checkpointing=True), s)["hardware"]
-    assert tsp_ac > tsp
+    assert tsp_ac == tsp + flops_per_token(SMALL, s, recompute=True) - model   # + one block replay
+
+
+def test_selective_layout_rules_follow_the_trainer():
+    """Layout refuses what config/validate.py refuses: selective for a baseline, or with AC or
+    activation offload; labels say 'sel'."""
+    assert "sel" in Layout("tsp", 2, tsp_recompute="selective").label()
+    for kw, match in (({"scheme": "tp"}, "only tsp recomputes by shard"),
+                      ({"activation_checkpointing": True}, "activation checkpointing"),
+                      ({"offload_activations": True}, "activation offload")):
+        args = {"scheme": "tsp", "degree": 2, "tsp_recompute": "selective", **kw}
+        with pytest.raises(ValueError, match=match):
+            Layout(**args)
+    with pytest.raises(ValueError, match="tsp_recompute='partial' is not one of full, selective"):
+        Layout("tsp", 2, tsp_recompute="partial")
+
+
+def test_tsp_kv_traffic_overlaps_but_for_one_item_per_layer():
+    """TSP's K/V all-gathers and dK/dV reduce-scatters run one item ahead: with 8 items per layer
+    (D 8 x 1 bucket) 1/8 of their time is exposed, the rest overlaps compute; the other exposed
+    tags (norm gradients, loss count) stay exposed."""
+    hw, cfg = get_profile("h100"), model_config("7b")
+    p = predict(cfg, Layout("tsp", 8), 131072, hw)
+
+    def seconds(v, op):
+        return v["bytes"] * WIRE_FACTOR[op](v["group"]) / (hw.intra_node_bw * 0.75) + v["count"] * 15e-6
+
+    kv = other = 0.0
+    for key, v in p.comm_mp.items():
+        op, tag = key.split("/", 1)
+        if tag in ("attn.kv", "attn.dkv"):
+            kv += seconds(v, op)
+        elif tag not in OVERLAPPABLE_TAGS:
+            other += seconds(v, op)
+    assert kv > 0 and other > 0
+    assert p.times["exposed_comm_per_micro"] == pytest.approx(other + kv / 8)
+    assert p.times["overlappable_comm_per_micro"] > 7 / 8 * kv
 
 
 def test_prediction_time_model():
@@ -214,6 +257,27 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plan_with_selective_recompute(capsys):
+    """tsp-plan --tsp-recompute selective: TSP layouts are selective and without AC (the trainer
+    refuses the pair); selective needs more memory than full and is predicted faster (no
+    attention recompute); the baselines are unchanged."""
+    from tsp_trainer.plan.search import candidate_layouts
+
+    kw = dict(seq_len=32768, global_batch=8, world=8)
+    sel = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute="selective", **kw)
+    tsp = [lay for lay in sel if lay.scheme == "tsp"]
+    assert tsp and all(lay.selective and not lay.activation_checkpointing for lay in tsp)
+    assert all(lay.tsp_recompute == "full" for lay in sel if lay.scheme != "tsp")
+    hw, cfg = get_profile("h100"), model_config("7b")
+    full = predict(cfg, Layout("tsp", 8), 131072, hw)
+    fast = predict(cfg, Layout("tsp", 8, tsp_recompute="selective"), 131072, hw)
+    assert fast.memory["total"] > full.memory["total"] and fast.step_time < full.step_time
+    assert cli.main(["--model", "7b", "--seq-len", "131072", "--global-batch", "1", "--gpu", "h200",
+                     "--schemes", "tsp", "--tsp-recompute", "selective"]) == 0
+    out = capsys.readouterr().out
+    assert "TSP recompute selective" in out and " sel " in out
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--global-batch", "1", "--seq-len", "4194304", "--gpu", "h100"], r"nothing fits"),
     (["--global-batch", "3", "--seq-len", "4096", "--nodes", "4", "--max-degree", "8"],
@@ -226,6 +290,9 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     (["--global-batch", "8", "--nodes", "0"], r"--nodes=0 must be >= 1"),
     (["--dry-run", "--nodes", "1", "--degree", "3"], r"--degree=3 must divide the world size 8"),
     (["--dry-run", "--degree", "8", "--head-buckets", "3"], r"tsp: parallel.head_buckets=3"),
+    (["--dry-run", "--tsp-recompute", "selective"],
+     r"--tsp-recompute=selective needs --no-activation-checkpointing"),
+    (["--global-batch", "8", "--tsp-recompute", "partial"], r"invalid choice: 'partial'"),
 ])
 def test_cli_errors_exit_2_with_a_clear_message(argv, match, capsys):
     with pytest.raises(SystemExit) as info:

@@ -55,6 +55,19 @@ def test_offload_keeps_two_layers_on_the_gpu_and_the_rest_on_the_host():
     assert "offload" in p.layout.label()
 
 
+def test_selective_recompute_longest_is_a_boundary_and_refuses_offload():
+    """With --tsp-recompute selective the TSP answer is a boundary of the model among selective
+    layouts (no AC), shorter than full recompute's; with offload it is refused, saying why."""
+    r = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, tsp_recompute="selective")
+    fits = [_fitting(CFG, "tsp", s, hw=H100, world=8, global_batch=1, prec=BF16, assumptions=Assumptions(),
+                     max_degree=64, offload=False, tsp_recompute="selective") for s in (r.seq_len, r.seq_len + 1024)]
+    assert r.seq_len > 0 and fits[0] is not None and fits[1] is None
+    assert r.best.layout.selective and not r.best.layout.activation_checkpointing
+    assert r.seq_len < longest_seq_len(CFG, "tsp", hw=H100, nodes=1).seq_len
+    off = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, tsp_recompute="selective")
+    assert off.best is None and "refused with activation offload" in off.as_dict()["refused"]
+
+
 def test_cli_max_seq_len_tables_and_json(tmp_path, capsys):
     out = tmp_path / "longest.json"
     assert cli.main(["--model", "llama3_8b", "--gpu", "h100", "--nodes", "1", "--schemes", "tsp,tp",

@@ -659,16 +659,22 @@ def wire_bytes(entries: dict[str, dict[str, int]]) -> dict[str, float]:
 
 def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
     """Model FLOPs (observability/flops.py: causal attention halved, backward = 2 x forward) and the
-    FLOPs the code really executes: + one block forward per recompute. TSP recomputes its attention
-    and MLP in the backward (only X_p is saved); SP-style context attention recomputes the attention
-    core; activation checkpointing replays each block once more."""
+    FLOPs the code really executes, + what its backward recomputes. TSP with full recompute saves
+    only X_p: its attention backward re-runs the q/k/v projections and the attention forward
+    (not W_o: dW_o and dA need only A and dy) and its MLP backward the gate and up projections (not
+    W_down); with tsp_recompute=selective the attention part is kept, only gate/up are re-run.
+    SP-style context attention recomputes the attention core; activation checkpointing replays
+    each block once more (every matmul)."""
     model = flops_per_token(cfg, seq_len)
     block_fwd = 2 * block_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
     core_fwd = attention_flops_per_token(cfg, seq_len)
     _, s_p, _ = layout.axes
     extra = 0.0
     if layout.scheme == "tsp":
-        extra += block_fwd
+        L, h = cfg.num_layers, cfg.hidden_size
+        qkv_proj = 2 * L * h * (cfg.num_heads * cfg.head_dim + 2 * cfg.kv_hidden_size)
+        gate_up = 2 * L * 2 * h * cfg.intermediate_size
+        extra += gate_up + (0 if layout.selective else qkv_proj + core_fwd)
     elif s_p > 1:
         extra += core_fwd
     if layout.activation_checkpointing:
@@ -714,6 +720,8 @@ def _link_bw(group_span: int, hw: HardwareProfile, *, p2p: bool) -> float:
 
 # Overlap model (docs/planner.md section 4): which ledger tags the code issues asynchronously and
 # waits for later (they can hide behind compute), and which it issues synchronously (exposed).
+# TSP's K/V all-gathers and dK/dV reduce-scatters are issued one item ahead (issue 12): all but
+# one item per layer and pass hide behind compute (see `predict`).
 OVERLAPPABLE_TAGS = ("attn.weights", "attn.wgrad", "mlp.weights", "mlp.weights.grad", "embed.weights",
                      "embed.weights.grad", "head.weights", "head.weights.grad")
 
@@ -749,6 +757,13 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
         seconds = v["bytes"] * WIRE_FACTOR[op](g) / bw + v["count"] * assumptions.op_latency_s
         if layout.scheme == "tsp" and tag in OVERLAPPABLE_TAGS:
             overlappable += seconds
+        elif layout.scheme == "tsp" and tag in ("attn.kv", "attn.dkv"):
+            # issued one item ahead (parallel/tsp/attention.py): only each pass's first item of a
+            # layer waits for its K/V (forward, backward; the AC replay) and the last item's dK/dV
+            # reduce-scatter is waited for before the layer's backward ends
+            first = 1 / (layout.degree * layout.head_buckets)
+            exposed += seconds * first
+            overlappable += seconds * (1 - first)
         else:
             exposed += seconds
     # activation offload: every block's saved tensors go to the host in forward and come back in

@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report the longest sequence each scheme fits (without and with activation "
                         "offload to host memory; --global-batch defaults to 1) instead of ranking "
                         "layouts at --seq-len")
+    p.add_argument("--tsp-recompute", choices=("full", "selective"), default="full",
+                   help="TSP's parallel.tsp_recompute: full (default; backward recomputes projections "
+                        "and attention from X_p) or selective (keeps q, k/v and attention outputs, "
+                        "~5 X_p more per layer; no activation checkpointing or offload with it)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
     g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
@@ -146,15 +150,18 @@ def _longest(parser, args, cfg) -> int:
     schemes = _schemes(parser, args.schemes, SCHEMES)
     world = nodes * hw.gpus_per_node
     report = {"model": args.model, "gpu": hw.name, "nodes": nodes, "world_size": world,
-              "global_batch": batch, "dtype": args.dtype, "results": {}}
+              "global_batch": batch, "dtype": args.dtype, "tsp_recompute": args.tsp_recompute,
+              "results": {}}
     for offload in (False, True):
         rows = [longest_seq_len(cfg, s, hw=hw, nodes=nodes, global_batch=batch,
                                 prec=PRECISIONS[args.dtype], assumptions=assumptions,
-                                max_degree=args.max_degree, offload=offload) for s in schemes]
+                                max_degree=args.max_degree, offload=offload,
+                                tsp_recompute=args.tsp_recompute) for s in schemes]
         what = "with activation offload to host" if offload else "activations in GPU memory"
         print(format_longest(rows, header=(
             f"longest sequence per scheme: {args.model} on {world} x {hw.name} ({nodes} nodes), global "
-            f"batch {batch}, {args.dtype}, AdamW, {what}; {hw.hbm_bytes / 1e9:.0f} GB x "
+            f"batch {batch}, {args.dtype}, AdamW, {what}, TSP recompute {args.tsp_recompute}; "
+            f"{hw.hbm_bytes / 1e9:.0f} GB x "
             f"{assumptions.hbm_usable:.2f} usable")))
         print()
         report["results"]["offload" if offload else "gpu"] = [r.as_dict() for r in rows]
@@ -187,7 +194,7 @@ def _plan(parser, args, cfg) -> int:
     try:
         result = plan(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw, nodes=nodes,
                       schemes=schemes, prec=PRECISIONS[args.dtype], assumptions=assumptions,
-                      max_degree=args.max_degree, micro_batches=micro)
+                      max_degree=args.max_degree, micro_batches=micro, tsp_recompute=args.tsp_recompute)
     except PlanError as err:
         print(f"tsp-plan: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -195,14 +202,16 @@ def _plan(parser, args, cfg) -> int:
     capacity = hw.hbm_bytes * assumptions.hbm_usable
     header = (f"{args.model} at {args.seq_len} tokens, global batch {args.global_batch} sequences "
               f"({args.global_batch * args.seq_len:,} tokens/step) on {world} x {hw.name} "
-              f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, AdamW; assumed "
+              f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, AdamW, TSP recompute "
+              f"{args.tsp_recompute}; assumed "
               f"{assumptions.compute_efficiency:.0%} of peak FLOP/s and "
               f"{assumptions.comm_efficiency:.0%} of link bandwidth; "
               f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
     print(format_table(result, header=header, top=args.top, capacity=capacity))
     request = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
                "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
-               "assumptions": asdict(assumptions), "schemes": list(schemes)}
+               "assumptions": asdict(assumptions), "schemes": list(schemes),
+               "tsp_recompute": args.tsp_recompute}
     if args.json:
         write_json(args.json, request, result, top=args.top)
     if args.plot:
@@ -223,6 +232,10 @@ def _dry_run(parser, args, cfg) -> int:
     if not 0 <= args.rank < world:
         _fail(parser, f"--rank={args.rank} must be in [0, {world})")
     schemes = _schemes(parser, args.schemes, ("tsp", "tp", "tp_sp"))
+    if args.tsp_recompute == "selective" and not args.no_activation_checkpointing:
+        _fail(parser, "--tsp-recompute=selective needs --no-activation-checkpointing (the dry run "
+                      "checkpoints every scheme by default, and the trainer refuses selective with "
+                      "train.activation_checkpointing=true)")
     if "tp_x_sp" in schemes:
         _fail(parser, "--dry-run runs tsp, tp, tp_sp and sp; tp_x_sp needs its two degrees (not a "
                       "flag of the dry run yet)")
@@ -238,6 +251,7 @@ def _dry_run(parser, args, cfg) -> int:
                      head_buckets=args.head_buckets, micro_batch=args.micro_batch_size,
                      activation_checkpointing=not args.no_activation_checkpointing, rank=args.rank,
                      full_depth=args.full_depth, attention=args.attention,
+                     tsp_recompute=args.tsp_recompute,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_dry_run(report))
     if args.json:

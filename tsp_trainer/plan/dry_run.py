@@ -340,7 +340,8 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
 def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             schemes=("tsp", "tp", "tp_sp"), head_buckets: int = 1, micro_batch: int = 1,
             activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
-            full_depth: bool = False, attention: str = "cpu", log=None) -> dict:
+            full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
+            log=None) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/analytic.py): the ledger must equal it exactly; memory within a few %.
     attention="cuda" runs attention_core's CUDA route (`cuda_attention_path`) and compares with the
@@ -354,21 +355,22 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     report = {"model": asdict(cfg), "seq_len": seq_len, "world_size": world_size, "degree": degree,
               "dp": dp, "rank": rank, "micro_batch": micro_batch, "zero_stage": zero_stage,
               "activation_checkpointing": activation_checkpointing, "dtype": "bf16",
-              "attention": attention,
+              "attention": attention, "tsp_recompute": tsp_recompute,
               "layers": "all" if full_depth else "extrapolated from 1 and 2 layers", "schemes": {}}
     for scheme in schemes:
         if log:
             log(f"[dry-run] {scheme}: world {world_size} (D={degree}, DP={dp}), rank {rank}, "
                 f"seq {seq_len} ...")
         nb = head_buckets if scheme == "tsp" else 1
+        mode = tsp_recompute if scheme == "tsp" else "full"
         res = simulate(cfg, scheme, layers=cfg.num_layers if full_depth else None,
                        world_size=world_size, degree=degree, seq_len=seq_len,
                        micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
                        activation_checkpointing=activation_checkpointing, rank=rank,
-                       attention=attention)
+                       attention=attention, tsp_recompute=mode)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
-                        micro_batch=micro_batch)
+                        micro_batch=micro_batch, tsp_recompute=mode)
         act = activation_memory(cfg, layout, seq_len, prec, device=attention)
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
@@ -403,7 +405,8 @@ def format_dry_run(report: dict) -> str:
            f"world {report['world_size']} = DP {report['dp']} x D {report['degree']} (fake process "
            f"group, FakeTensorMode), rank {report['rank']}, bf16, ZeRO-{report['zero_stage']}, "
            f"activation checkpointing {'on' if report['activation_checkpointing'] else 'off'}; "
-           f"layers {report['layers']}; attention path {report.get('attention', 'cpu')}"]
+           f"layers {report['layers']}; attention path {report.get('attention', 'cpu')}; TSP "
+           f"recompute {report.get('tsp_recompute', 'full')}"]
     for scheme, r in report["schemes"].items():
         st = r["state_bytes"]
         out.append("")

@@ -24,9 +24,12 @@ class Longest:
     scheme: str
     seq_len: int                         # 0: not even one granule fits
     best: Prediction | None              # the fitting layout with the least memory at seq_len
+    refused: str = ""                    # why no layout was tried (a pair the trainer refuses)
 
     def as_dict(self) -> dict:
         out = {"scheme": self.scheme, "max_seq_len": self.seq_len}
+        if self.refused:
+            out["refused"] = self.refused
         if self.best is not None:
             out.update(layout=self.best.layout.label(), memory=self.best.memory,
                        tokens_per_s=self.best.tokens_per_s, mfu=self.best.mfu)
@@ -35,15 +38,17 @@ class Longest:
 
 def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
              global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
-             offload: bool) -> Prediction | None:
+             offload: bool, tsp_recompute: str = "full") -> Prediction | None:
     """The layout of `scheme` with the least memory at seq_len, if it fits."""
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
     layouts = candidate_layouts(model, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
-                                micro_batches=(1,))
+                                micro_batches=(1,), tsp_recompute=tsp_recompute)
     best = None
     for lay in layouts:
         if offload:
+            if lay.selective:
+                continue              # selective keeps its items on the device: refused with offload
             lay = Layout(**{**lay.as_dict(), "offload_activations": True})
         p = predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec, assumptions=assumptions)
         if p.fits and (best is None or p.memory["total"] < best.memory["total"]):
@@ -54,14 +59,19 @@ def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile
 def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes: int,
                     global_batch: int = 1, prec: Precision = BF16,
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
-                    offload: bool = False, granule: int = 1024) -> Longest:
+                    offload: bool = False, granule: int = 1024, tsp_recompute: str = "full") -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
-    bisection)."""
+    bisection); TSP layouts with `tsp_recompute` (selective: none with offload, the trainer
+    refuses the pair)."""
     world = nodes * hw.gpus_per_node
+    if offload and scheme == "tsp" and tsp_recompute == "selective":
+        return Longest(scheme, 0, None, refused="selective recompute is refused with activation "
+                                                "offload (--tsp-recompute full)")
 
     def fit(units: int):
         return _fitting(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
-                        prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload)
+                        prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
+                        tsp_recompute=tsp_recompute)
 
     lo, lo_pred = 0, None                      # lo units fit (0: trivially)
     hi = 1
@@ -87,7 +97,7 @@ def format_longest(rows: list[Longest], *, header: str) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         if r.best is None:
-            lines.append(f"| {r.scheme} | nothing fits | - | - | - | - |")
+            lines.append(f"| {r.scheme} | {r.refused or 'nothing fits'} | - | - | - | - |")
             continue
         m = r.best.memory
         lines.append(f"| {r.scheme} | {r.seq_len / 1024:,.0f}K | {r.seq_len:,} | {r.best.layout.label()} | "

@@ -56,9 +56,11 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, world: int,
                       schemes=SCHEMES, max_degree: int = 64, zero_stages=(0, 1, 2),
                       micro_batches: tuple[int, ...] | None = None,
-                      rejected: dict[str, str] | None = None) -> list[Layout]:
+                      rejected: dict[str, str] | None = None,
+                      tsp_recompute: str = "full") -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
-    degree divides the global batch (in sequences)."""
+    degree divides the global batch (in sequences). TSP layouts use `tsp_recompute`; selective
+    ones come without activation checkpointing (the trainer refuses the pair)."""
     rejected = rejected if rejected is not None else {}
     out: list[Layout] = []
     for scheme in schemes:
@@ -84,10 +86,13 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                         for mb in mbs:
                             for zero in (zero_stages if dp > 1 else zero_stages[:1]):
                                 for ac in (False, True):
+                                    if ac and scheme == "tsp" and tsp_recompute == "selective":
+                                        continue           # refused by the trainer
+                                    mode = {"tsp_recompute": tsp_recompute} if scheme == "tsp" else {}
                                     out.append(Layout(scheme, d, dp=dp, zero_stage=zero,
                                                       activation_checkpointing=ac, head_buckets=nb,
                                                       micro_batch=mb, grad_accum=per_replica // mb,
-                                                      **extra))
+                                                      **extra, **mode))
     return out
 
 
@@ -112,7 +117,8 @@ def _buckets(cfg: ModelConfig, d: int) -> list[int]:
 
 def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfile, nodes: int,
          schemes=SCHEMES, prec: Precision = BF16, assumptions: Assumptions = Assumptions(),
-         max_degree: int = 64, micro_batches: tuple[int, ...] | None = None) -> PlanResult:
+         max_degree: int = 64, micro_batches: tuple[int, ...] | None = None,
+         tsp_recompute: str = "full") -> PlanResult:
     """Predict every candidate layout; raise PlanError when none exists or none fits."""
     world = nodes * hw.gpus_per_node
     if global_batch < 1:
@@ -120,7 +126,8 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
     rejected: dict[str, str] = {}
     layouts = candidate_layouts(cfg, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
-                                zero_stages=prec.zero_stages, rejected=rejected)
+                                zero_stages=prec.zero_stages, rejected=rejected,
+                                tsp_recompute=tsp_recompute)
     if not layouts:
         dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
         raise PlanError(
