@@ -196,7 +196,8 @@ class _DroppedKV:
     rebuilt as the same view of `regathered` (the K/V gathered again, same layout)."""
 
     def __init__(self, kv: torch.Tensor):
-        self.kv, self.regathered = kv, None
+        self.kv = kv if kv._base is None else kv._base   # views chain to their root tensor
+        self.regathered = None
 
     def pack(self, t: torch.Tensor):
         if t is self.kv or t._base is self.kv:
