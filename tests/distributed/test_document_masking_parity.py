@@ -33,6 +33,8 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 # (scheme, world, options, activation checkpointing, reset_positions)
 CASES = [("tsp", 2, {}, False, False), ("tsp", 2, {}, True, True), ("tsp", 4, {}, False, True),
          ("tsp", 4, {}, True, False), ("tsp", 2, {"head_buckets": 2}, False, False),
+         ("tsp", 4, {"tsp_recompute": "selective"}, False, True),
+         ("tsp", 2, {"tsp_recompute": "selective", "head_buckets": 2}, False, False),
          ("tp", 2, {}, True, False), ("tp", 4, {}, False, True),
          ("tp_sp", 2, {}, False, True), ("tp_sp", 4, {}, True, False),
          ("sp", 2, {}, True, True), ("sp", 4, {}, False, False), ("sp", 4, {}, True, True),

@@ -59,3 +59,49 @@ def test_transient_is_a_few_shards_never_a_full_layer_at_d8():
             if name == "mlp":                  # the MLP's transient is at most 4 packed shards
                 assert m["transient"] <= 4 * m["shard"], m
             assert m["transient"] < 8 * m["shard"], (name, m)           # a full layer is 8 shards
+
+
+def _saved_between_passes(rank, world, recompute, kv_heads, buckets, seq):
+    """Bytes alive after one attention forward (its output excluded), before backward."""
+    from tsp_trainer.bench.memory import LiveTensorMemory
+    from tsp_trainer.config import model_config
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.model.layers import Rotary
+    from tsp_trainer.parallel import zigzag
+    from tsp_trainer.parallel.mesh import build_mesh
+    from tsp_trainer.parallel.schemes import parallelize
+
+    cfg = model_config("tiny", hidden_size=128, num_heads=8, num_kv_heads=kv_heads)
+    mesh = build_mesh(world)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, head_buckets=buckets,
+                tsp_recompute=recompute)
+    rope = Rotary.build(zigzag.zigzag_runs(seq, rank, world), cfg.head_dim, cfg.rope_theta)
+    block = model.layers[0].self_attn
+    x = torch.randn(1, seq // world, cfg.hidden_size, requires_grad=True)
+    with LiveTensorMemory() as mem:
+        mem.ignore(x, *block.parameters(), rope.cos, rope.sin, rope.positions)
+        y = block(x, rope)
+        saved = mem.live - y.numel() * 4
+    y.sum().backward()                       # the kept activations are consumed
+    return {"saved": saved, "h": cfg.hidden_size, "hkv": kv_heads * cfg.head_dim, "heads": 8}
+
+
+@pytest.mark.parametrize("world,kv_heads,buckets", [(2, 8, 1), (4, 4, 1), (4, 8, 2)])
+def test_selective_recompute_keeps_its_activations_not_the_gathered_kv(world, kv_heads, buckets):
+    """parallel.tsp_recompute=selective keeps, per layer and rank, exactly q, the local k/v, the
+    attention output, the kernel's saved output and its log-sum-exp of this rank's T tokens:
+    4 T (3 h + 2 h_kv + n_heads) bytes in fp32, and never the gathered K/V (S = D T tokens, per
+    item), which the saved-tensor hook drops and backward re-gathers. Full recompute keeps nothing
+    beyond X_p."""
+    seq = 64 * world
+    full = run_on_ranks(_saved_between_passes, world, "full", kv_heads, buckets, seq)
+    selective = run_on_ranks(_saved_between_passes, world, "selective", kv_heads, buckets, seq)
+    for f, s in zip(full, selective):
+        t = seq // world
+        assert f["saved"] == 0, f
+        expected = 4 * t * (3 * s["h"] + 2 * s["hkv"] + s["heads"])
+        gathered_kv_bucket = 4 * seq * 2 * s["hkv"] // (world * buckets)
+        assert expected <= s["saved"] <= expected + 64 * world * buckets, (s, expected)   # + 0-d anchors
+        assert s["saved"] - expected < gathered_kv_bucket / 4, (s, expected, gathered_kv_bucket)

@@ -196,9 +196,8 @@ class _DroppedKV:
     rebuilt as the same view of `regathered` (the K/V gathered again, same layout)."""
 
     def __init__(self, kv: torch.Tensor):
-        # A view of a view has the root tensor as its `_base` (the gathered K/V reach the kernel
-        # as kv[:, :, 0].transpose(1, 2)[..., :n] etc.), so match on kv's root, not on kv.
-        self.kv, self.regathered = (kv if kv._base is None else kv._base), None
+        self.kv = kv if kv._base is None else kv._base   # views chain to their root tensor
+        self.regathered = None
 
     def pack(self, t: torch.Tensor):
         if t is self.kv or t._base is self.kv:
