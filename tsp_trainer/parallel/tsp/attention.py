@@ -301,9 +301,8 @@ class _TSPAttentionFn(torch.autograd.Function):
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
             if kept is not None:
-                item, kept[i] = kept[i], None    # dropped once backpropagated, not at the end
-                item.regather()
-                return item
+                kept[i].regather()
+                return kept[i]
             r, b = items[i]
             wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
             return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), comm)
