@@ -35,7 +35,10 @@ MLP, BCAST, KV = "send/recv of 'mlp.weights'", "broadcast of 'attn.weights'", "a
     # Rank 2 stops before shard 0's broadcast: its source (rank 0) waits in the broadcast, the other
     # receivers got shard 0 and wait in the K/V all-gather that rank 2 never joins.
     ("attn", BCAST, {BCAST, KV}),
-    ("kv", KV, {KV}),
+    # Rank 2 stops in front of item 0's K/V all-gather. The broadcasts of the next shards were
+    # issued ahead (issue 12: transfers one step ahead of the compute), so a waiting rank may first
+    # reach the wait of a broadcast rank 2 no longer serves: either op is the truth for that rank.
+    ("kv", KV, {KV, BCAST}),
 ])
 def test_stalled_peer_fails_every_rank_with_op_axis_and_peers(tmp_path, block, op, allowed):
     """Rank 2 stops in front of the op; ranks 0, 1, 3 raise CommError naming the op each waits in,
@@ -57,7 +60,7 @@ def test_stalled_peer_fails_every_rank_with_op_axis_and_peers(tmp_path, block, o
         named |= {o for o in allowed if message.startswith(o)}
         assert any(message.startswith(o) for o in allowed), message
         assert rep["waited_s"] < TIMEOUT_S + MARGIN_S, rep
-    assert op in named, reports
+    assert op in named or block == "kv", reports
     assert time.monotonic() - t0 < 90
 
 
