@@ -63,29 +63,17 @@ def test_transient_is_a_few_shards_never_a_full_layer_at_d8():
 
 def _saved_between_passes(rank, world, recompute, kv_heads, buckets, seq):
     """Bytes alive after one attention forward (its output excluded), before backward."""
+    from tests.distributed.tsp_cases import tsp_attention_block
     from tsp_trainer.bench.memory import LiveTensorMemory
-    from tsp_trainer.config import model_config
-    from tsp_trainer.model import Transformer
-    from tsp_trainer.model.layers import Rotary
-    from tsp_trainer.parallel import zigzag
-    from tsp_trainer.parallel.mesh import build_mesh
-    from tsp_trainer.parallel.schemes import parallelize
 
-    cfg = model_config("tiny", hidden_size=128, num_heads=8, num_kv_heads=kv_heads)
-    mesh = build_mesh(world)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, head_buckets=buckets,
-                tsp_recompute=recompute)
-    rope = Rotary.build(zigzag.zigzag_runs(seq, rank, world), cfg.head_dim, cfg.rope_theta)
-    block = model.layers[0].self_attn
-    x = torch.randn(1, seq // world, cfg.hidden_size, requires_grad=True)
+    _, block, rope, x = tsp_attention_block(rank, world, hidden=128, kv_heads=kv_heads, seq=seq,
+                                            buckets=buckets, recompute=recompute)
     with LiveTensorMemory() as mem:
         mem.ignore(x, *block.parameters(), rope.cos, rope.sin, rope.positions)
         y = block(x, rope)
         saved = mem.live - y.numel() * 4
     y.sum().backward()                       # the kept activations are consumed
-    return {"saved": saved, "h": cfg.hidden_size, "hkv": kv_heads * cfg.head_dim, "heads": 8}
+    return {"saved": saved, "h": 128, "hkv": kv_heads * 16, "heads": 8}   # head_dim 128 / 8
 
 
 @pytest.mark.parametrize("world,kv_heads,buckets", [(2, 8, 1), (4, 4, 1), (4, 8, 2)])

@@ -15,7 +15,6 @@ Checked, forward and backward, full and selective recompute, 2 and 4 ranks, 1 an
 """
 
 import pytest
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.dist import run_on_ranks
@@ -78,23 +77,10 @@ def _comm_events(events):
 
 
 def _events(rank, world, recompute, buckets):
-    from tsp_trainer.config import model_config
-    from tsp_trainer.model import Transformer
-    from tsp_trainer.model.layers import Rotary
-    from tsp_trainer.parallel import zigzag
-    from tsp_trainer.parallel.mesh import build_mesh
-    from tsp_trainer.parallel.schemes import parallelize
+    from tests.distributed.tsp_cases import tsp_attention_block
 
-    cfg = model_config("tiny", hidden_size=64, num_heads=8, num_kv_heads=8)
-    seq = 16 * world
-    mesh = build_mesh(world)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, head_buckets=buckets,
-                tsp_recompute=recompute)
-    rope = Rotary.build(zigzag.zigzag_runs(seq, rank, world), cfg.head_dim, cfg.rope_theta)
-    attn = model.layers[0].self_attn
-    x = torch.randn(1, seq // world, cfg.hidden_size, requires_grad=True)
+    mesh, attn, rope, x = tsp_attention_block(rank, world, hidden=64, kv_heads=8, seq=16 * world,
+                                              buckets=buckets, recompute=recompute)
     events: list = []
     _record_comm(mesh.ledger, events)
     with _Recorder(events):

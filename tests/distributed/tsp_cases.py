@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
@@ -90,3 +91,20 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
             opt.zero_grad()
         out["weights"] = par.gather_full_state_dict()
     return out
+
+
+def tsp_attention_block(rank, world, *, hidden, kv_heads, seq, buckets=1, recompute="full"):
+    """Layer 0's TSP attention block on this rank (meta-initialised, seed 0) with its RoPE for
+    the rank's zigzag chunks and a random local input x [1, seq / world, hidden] needing grad:
+    (mesh, block, rope, x)."""
+    from tsp_trainer.model.layers import Rotary
+
+    cfg = model_config("tiny", hidden_size=hidden, num_heads=8, num_kv_heads=kv_heads)
+    mesh = build_mesh(world)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, head_buckets=buckets,
+                tsp_recompute=recompute)
+    rope = Rotary.build(zigzag.zigzag_runs(seq, rank, world), cfg.head_dim, cfg.rope_theta)
+    x = torch.randn(1, seq // world, hidden, requires_grad=True)
+    return mesh, model.layers[0].self_attn, rope, x
