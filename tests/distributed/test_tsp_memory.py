@@ -73,7 +73,7 @@ def _saved_between_passes(rank, world, recompute, kv_heads, buckets, seq):
         y = block(x, rope)
         saved = mem.live - y.numel() * 4
     y.sum().backward()                       # the kept activations are consumed
-    return {"saved": saved, "h": 128, "hkv": kv_heads * 16, "heads": 8}   # head_dim 128 / 8
+    return {"saved": saved, "h": x.shape[-1], "hkv": kv_heads * block.head_dim, "heads": 8}
 
 
 @pytest.mark.parametrize("world,kv_heads,buckets", [(2, 8, 1), (4, 4, 1), (4, 8, 2)])

@@ -46,9 +46,7 @@ def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile
                                 micro_batches=(1,), tsp_recompute=tsp_recompute)
     best = None
     for lay in layouts:
-        if offload:
-            if lay.selective:
-                continue              # selective keeps its items on the device: refused with offload
+        if offload:                   # never selective: longest_seq_len refuses that pair first
             lay = Layout(**{**lay.as_dict(), "offload_activations": True})
         p = predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec, assumptions=assumptions)
         if p.fits and (best is None or p.memory["total"] < best.memory["total"]):

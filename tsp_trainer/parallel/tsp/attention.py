@@ -259,6 +259,15 @@ class _Item:
         return dq, dkv
 
 
+def _project_item(x: torch.Tensor, shards: ShardBroadcasts, item: tuple[int, int], block: TSPAttention,
+                  shapes, rope: Rotary) -> _Item:
+    """Item (r, b): project the local tokens with bucket b of shard r (waiting for its broadcast
+    if needed) and issue the item's K/V all-gather."""
+    r, b = item
+    wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
+    return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), block.comm)
+
+
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rope: Rotary, block: TSPAttention, *params):
@@ -269,9 +278,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
 
         def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather
-            r, b = items[i]
-            wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
-            return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), comm)
+            return _project_item(x, shards, items[i], block, shapes, rope)
 
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # fp32 sum over items
         kept, nxt = [], prepare(0)
@@ -303,9 +310,7 @@ class _TSPAttentionFn(torch.autograd.Function):
             if kept is not None:
                 kept[i].regather()
                 return kept[i]
-            r, b = items[i]
-            wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
-            return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), comm)
+            return _project_item(x, shards, items[i], block, shapes, rope)
 
         nxt = prepare(0)
         for i, (r, b) in enumerate(items):
