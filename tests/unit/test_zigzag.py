@@ -37,3 +37,12 @@ def test_labels_follow_tokens():
 def test_seq_len_must_split_into_2d_chunks():
     with pytest.raises(ValueError, match=r"data.seq_len=12 .*2 \* parallel.tsp_degree = 8"):
         zigzag.zigzag_positions(12, 0, 4)
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_pair_to_gathered_is_the_stacked_layout_without_the_stack(degree):
+    k = torch.randn(2, 3, 8 * degree, 5).transpose(1, 2)         # [B, S, H, d], strided (as dK is)
+    v = torch.randn(2, 8 * degree, 3, 5)
+    expected = zigzag.logical_to_gathered(torch.stack((k, v), dim=2), degree)
+    got = zigzag.pair_to_gathered(k, v, degree)
+    assert got.is_contiguous() and torch.equal(got, expected)

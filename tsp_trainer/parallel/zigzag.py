@@ -68,15 +68,28 @@ def gathered_to_logical(g: torch.Tensor) -> torch.Tensor:
 def logical_to_gathered(x: torch.Tensor, degree: int) -> torch.Tensor:
     """Inverse of gathered_to_logical: [B, S, *rest] -> [D, B, S/D, *rest] rank-major (contiguous,
     one copy: rank p's block is chunks p and 2D-1-p)."""
+    return _to_gathered((x,), degree)[:, :, :, 0]
+
+
+def pair_to_gathered(k: torch.Tensor, v: torch.Tensor, degree: int) -> torch.Tensor:
+    """logical_to_gathered of torch.stack((k, v), dim=2) without the stacked copy: k, v [B, S, *rest]
+    (any strides, e.g. attention gradients) -> [D, B, S/D, 2, *rest] rank-major, contiguous."""
+    return _to_gathered((k, v), degree)
+
+
+def _to_gathered(parts: tuple[torch.Tensor, ...], degree: int) -> torch.Tensor:
+    """[B, S, *rest] each -> [D, B, S/D, len(parts), *rest] rank-major, one copy per chunk and part."""
+    x = parts[0]
     b, s = x.shape[:2]
     c = s // (2 * degree)
-    chunks = x.reshape(b, 2 * degree, c, *x.shape[2:])                   # [B, 2D, C, ...]
-    out = x.new_empty((degree, b, 2, c, *x.shape[2:]))
-    for p in range(degree):
-        first, second = chunk_ids(p, degree)
-        out[p, :, 0].copy_(chunks[:, first])
-        out[p, :, 1].copy_(chunks[:, second])
-    return out.view(degree, b, 2 * c, *x.shape[2:])
+    out = x.new_empty((degree, b, 2, c, len(parts), *x.shape[2:]))
+    for j, part in enumerate(parts):
+        chunks = part.reshape(b, 2 * degree, c, *x.shape[2:])                # [B, 2D, C, ...]
+        for p in range(degree):
+            first, second = chunk_ids(p, degree)
+            out[p, :, 0, :, j].copy_(chunks[:, first])
+            out[p, :, 1, :, j].copy_(chunks[:, second])
+    return out.view(degree, b, 2 * c, len(parts), *x.shape[2:])
 
 
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor, rank: int, degree: int):

@@ -34,7 +34,7 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, comm: Comm) -> tuple[torch.Tenso
 
 def scatter_dkv(dk: torch.Tensor, dv: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
     """Transpose of gather_kv: sum dK, dV [B, S, H, d] over the group, keep the local tokens."""
-    dkv = zigzag.logical_to_gathered(torch.stack((dk, dv), dim=2), comm.size)   # [S', B, T, 2, H, d]
+    dkv = zigzag.pair_to_gathered(dk, dv, comm.size)                     # [S', B, T, 2, H, d]
     out = dkv.new_empty(dkv.shape[1:])
     comm.reduce_scatter(out, dkv.view((-1,) + dkv.shape[2:]), tag="attn.dkv")
     return out[:, :, 0], out[:, :, 1]

@@ -158,11 +158,11 @@ class _KVGather:
 
 
 class _DKVScatter:
-    """Inverse of _KVGather, in flight: sum dK/dV [B, S, 2, H, d] over the group; wait() -> this
+    """Inverse of _KVGather, in flight: sum dK, dV [B, S, H, d] each over the group; wait() -> this
     rank's tokens' dK, dV [B, T, H, d] each."""
 
-    def __init__(self, dkv: torch.Tensor, comm: Comm):
-        self.inp = zigzag.logical_to_gathered(dkv, comm.size)        # [D, B, T, 2, H, d], one copy
+    def __init__(self, dk: torch.Tensor, dv: torch.Tensor, comm: Comm):
+        self.inp = zigzag.pair_to_gathered(dk, dv, comm.size)          # [D, B, T, 2, H, d], one copy
         self.out = self.inp.new_empty(self.inp.shape[1:])
         self.work = comm.reduce_scatter(self.out, self.inp.view((-1,) + self.inp.shape[2:]),
                                         tag="attn.dkv", async_op=True)
@@ -174,20 +174,22 @@ class _DKVScatter:
 
 
 class _KVEntry(torch.autograd.Function):
-    """Where the gathered K/V enter an item's attention graph. Its gradient is handed to `sink`
-    (a list) instead of to a leaf tensor, so the graph holds no reference to the gathered K/V: with
-    selective recompute their memory is freed after the forward kernel (the kernel's saved views
-    are swapped out by _DroppedKV) and backward works from a re-gathered copy."""
+    """Where the gathered K/V [B, S, 2, H, d] enter an item's attention graph, as the views K and
+    V [B, S, H, d]. Their gradients are handed to `sink` (a list) instead of to a leaf tensor, so
+    the graph holds no reference to the gathered K/V: with selective recompute their memory is
+    freed after the forward kernel (the kernel's saved views are swapped out by _DroppedKV) and
+    backward works from a re-gathered copy. dK and dV arrive apart and stay apart (autograd's
+    select backward would zero-fill a [B, S, 2, H, d] tensor per view and add the two)."""
 
     @staticmethod
     def forward(ctx, anchor, kv, sink: list):
         ctx.sink = sink
-        return kv.view_as(kv)
+        return kv[:, :, 0], kv[:, :, 1]
 
     @staticmethod
-    def backward(ctx, dkv):
-        ctx.sink.append(dkv)
-        return torch.zeros((), dtype=dkv.dtype, device=dkv.device), None, None
+    def backward(ctx, dk, dv):
+        ctx.sink.append((dk, dv))
+        return torch.zeros((), dtype=dk.dtype, device=dk.device), None, None
 
 
 class _DroppedKV:
@@ -236,20 +238,20 @@ class _Item:
         self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
         hooks = contextlib.nullcontext()
         with torch.enable_grad():
-            kv = _KVEntry.apply(self.anchor, full, self.sink)
+            k, v = _KVEntry.apply(self.anchor, full, self.sink)
             if drop_kv:
-                self.dropped = _DroppedKV(kv)
+                self.dropped = _DroppedKV(full)
                 hooks = torch.autograd.graph.saved_tensors_hooks(self.dropped.pack, self.dropped.unpack)
             with hooks:
-                self.a = attention_core(self.q_leaf, kv[:, :, 0], kv[:, :, 1], rope.runs,
-                                        documents=rope.documents)
+                self.a = attention_core(self.q_leaf, k, v, rope.runs, documents=rope.documents)
         if drop_kv:
             self.dropped.kv = None                       # nothing refers to the gathered K/V now
         return self.a
 
-    def backward(self, da: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """dQ [B, T, hq_b, d] and dK/dV [B, S, 2, hkv_b, d] (logical order, before the sum over
-        the group) of the recorded attention; with dropped K/V, waits for the re-gathered copy."""
+    def backward(self, da: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """dQ [B, T, hq_b, d] and (dK, dV) [B, S, hkv_b, d] each (logical order, before the sum
+        over the group) of the recorded attention; with dropped K/V, waits for the re-gathered
+        copy."""
         if self.dropped is not None:
             self.dropped.regathered = self.gather.wait()
             self.gather = None
@@ -384,7 +386,7 @@ def _item_backward(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: TS
     a = item.a
     add_matmul(go, dy2.t(), a.reshape(dy2.shape[0], -1))                # dW_o += dy^T A
     dq, dkv = item.backward((dy2 @ wo).view(a.shape))                   # dA = dy W_o
-    scatter = _DKVScatter(dkv, block.comm)                              # dK/dV summed meanwhile
+    scatter = _DKVScatter(*dkv, block.comm)                             # dK/dV summed meanwhile
     del dkv
     # the query side while dK/dV are reduce-scattered
     _linear_backward(x2, apply_rope_backward(dq, rope.cos, rope.sin), wq, gq, gbq, dx)

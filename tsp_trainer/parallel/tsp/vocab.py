@@ -140,11 +140,12 @@ def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Te
             idx = block_idx + j * rows
             better = (block_max > run_max) | ((block_max == run_max) & (idx < best))
             best.copy_(torch.where(better, idx, best))
-        new_max = torch.maximum(run_max, block_max)
-        run_sum.mul_(torch.exp(run_max - new_max)).add_(torch.exp(logits - new_max[:, None]).sum(-1))
-        run_max.copy_(new_max)
         index, hit = _in_shard(flat_labels, j, rows)
         target.add_(logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~hit, 0.0))
+        new_max = torch.maximum(run_max, block_max)
+        # in place on the block (the logits are not needed after this): no second [N/D, V/D]
+        run_sum.mul_(torch.exp(run_max - new_max)).add_(logits.sub_(new_max[:, None]).exp_().sum(-1))
+        run_max.copy_(new_max)
 
     ring_forward(comm, pack(weight), step, tag="head.weights")
     return run_max + torch.log(run_sum), target, best
@@ -172,7 +173,7 @@ class _HeadLossFn(torch.autograd.Function):
 
         def grad_step(j: int, w: torch.Tensor) -> torch.Tensor:
             w = w.view(rows, -1)
-            dlogits = torch.exp((x @ w.T).float() - lse[:, None])   # softmax block [N/D, V/D]
+            dlogits = (x @ w.T).float().sub_(lse[:, None]).exp_()   # softmax block [N/D, V/D]
             index, hit = _in_shard(flat_labels, j, rows)
             dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
             dlogits = dlogits.mul_(scale[:, None]).to(w.dtype)     # matmuls in the weights' dtype
