@@ -12,6 +12,18 @@ its Work is waited), so the hang watchdog can name the op a stalled step is wait
 library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are covered by
 `Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
 
+Direct exchanges on gloo: gloo's all_gather_into_tensor and reduce_scatter_tensor cost two to
+three times the CPU of sending the same bytes point to point (4 CPU ranks: an all-gather of 512 KB
+per rank 9.1 ms of CPU summed over the ranks against 4.3 ms; a reduce-scatter of 2 MB 14.7 ms
+against 4.8 ms; docs/benchmarks.md), and TSP's attention runs two of them per item. On a gloo
+group they are therefore run as direct exchanges (each rank sends its block to, or the peer's
+block of the input to, every peer; `_DirectWork` finishes the op when waited: nothing to do for
+the all-gather, which receives into `out` itself, and the sum of the received blocks for the
+reduce-scatter). The ledger records the same op and bytes as the collective;
+failures and time-outs surface as the same CommError naming the op. NCCL (and any other backend)
+keeps its own collectives. all_reduce, broadcast and reduce stay gloo's: a direct all-reduce is no
+cheaper, and a direct reduce would hold D - 1 received gradient shards at the owner.
+
 Device guard: a Comm knows the compute device of the run (cuda:<local device> under NCCL, cpu
 under gloo). Every tensor op checks its tensors are there before it is issued, also on groups of
 size 1, and raises WrongDeviceError naming the op: NCCL serves only CUDA tensors, and a host tensor
@@ -62,6 +74,28 @@ class _Work:
             self._ledger.in_flight.end(self._token)
 
 
+class _DirectWork:
+    """The P2P works of a direct all-gather / reduce-scatter; wait() waits for all of them, then
+    runs `finish` (the local part of the op) once."""
+
+    def __init__(self, works, finish=None):
+        self._works, self._finish = works, finish
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+# gloo P2P tags of the direct collectives (tsp/ring.py's exchanges use 0 and 1): ops of one kind
+# between a pair are matched in the order posted, which every rank shares (collective order)
+_ALL_GATHER_TAG, _REDUCE_SCATTER_TAG = 2, 3
+
+
 class Comm:
     """A process group seen from one rank: its global ranks, this rank's index, and a ledger."""
 
@@ -74,6 +108,8 @@ class Comm:
         self.ledger = ledger
         self.axis = axis
         self.device = torch.device(device)    # where every tensor of this group's ops must live
+        # all-gather and reduce-scatter as direct exchanges on gloo (module docstring)
+        self.direct_exchanges = self.size > 1 and _backend(group) == "gloo"
 
     def __repr__(self) -> str:
         return f"Comm(axis={self.axis!r}, rank={self.rank}, ranks={self.ranks}, device={self.device})"
@@ -150,9 +186,12 @@ class Comm:
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
-        return self._run("all_gather", tag, _nbytes(out), lambda: dist.all_gather_single(
-            out, inp.contiguous(), group=self.group, async_op=async_op), async_op=async_op,
-            dtype=out.dtype)
+        if self.direct_exchanges and out.is_contiguous():
+            call = self._direct(self._direct_all_gather, out, inp.contiguous(), async_op)
+        else:
+            def call():
+                return dist.all_gather_single(out, inp.contiguous(), group=self.group, async_op=async_op)
+        return self._run("all_gather", tag, _nbytes(out), call, async_op=async_op, dtype=out.dtype)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, tag: str, async_op: bool = False):
         """Sum over the group of inp [D * out.shape[0], ...]; this rank keeps block `rank`."""
@@ -160,9 +199,59 @@ class Comm:
         if self.size == 1:
             out.copy_(inp.reshape(out.shape))
             return _Done() if async_op else None
-        return self._run("reduce_scatter", tag, _nbytes(inp), lambda: dist.reduce_scatter_single(
-            out, inp.contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            async_op=async_op, dtype=inp.dtype)
+        if self.direct_exchanges and out.is_contiguous():
+            call = self._direct(self._direct_reduce_scatter, out, inp.contiguous(), async_op)
+        else:
+            def call():
+                return dist.reduce_scatter_single(out, inp.contiguous(), op=dist.ReduceOp.SUM,
+                                                  group=self.group, async_op=async_op)
+        return self._run("reduce_scatter", tag, _nbytes(inp), call, async_op=async_op, dtype=inp.dtype)
+
+    # -- direct exchanges (gloo) ------------------------------------------------------------------
+    @staticmethod
+    def _direct(start, out, inp, async_op: bool):
+        """A call for _run: issue the direct op; a blocking op also waits for it (inside _run, so
+        a failure becomes the op's CommError)."""
+        def call():
+            work = start(out, inp)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        return call
+
+    def _peers(self) -> list[int]:
+        return [p for p in range(self.size) if p != self.rank]
+
+    def _direct_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> _DirectWork:
+        """Send this rank's block to every peer and receive theirs straight into `out`'s blocks
+        [D, ...] rank-major: (D - 1) blocks out and in per rank, as in a ring."""
+        blocks = out.view(self.size, -1)
+        blocks[self.rank].copy_(inp.view(-1))
+        ops = [dist.P2POp(dist.isend, blocks[self.rank], self.ranks[p], self.group, _ALL_GATHER_TAG)
+               for p in self._peers()]
+        ops += [dist.P2POp(dist.irecv, blocks[p], self.ranks[p], self.group, _ALL_GATHER_TAG)
+                for p in self._peers()]
+        return _DirectWork(dist.batch_isend_irecv(ops))
+
+    def _direct_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> _DirectWork:
+        """Send block p of the input to peer p, receive every peer's block `rank` into a scratch
+        [D - 1, numel(out)]; wait() sums into out this rank's own block, then the peers' blocks in
+        group-rank order (a fixed order: the result does not depend on arrival)."""
+        blocks = inp.view(self.size, -1)
+        peers = self._peers()
+        got = blocks.new_empty((len(peers), blocks.shape[1]))
+        ops = [dist.P2POp(dist.isend, blocks[p], self.ranks[p], self.group, _REDUCE_SCATTER_TAG)
+               for p in peers]
+        ops += [dist.P2POp(dist.irecv, got[i], self.ranks[p], self.group, _REDUCE_SCATTER_TAG)
+                for i, p in enumerate(peers)]
+
+        def finish() -> None:
+            flat = out.view(-1)
+            flat.copy_(blocks[self.rank])
+            for i in range(len(peers)):
+                flat.add_(got[i])
+        return _DirectWork(dist.batch_isend_irecv(ops), finish)
 
     def reduce(self, tensor: torch.Tensor, dst: int, *, tag: str, async_op: bool = False):
         """Sum into `tensor` on group rank `dst` (other ranks' buffers are left undefined)."""
@@ -234,6 +323,16 @@ class Comm:
                     f"{self.ranks[self.rank]} sending to global rank {dst}, receiving from global "
                     f"rank {src}")
         return [_Work(w, describe, self.ledger) for w in works]
+
+
+def _backend(group) -> str:
+    """The backend name of `group` ("gloo", "nccl", "fake", ...); "" for no group / no default."""
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return ""
 
 
 def on_device(t: torch.Tensor, device: torch.device) -> bool:
