@@ -138,7 +138,8 @@ class Trainer:
             m = self.model_cfg
             route = check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                                          dtype=torch.bfloat16 if self.bf16 else torch.float32)
-            if self.cfg.parallel.tsp_recompute == "selective":
+            # selective and none keep the attention kernel's graph alike (none adds the MLP's)
+            if self.cfg.parallel.tsp_recompute != "full":
                 check_selective_route(route, dtype=self.cfg.train.dtype, num_heads=m.num_heads,
                                       num_kv_heads=m.num_kv_heads,
                                       document_masking=self.cfg.data.document_masking)

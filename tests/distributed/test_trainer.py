@@ -53,18 +53,19 @@ def test_dp2_tsp2_matches_single_process(stage, scheme, layout):
     assert ref_losses[-1] < ref_losses[0]                       # it trains
 
 
-def test_selective_recompute_trains_like_full():
-    """parallel.tsp_recompute=selective through the whole Trainer (DP 2 x TSP 2, ZeRO-1, 4 steps):
-    the same losses and clipped gradient norms as full recompute (rtol 1e-6: only the fp32
-    summation order may differ), and the Parallelized it built says selective."""
+def test_selective_and_no_recompute_train_like_full():
+    """parallel.tsp_recompute=selective and =none through the whole Trainer (DP 2 x TSP 2, ZeRO-1,
+    4 steps): the same losses and clipped gradient norms as full recompute (rtol 1e-6: only the
+    fp32 summation order may differ), and the Parallelized it built says which mode it runs."""
     overrides = ["train.steps=4", "checkpoint.enabled=false", "zero.stage=1"]
     full = run_on_ranks(train_rank, 4, overrides + ["parallel.tsp_recompute=full"], False)
-    selective = run_on_ranks(train_rank, 4, overrides + ["parallel.tsp_recompute=selective"], False)
-    for f, s in zip(full, selective):
-        assert s["losses"] == pytest.approx(f["losses"], rel=1e-6)
-        assert s["grad_norms"] == pytest.approx(f["grad_norms"], rel=1e-5)
-        assert s["recompute"] == "selective" and f["recompute"] == "full"
-    assert selective[0]["losses"][-1] < selective[0]["losses"][0]
+    for mode in ("selective", "none"):
+        kept = run_on_ranks(train_rank, 4, overrides + [f"parallel.tsp_recompute={mode}"], False)
+        for f, s in zip(full, kept):
+            assert s["losses"] == pytest.approx(f["losses"], rel=1e-6), mode
+            assert s["grad_norms"] == pytest.approx(f["grad_norms"], rel=1e-5), mode
+            assert s["recompute"] == mode and f["recompute"] == "full"
+        assert kept[0]["losses"][-1] < kept[0]["losses"][0]
 
 
 def test_resume_equals_uninterrupted(tmp_path):

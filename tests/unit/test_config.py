@@ -256,9 +256,9 @@ def test_tsp_recompute():
     whole-layer checkpoint or activation offload (each with the reason and what to set)."""
     assert TrainConfig().parallel.tsp_recompute == "full"
     validate_config(valid(parallel__tsp_recompute="selective"))
-    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'full', 'selective'",
+    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'full', 'selective', 'none'",
            load_config, None, ["parallel.tsp_recompute=partial"])
-    raises("parallel.tsp_recompute='partial' is not one of 'full', 'selective'", validate_config,
+    raises("parallel.tsp_recompute='partial' is not one of 'full', 'selective', 'none'", validate_config,
            valid(parallel__tsp_recompute="partial"))
     raises("parallel.tsp_recompute='selective' with parallel.scheme='tp': only parallel.scheme='tsp' "
            "recomputes by shard; set parallel.tsp_recompute=full", validate_config,
@@ -273,6 +273,29 @@ def test_tsp_recompute():
                                             train__offload_activations=True))
     assert "not offloaded" in message
     validate_config(valid(train__activation_checkpointing=True, train__offload_activations=True))
+
+
+def test_tsp_recompute_none_is_refused_where_selective_is():
+    """parallel.tsp_recompute=none (selective's kept attention + the MLP's gate/up) is TSP's and
+    gets selective's refusals, each naming the value, the rule and what to set; unknown values
+    list all three."""
+    validate_config(valid(parallel__tsp_recompute="none"))
+    assert load_config(None, ["parallel.tsp_recompute=none"]).parallel.tsp_recompute == "none"
+    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'full', 'selective', 'none'",
+           load_config, None, ["parallel.tsp_recompute=partial"])
+    raises("parallel.tsp_recompute='none' with parallel.scheme='sp': only parallel.scheme='tsp' "
+           "recomputes by shard; set parallel.tsp_recompute=full", validate_config,
+           valid(parallel__scheme="sp", parallel__tsp_recompute="none"))
+    message = raises("parallel.tsp_recompute='none' with train.activation_checkpointing=true",
+                     validate_config, valid(parallel__tsp_recompute="none",
+                                            train__activation_checkpointing=True))
+    assert "MLP gate/up pre-activations none keeps" in message
+    assert "recomputes the whole layer" in message and "set parallel.tsp_recompute=full" in message
+    message = raises("parallel.tsp_recompute='none' with train.offload_activations=true",
+                     validate_config, valid(parallel__tsp_recompute="none",
+                                            train__offload_activations=True))
+    assert "not offloaded" in message and "train.offload_activations=false" in message
+    assert "\n" not in message
 
 
 def test_tp_x_sp_axes():

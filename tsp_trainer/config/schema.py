@@ -15,7 +15,7 @@ from tsp_trainer.config.model import ModelConfig
 from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer
 
 Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
-TspRecompute = Literal["full", "selective"]
+TspRecompute = Literal["full", "selective", "none"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub"]
 LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
@@ -91,8 +91,11 @@ class ParallelSection:
     tsp_degree: int = 1                        # D: ranks of one model-parallel group, inner mesh axis
     head_buckets: int = 1                      # TSP: K/V all-gathers per weight shard (bounds the K/V buffer)
     tsp_recompute: TspRecompute = "full"       # TSP backward: "full" recomputes projections + attention
-                                               # from X_p; "selective" keeps q, k/v, attention outputs
-                                               # (~5 X_p more per layer) and skips that recompute
+                                               # and the MLP's gate/up from X_p; "selective" keeps q,
+                                               # k/v, attention outputs (~5 X_p more per layer) and
+                                               # skips the attention recompute; "none" also keeps the
+                                               # MLP's gate/up pre-activations (+2 B S/D I elements
+                                               # per layer): backward re-runs no forward GEMM
     tp_degree: int | None = None               # tp_x_sp only: T, with T x S = D
     sp_degree: int | None = None               # tp_x_sp only: S, with T x S = D
     dp_degree: int | None = None               # None = world_size // tsp_degree; if set, must match

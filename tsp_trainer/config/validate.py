@@ -321,26 +321,33 @@ def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) 
 
 
 def _check_tsp_recompute(cfg: TrainConfig) -> None:
-    """parallel.tsp_recompute=selective keeps each layer's attention outputs (parallel/tsp/
-    attention.py): TSP only, and not under a whole-layer recompute or an offload that would not
-    see them. (The CUDA kernel rules are checked by the Trainer, which knows the device.)"""
+    """parallel.tsp_recompute=selective keeps each layer's attention outputs, =none also the MLP's
+    gate/up pre-activations (parallel/tsp/attention.py, mlp.py): TSP only, and not under a
+    whole-layer recompute or an offload that would not see them. (The CUDA kernel rules are
+    checked by the Trainer, which knows the device.)"""
     mode, scheme = cfg.parallel.tsp_recompute, cfg.parallel.scheme
     if mode == "full":
         return
+    kept = _TSP_KEPT[mode]
     if scheme != "tsp":
         raise ValueError(f"parallel.tsp_recompute={mode!r} with parallel.scheme={scheme!r}: only "
                          "parallel.scheme='tsp' recomputes by shard; set parallel.tsp_recompute=full")
     if cfg.train.activation_checkpointing:
         raise ValueError(f"parallel.tsp_recompute={mode!r} with train.activation_checkpointing=true: "
-                         "the checkpoint recomputes the whole layer, so the attention outputs "
-                         "selective keeps would be held for every layer again, defeating it; set "
+                         f"the checkpoint recomputes the whole layer, so the {kept} {mode} keeps "
+                         "would be held for every layer again, defeating it; set "
                          "parallel.tsp_recompute=full (least memory) or "
                          "train.activation_checkpointing=false (faster backward)")
     if cfg.train.offload_activations:
         raise ValueError(f"parallel.tsp_recompute={mode!r} with train.offload_activations=true: the "
-                         "attention outputs selective keeps are not offloaded (only the blocks' "
+                         f"{kept} {mode} keeps are not offloaded (only the blocks' "
                          "saved tensors go to host memory), so every layer's stay on the device; "
                          "set parallel.tsp_recompute=full or train.offload_activations=false")
+
+
+# what each parallel.tsp_recompute beyond "full" keeps per layer (for the refusals' wording)
+_TSP_KEPT = {"selective": "attention outputs",
+             "none": "attention outputs and MLP gate/up pre-activations"}
 
 
 def _check_batch(cfg: TrainConfig, dp_degree: int | None) -> None:
