@@ -36,6 +36,9 @@ def _spec(argv: str):
     ("--degree 2 --schemes tsp --head-buckets 2", r"parallel.head_buckets=2"),
     ("--hidden 100 --heads 3", r"model.hidden_size=100 must be divisible by model.num_heads=3"),
     ("--backend nccl", r"GPUs with --backend=nccl" if not torch.cuda.is_available() else r"^$"),
+    ("--tsp-recompute none --activation-checkpointing",
+     r"--tsp-recompute=none with --activation-checkpointing: .* drop one of them"),
+    ("--tsp-recompute selective --activation-checkpointing", r"--tsp-recompute=selective with"),
 ])
 def test_bad_arguments_raise_one_clear_error(argv, match):
     if match == r"^$":
@@ -53,6 +56,16 @@ def test_main_reports_error_and_exit_code(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "tsp-bench: error:" in err and "'nope'" in err
     assert not launched
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "none"])
+def test_tsp_recompute_reaches_tsp_only(mode):
+    """--tsp-recompute goes to parallelize() for tsp (every value of parallel.tsp_recompute) and
+    not to the baselines, which refuse options they do not know."""
+    spec = _spec(f"--degree 2 --schemes tsp,tp --tsp-recompute {mode}")
+    assert spec.options("tsp")["tsp_recompute"] == mode and "tsp_recompute" not in spec.options("tp")
+    with pytest.raises(SystemExit):
+        _spec("--tsp-recompute partial")
 
 
 def test_defaults_resolve_tp_x_sp_layout():

@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp: S = D / T")
     p.add_argument("--tp-sequence-parallel", action="store_true", help="tp_x_sp: Megatron SP inside tp")
     p.add_argument("--head-buckets", type=int, default=1, help="tsp: K/V all-gather buckets")
-    p.add_argument("--tsp-recompute", choices=("full", "selective"), default="full",
-                   help="tsp: full (save X_p only) or selective (keep each shard's attention output)")
+    p.add_argument("--tsp-recompute", choices=("full", "selective", "none"), default="full",
+                   help="tsp: full (save X_p only), selective (keep each shard's attention output) "
+                        "or none (also keep the MLP's gate/up pre-activations: backward re-runs no "
+                        "forward GEMM)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (0: memory and bytes only)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps; the first measures memory")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,

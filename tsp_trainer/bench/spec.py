@@ -39,7 +39,7 @@ class BenchSpec:
     seed: int
     interleave: bool = True       # all schemes in one launch, timed steps alternating between them
     profile: bool = False         # one more step per scheme under torch.profiler (bench/profile.py)
-    tsp_recompute: str = "full"   # tsp: full | selective (parallel.tsp_recompute)
+    tsp_recompute: str = "full"   # tsp: full | selective | none (parallel.tsp_recompute)
 
     def options(self, scheme: str) -> dict:
         """Keyword options of parallelize() for `scheme`."""
@@ -92,6 +92,11 @@ def validate(spec: BenchSpec, *, cuda_devices: int, cpu_count: int | None = None
     if "tp_x_sp" not in spec.schemes and (spec.tp_degree or spec.sp_degree or spec.tp_sequence_parallel):
         raise ValueError("--tp-degree/--sp-degree/--tp-sequence-parallel are options of scheme tp_x_sp, "
                          "which is not in --schemes; add it or drop them")
+    if spec.tsp_recompute != "full" and spec.activation_checkpointing:
+        # the trainer's rule (config/validate.py::_check_tsp_recompute): measure what can train
+        raise ValueError(f"--tsp-recompute={spec.tsp_recompute} with --activation-checkpointing: the "
+                         "checkpoint recomputes the whole layer, so what TSP keeps would be held for "
+                         "every layer again (the trainer refuses the pair); drop one of them")
     for scheme in spec.schemes:
         _check_scheme(spec, scheme)
 
