@@ -150,6 +150,8 @@ def test_hardware_flops_count_recompute():
     assert tsp < flops_per_token(SMALL, s, recompute=True)          # less than a whole block forward
     sel = hardware_flops_per_token(SMALL, Layout("tsp", 2, tsp_recompute="selective"), s)["hardware"]
     assert sel == model + gate_up                                    # selective keeps the attention
+    none = hardware_flops_per_token(SMALL, Layout("tsp", 2, tsp_recompute="none"), s)["hardware"]
+    assert none == model                                             # none re-runs no forward GEMM
     tsp_ac = hardware_flops_per_token(SMALL, Layout("tsp", 2, activation_checkpointing=True), s)["hardware"]
     assert tsp_ac == tsp + flops_per_token(SMALL, s, recompute=True) - model   # + one block replay
 
@@ -164,8 +166,34 @@ def test_selective_layout_rules_follow_the_trainer():
         args = {"scheme": "tsp", "degree": 2, "tsp_recompute": "selective", **kw}
         with pytest.raises(ValueError, match=match):
             Layout(**args)
-    with pytest.raises(ValueError, match="tsp_recompute='partial' is not one of full, selective"):
+    with pytest.raises(ValueError, match="tsp_recompute='partial' is not one of full, selective, none"):
         Layout("tsp", 2, tsp_recompute="partial")
+
+
+def test_recompute_none_layout_rules_and_kept_bytes():
+    """Layout refuses none where it refuses selective (baseline, AC, offload), labels it 'keep',
+    and says what each mode keeps; none keeps selective's bytes plus 2 (B S / D) I elements of
+    the activation dtype per layer (every ring step's g and u, [B S/D, I/D] each)."""
+    from tsp_trainer.plan.analytic import tsp_mlp_kept, tsp_selective_saved
+
+    none = Layout("tsp", 2, micro_batch=2, tsp_recompute="none")
+    assert "keep" in none.label() and "sel" not in none.label()
+    for kw, match in (({"scheme": "tp"}, "tsp_recompute='none' with scheme 'tp': only tsp"),
+                      ({"activation_checkpointing": True}, "'none' with activation checkpointing"),
+                      ({"offload_activations": True}, "'none' with activation offload")):
+        with pytest.raises(ValueError, match=match):
+            Layout(**{"scheme": "tsp", "degree": 2, "tsp_recompute": "none", **kw})
+    flags = {m: (Layout("tsp", 2, tsp_recompute=m).keeps_attention, Layout("tsp", 2, tsp_recompute=m).keeps_mlp)
+             for m in ("full", "selective", "none")}
+    assert flags == {"full": (False, False), "selective": (True, False), "none": (True, True)}
+    sel = Layout("tsp", 2, micro_batch=2, tsp_recompute="selective")
+    s = 4096
+    assert tsp_selective_saved(SMALL, none, s, BF16) == tsp_selective_saved(SMALL, sel, s, BF16) > 0
+    assert tsp_mlp_kept(SMALL, none, s, BF16) == 2 * (2 * s // 2) * SMALL.intermediate_size * 2
+    assert tsp_mlp_kept(SMALL, sel, s, BF16) == tsp_mlp_kept(SMALL, Layout("tsp", 2), s, BF16) == 0
+    a_sel, a_none = (activation_memory(SMALL, lay, s, BF16) for lay in (sel, none))
+    assert a_none.stored_per_layer - a_sel.stored_per_layer == tsp_mlp_kept(SMALL, none, s, BF16)
+    assert a_none.terms["tsp_mlp_kept"] == tsp_mlp_kept(SMALL, none, s, BF16)
 
 
 def test_tsp_kv_traffic_overlaps_but_for_one_item_per_layer():
@@ -278,6 +306,28 @@ def test_plan_with_selective_recompute(capsys):
     assert "TSP recompute selective" in out and " sel " in out
 
 
+def test_plan_with_recompute_none(capsys):
+    """tsp-plan --tsp-recompute none: TSP layouts keep everything and run without AC; none needs
+    more memory than selective and is predicted faster still (no gate/up recompute); the CLI
+    prints the mode and its 'keep' marker."""
+    from tsp_trainer.plan.search import candidate_layouts
+
+    kw = dict(seq_len=32768, global_batch=8, world=8)
+    none = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute="none", **kw)
+    tsp = [lay for lay in none if lay.scheme == "tsp"]
+    assert tsp and all(lay.keeps_mlp and not lay.activation_checkpointing for lay in tsp)
+    assert all(lay.tsp_recompute == "full" for lay in none if lay.scheme != "tsp")
+    hw, cfg = get_profile("h100"), model_config("7b")
+    sel = predict(cfg, Layout("tsp", 8, tsp_recompute="selective"), 32768, hw)
+    keep = predict(cfg, Layout("tsp", 8, tsp_recompute="none"), 32768, hw)
+    assert keep.memory["total"] > sel.memory["total"] and keep.step_time < sel.step_time
+    assert keep.activation.terms["tsp_mlp_kept"] == 2 * 2 * (32768 // 8) * cfg.intermediate_size
+    assert cli.main(["--model", "7b", "--seq-len", "32768", "--global-batch", "1", "--gpu", "h200",
+                     "--schemes", "tsp", "--tsp-recompute", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "TSP recompute none" in out and " keep " in out
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--global-batch", "1", "--seq-len", "4194304", "--gpu", "h100"], r"nothing fits"),
     (["--global-batch", "3", "--seq-len", "4096", "--nodes", "4", "--max-degree", "8"],
@@ -292,6 +342,8 @@ def test_plan_with_selective_recompute(capsys):
     (["--dry-run", "--degree", "8", "--head-buckets", "3"], r"tsp: parallel.head_buckets=3"),
     (["--dry-run", "--tsp-recompute", "selective"],
      r"--tsp-recompute=selective needs --no-activation-checkpointing"),
+    (["--dry-run", "--tsp-recompute", "none"],
+     r"--tsp-recompute=none needs --no-activation-checkpointing .* refuses none with"),
     (["--global-batch", "8", "--tsp-recompute", "partial"], r"invalid choice: 'partial'"),
 ])
 def test_cli_errors_exit_2_with_a_clear_message(argv, match, capsys):

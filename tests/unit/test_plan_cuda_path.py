@@ -28,7 +28,10 @@ SEQ = 1024
     # selective recompute: flash's saved output + log-sum-exp kept per item, K/V views dropped
     ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}, "bf16", False),
     ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"}, "bf16", False),
-], ids=["tsp-bf16-AC", "tsp-fp32-AC", "sp-bf16", "tsp-bf16-selective", "tsp-D4-bf16-selective"])
+    # no recompute: selective's kept items + every ring step's gate/up pre-activations
+    ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "none"}, "bf16", False),
+], ids=["tsp-bf16-AC", "tsp-fp32-AC", "sp-bf16", "tsp-bf16-selective", "tsp-D4-bf16-selective",
+        "tsp-bf16-none"])
 def test_cuda_attention_path_matches_the_planners_cuda_variant(scheme, degree, kw, dtype, ac):
     prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
     res = run_step(GQA, scheme, world_size=2 * degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
@@ -50,6 +53,9 @@ def test_selective_is_not_modelled_where_the_trainer_refuses_it():
         activation_memory(GQA, layout, SEQ, FP32, device="cuda")
     assert activation_memory(GQA, layout, SEQ, BF16, device="cuda").peak > 0
     assert activation_memory(GQA, layout, SEQ, FP32, device="cpu").peak > 0
+    none = Layout("tsp", 2, head_buckets=2, tsp_recompute="none")
+    with pytest.raises(ValueError, match="tsp_recompute='none' on CUDA in fp32 with GQA"):
+        activation_memory(GQA, none, SEQ, FP32, device="cuda")
 
 
 def test_cuda_path_peaks_like_the_cpu_path_and_moves_the_same_bytes():

@@ -30,6 +30,8 @@ SEQ = 2048
     ("tsp", 4, {"head_buckets": 1}, False),
     ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}, False),
     ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"}, False),
+    ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "none"}, False),
+    ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "none"}, False),
     ("tp", 2, {}, False),
     ("tp_sp", 2, {}, True),
     ("sp", 2, {}, False),

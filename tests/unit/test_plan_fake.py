@@ -12,7 +12,7 @@ import torch
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.analytic import (BF16, FP32, Layout, activation_memory, model_parallel_comm,
-                                       tsp_selective_saved)
+                                       tsp_mlp_kept, tsp_selective_saved)
 from tsp_trainer.plan.dry_run import run_step, simulate
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
@@ -24,7 +24,9 @@ CASES = [("tsp", 2, {"head_buckets": 2}), ("tsp", 4, {"head_buckets": 1}), ("tp"
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2}),
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True})]
 SELECTIVE = [("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}),
-             ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"})]
+             ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"}),
+             ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "none"}),
+             ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "none"})]
 
 
 def _layout(scheme: str, degree: int, kw: dict, **extra) -> Layout:
@@ -39,7 +41,7 @@ def _ids(case):
     return f"{scheme}-D{degree}-" + "-".join(f"{k}{v}" for k, v in kw.items())
 
 
-# selective recompute is refused with activation checkpointing (config/validate.py)
+# selective and no recompute are refused with activation checkpointing (config/validate.py)
 LAYOUTS = ([(c, ac) for c in CASES for ac in (False, True)] + [(c, False) for c in SELECTIVE])
 
 
@@ -76,6 +78,19 @@ def test_selective_keeps_its_items_and_not_the_gathered_kv(degree, buckets):
     assert kept > 0 and gathered_kv > 64 * 8
     assert abs((sel.stored_bytes - full.stored_bytes) - CFG.num_layers * kept) <= 64 * CFG.num_layers
     assert sel.comm == full.comm                 # the backward re-gathers what full recompute gathers
+
+
+@pytest.mark.parametrize("degree,buckets", [(2, 2), (4, 1)])
+def test_recompute_none_keeps_exactly_the_mlp_gate_and_up_beyond_selective(degree, buckets):
+    """What tsp_recompute=none keeps beyond selective is exactly every ring step's gate and up
+    pre-activations, [B S/D, I/D] each in the activation dtype (`tsp_mlp_kept`: 2 e B S/D I per
+    layer), to 64 bytes per layer; the communication is selective's."""
+    kw = dict(world_size=2 * degree, degree=degree, seq_len=SEQ, head_buckets=buckets, rank=0)
+    sel, none = (run_step(CFG, "tsp", tsp_recompute=mode, **kw) for mode in ("selective", "none"))
+    kept = tsp_mlp_kept(CFG, Layout("tsp", degree, head_buckets=buckets, tsp_recompute="none"), SEQ, BF16)
+    assert kept == 2 * 2 * (SEQ // degree) * CFG.intermediate_size
+    assert abs((none.stored_bytes - sel.stored_bytes) - CFG.num_layers * kept) <= 64 * CFG.num_layers
+    assert none.comm == sel.comm
 
 
 def test_rank_zero_has_the_largest_attention_masks():

@@ -68,6 +68,19 @@ def test_selective_recompute_longest_is_a_boundary_and_refuses_offload():
     assert off.best is None and "refused with activation offload" in off.as_dict()["refused"]
 
 
+def test_recompute_none_longest_is_a_boundary_shorter_than_selective_and_refuses_offload():
+    """--tsp-recompute none: a boundary among none layouts (no AC), shorter than selective's
+    (it keeps the MLP's gate/up too); with offload refused, naming none."""
+    r = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, tsp_recompute="none")
+    fits = [_fitting(CFG, "tsp", s, hw=H100, world=8, global_batch=1, prec=BF16, assumptions=Assumptions(),
+                     max_degree=64, offload=False, tsp_recompute="none") for s in (r.seq_len, r.seq_len + 1024)]
+    assert r.seq_len > 0 and fits[0] is not None and fits[1] is None
+    assert r.best.layout.keeps_mlp and not r.best.layout.activation_checkpointing
+    assert r.seq_len < longest_seq_len(CFG, "tsp", hw=H100, nodes=1, tsp_recompute="selective").seq_len
+    off = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, tsp_recompute="none")
+    assert off.best is None and "none recompute is refused with activation offload" in off.as_dict()["refused"]
+
+
 def test_cli_max_seq_len_tables_and_json(tmp_path, capsys):
     out = tmp_path / "longest.json"
     assert cli.main(["--model", "llama3_8b", "--gpu", "h100", "--nodes", "1", "--schemes", "tsp,tp",

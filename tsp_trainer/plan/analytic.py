@@ -24,8 +24,11 @@ from tsp_trainer.observability.flops import (attention_flops_per_token, block_ma
 from tsp_trainer.plan.hardware import HardwareProfile
 
 SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
-TSP_RECOMPUTE = ("full", "selective")   # parallel.tsp_recompute (parallel/tsp/attention.py)
+TSP_RECOMPUTE = ("full", "selective", "none")   # parallel.tsp_recompute (parallel/tsp/)
 
+
+# the short marker of a tsp_recompute other than full in layout labels and tables
+RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
 
 # ---------------------------------------------------------------------------------------------
 # inputs
@@ -83,7 +86,8 @@ class Layout:
     micro_batch: int = 1                   # sequences per replica per micro-step
     grad_accum: int = 1
     offload_activations: bool = False      # blocks' saved tensors in host memory (model/offload.py)
-    tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs
+    tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs;
+                                           # "none" also the MLP's gate/up pre-activations
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -115,7 +119,20 @@ class Layout:
 
     @property
     def selective(self) -> bool:
+        """tsp_recompute == "selective" exactly (the attention kept, the MLP recomputed)."""
         return self.tsp_recompute == "selective"
+
+    @property
+    def keeps_attention(self) -> bool:
+        """TSP keeps each item's q, k/v, attention output and log-sum-exp (selective and none):
+        backward re-runs neither the q/k/v projections nor the attention forward."""
+        return self.scheme == "tsp" and self.tsp_recompute in ("selective", "none")
+
+    @property
+    def keeps_mlp(self) -> bool:
+        """TSP keeps every ring step's gate/up pre-activations (none): backward re-runs no
+        gate/up GEMM."""
+        return self.scheme == "tsp" and self.tsp_recompute == "none"
 
     @property
     def axes(self) -> tuple[int, int, bool]:
@@ -145,8 +162,8 @@ class Layout:
                  "AC" if self.activation_checkpointing else "noAC"]
         if self.scheme == "tsp":
             parts.append(f"nb={self.head_buckets}")
-            if self.selective:
-                parts.append("sel")
+            if self.tsp_recompute != "full":
+                parts.append(RECOMPUTE_MARK[self.tsp_recompute])
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
             parts.append("offload")
@@ -261,16 +278,17 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
         return (e + (e if output_kept else 0)) * tokens * h + 4 * tokens
 
     rope = 2 * tok["rope"] * d * 4                               # fp32 cos, sin tables
-    sel = tsp_selective_saved(cfg, layout, seq_len, prec)       # 0 unless tsp_recompute=selective
+    sel = tsp_selective_saved(cfg, layout, seq_len, prec)       # 0 unless selective or none
+    mlp_kept = tsp_mlp_kept(cfg, layout, seq_len, prec)         # 0 unless none
     if sel and _kv_expansion(e, device, nh != cfg.num_kv_heads):
-        raise ValueError("tsp_recompute='selective' on CUDA in fp32 with GQA: the memory-efficient "
-                         "kernel saves expanded K/V copies, which the trainer refuses "
+        raise ValueError(f"tsp_recompute={layout.tsp_recompute!r} on CUDA in fp32 with GQA: the "
+                         "memory-efficient kernel saves expanded K/V copies, which the trainer refuses "
                          "(parallel/tsp/recompute_rules.py); use bf16 or tsp_recompute='full'")
-    terms: dict[str, int] = {"rope_tables": rope, "tsp_selective_kept": sel}
+    terms: dict[str, int] = {"rope_tables": rope, "tsp_selective_kept": sel, "tsp_mlp_kept": mlp_kept}
 
     # ---- saved per layer (no AC) and outside the layers
     if tsp:
-        layer = 2 * norm_saved(n_n, True) + sel
+        layer = 2 * norm_saved(n_n, True) + sel + mlp_kept
         outside = norm_saved(n_n, True) + 4 * n_r * 3          # final norm; lse, target, loss
     else:
         layer = 2 * norm_saved(n_n, not seqpar)
@@ -303,7 +321,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
 
     # ---- transients (bytes alive in a phase on top of what earlier layers saved)
     if tsp:
-        tr = _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device, sel)
+        tr = _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device, sel, mlp_kept)
     else:
         tr = _baseline_transients(cfg, layout, seq_len, prec, tok, norm_saved, layer, device)
     terms.update({f"transient_{k}": v for k, v in tr.items()})
@@ -351,12 +369,25 @@ def tsp_selective_saved(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     log-sum-exp [B, hq_b heads, T]; the kernel's views of the gathered K/V are dropped. Summed
     over the D n_b items that is every head of the model for this rank's T = B S / D tokens:
     e T (3 n_h d + 2 h_kv) + 4 T n_h (the same for the CPU log-sum-exp route and CUDA's flash
-    kernel: both save their output and log-sum-exp). 0 under full recompute."""
-    if layout.scheme != "tsp" or not layout.selective:
+    kernel: both save their output and log-sum-exp). The same under tsp_recompute=none (whose
+    attention keeps what selective keeps). 0 under full recompute."""
+    if not layout.keeps_attention:
         return 0
     n = layout.micro_batch * seq_len // layout.degree
     nh, d = cfg.num_heads, cfg.head_dim
     return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh
+
+
+def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:
+    """Bytes per layer and rank that parallel.tsp_recompute=none keeps beyond selective
+    (parallel/tsp/mlp.py): per ring step j (weight shard j of D) the gate and up pre-activations
+    g = X_p W_gate_j^T (+b) and u = X_p W_up_j^T (+b), each [B T, I/D] in the activation dtype,
+    alive from the layer's forward until its MLP backward. Over the D shards: 2 e T I with
+    T = B S / D. 0 under full and selective recompute (their backward re-runs gate/up)."""
+    if not layout.keeps_mlp:
+        return 0
+    n = layout.micro_batch * seq_len // layout.degree
+    return 2 * prec.act * n * cfg.intermediate_size
 
 
 def _mask_terms(seq_len: int, s_p: int, e: int, device: str) -> dict[str, int]:
@@ -406,11 +437,13 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     return {"fwd": fwd, "bwd": bwd, "kv_full": kv_full, **m}
 
 
-def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device, sel) -> dict[str, int]:
+def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device, sel,
+                    mlp_kept) -> dict[str, int]:
     """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
     gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
-    ring's logits block. `sel`: the layer's selective-recompute bytes (0 under full), alive from
-    the layer's forward until its attention backward."""
+    ring's logits block. `sel`: the layer's kept attention bytes (selective, none; 0 under full),
+    alive from the layer's forward until its attention backward; `mlp_kept`: the gate/up
+    pre-activations none keeps (0 otherwise), alive from the MLP's forward until its backward."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
     h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -420,12 +453,19 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device,
     own = norm_saved(n, True)                           # norm's saved tensors + X_p
     acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
     mid = e * n * inter // d_                           # one [N/D, I/D] MLP intermediate
-    mlp_fwd = acc32 + 2 * w_mlp + max(3 * mid, mid + e * n * h)
-    out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_fwd,
+    # a ring step's intermediates: g, u and silu(g) u (or that product and the step's output);
+    # under none g and u are the kept ones (in mlp_kept, every shard's by the last step)
+    step_mids = 1 if layout.keeps_mlp else 3
+    mlp_fwd = acc32 + 2 * w_mlp + max(step_mids * mid, mid + e * n * h)
+    # backward of a ring step: full and selective re-run g, u (+ silu(g), its product, dh, dg/du);
+    # none reads the kept g, u instead of re-running them
+    bwd_mids = 4 if layout.keeps_mlp else 6
+    out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
            "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
            "attn_bwd": own + e * n * h + a["bwd"],
-           "mlp_bwd": 2 * own + sel + 2 * e * n * h + acc32 + _mlp_ring_backward_shards(w_mlp, ew) + 6 * mid,
+           "mlp_bwd": (2 * own + sel + mlp_kept + 2 * e * n * h + acc32
+                       + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
            # ring of vocab shards: fp32 logits block [N/D, V/D] and its exp / softmax, x and dX in
            # fp32, the shards and gradient accumulators
            "head": (8 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
@@ -472,7 +512,7 @@ def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> 
     w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
     cast = (e * n * h + w) if ew != 4 else 0            # dX and the gradients cast from fp32
     fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp
-    if layout.selective:
+    if layout.keeps_attention:
         sel_item = sel // items
         fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
         bwd_item = sel + 5 * kv + 4 * q_b + kv_exp
@@ -662,8 +702,8 @@ def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int) -> 
     FLOPs the code really executes, + what its backward recomputes. TSP with full recompute saves
     only X_p: its attention backward re-runs the q/k/v projections and the attention forward
     (not W_o: dW_o and dA need only A and dy) and its MLP backward the gate and up projections (not
-    W_down); with tsp_recompute=selective the attention part is kept, only gate/up are re-run.
-    SP-style context attention recomputes the attention core; activation checkpointing replays
+    W_down); with tsp_recompute=selective the attention part is kept, only gate/up are re-run;
+    with tsp_recompute=none gate/up are kept too and backward re-runs no forward GEMM. SP-style context attention recomputes the attention core; activation checkpointing replays
     each block once more (every matmul)."""
     model = flops_per_token(cfg, seq_len)
     block_fwd = 2 * block_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
@@ -674,7 +714,7 @@ def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int) -> 
         L, h = cfg.num_layers, cfg.hidden_size
         qkv_proj = 2 * L * h * (cfg.num_heads * cfg.head_dim + 2 * cfg.kv_hidden_size)
         gate_up = 2 * L * 2 * h * cfg.intermediate_size
-        extra += gate_up + (0 if layout.selective else qkv_proj + core_fwd)
+        extra += (0 if layout.keeps_mlp else gate_up) + (0 if layout.keeps_attention else qkv_proj + core_fwd)
     elif s_p > 1:
         extra += core_fwd
     if layout.activation_checkpointing:

@@ -52,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report the longest sequence each scheme fits (without and with activation "
                         "offload to host memory; --global-batch defaults to 1) instead of ranking "
                         "layouts at --seq-len")
-    p.add_argument("--tsp-recompute", choices=("full", "selective"), default="full",
-                   help="TSP's parallel.tsp_recompute: full (default; backward recomputes projections "
-                        "and attention from X_p) or selective (keeps q, k/v and attention outputs, "
-                        "~5 X_p more per layer; no activation checkpointing or offload with it)")
+    p.add_argument("--tsp-recompute", choices=("full", "selective", "none"), default="full",
+                   help="TSP's parallel.tsp_recompute: full (default; backward recomputes projections, "
+                        "attention and the MLP's gate/up from X_p), selective (keeps q, k/v and "
+                        "attention outputs, ~5 X_p more per layer) or none (also keeps gate/up, "
+                        "2 B S/D I elements more per layer; backward re-runs no forward GEMM); no "
+                        "activation checkpointing or offload with selective or none")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
     g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
@@ -232,10 +234,10 @@ def _dry_run(parser, args, cfg) -> int:
     if not 0 <= args.rank < world:
         _fail(parser, f"--rank={args.rank} must be in [0, {world})")
     schemes = _schemes(parser, args.schemes, ("tsp", "tp", "tp_sp"))
-    if args.tsp_recompute == "selective" and not args.no_activation_checkpointing:
-        _fail(parser, "--tsp-recompute=selective needs --no-activation-checkpointing (the dry run "
-                      "checkpoints every scheme by default, and the trainer refuses selective with "
-                      "train.activation_checkpointing=true)")
+    if args.tsp_recompute != "full" and not args.no_activation_checkpointing:
+        _fail(parser, f"--tsp-recompute={args.tsp_recompute} needs --no-activation-checkpointing (the "
+                      f"dry run checkpoints every scheme by default, and the trainer refuses "
+                      f"{args.tsp_recompute} with train.activation_checkpointing=true)")
     if "tp_x_sp" in schemes:
         _fail(parser, "--dry-run runs tsp, tp, tp_sp and sp; tp_x_sp needs its two degrees (not a "
                       "flag of the dry run yet)")

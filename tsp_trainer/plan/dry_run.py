@@ -230,7 +230,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
-    tsp_recompute: TSP's `parallel.tsp_recompute` ("full" or "selective")."""
+    tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none")."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -46,7 +46,7 @@ def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile
                                 micro_batches=(1,), tsp_recompute=tsp_recompute)
     best = None
     for lay in layouts:
-        if offload:                   # never selective: longest_seq_len refuses that pair first
+        if offload:                   # always full: longest_seq_len refuses the others first
             lay = Layout(**{**lay.as_dict(), "offload_activations": True})
         p = predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec, assumptions=assumptions)
         if p.fits and (best is None or p.memory["total"] < best.memory["total"]):
@@ -59,11 +59,11 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
                     offload: bool = False, granule: int = 1024, tsp_recompute: str = "full") -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
-    bisection); TSP layouts with `tsp_recompute` (selective: none with offload, the trainer
-    refuses the pair)."""
+    bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with offload, the
+    trainer refuses the pair)."""
     world = nodes * hw.gpus_per_node
-    if offload and scheme == "tsp" and tsp_recompute == "selective":
-        return Longest(scheme, 0, None, refused="selective recompute is refused with activation "
+    if offload and scheme == "tsp" and tsp_recompute != "full":
+        return Longest(scheme, 0, None, refused=f"{tsp_recompute} recompute is refused with activation "
                                                 "offload (--tsp-recompute full)")
 
     def fit(units: int):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tsp_trainer.plan.analytic import Prediction
+from tsp_trainer.plan.analytic import RECOMPUTE_MARK, Prediction
 from tsp_trainer.plan.search import PlanResult, _family
 
 GB = 1e9
@@ -15,7 +15,7 @@ def _row(rank: str, p: Prediction) -> list[str]:
     state = m["params"] + m["grads"] + m["optimizer"]
     exposed = p.times["exposed_comm_per_micro"] * lay.grad_accum + p.times["dp_exposed"]
     return [rank, _family(lay), str(lay.degree), str(lay.dp), str(lay.zero_stage),
-            "on" if lay.activation_checkpointing else ("sel" if lay.selective else "off"),
+            "on" if lay.activation_checkpointing else RECOMPUTE_MARK.get(lay.tsp_recompute, "off"),
             str(lay.head_buckets) if lay.scheme == "tsp" else "-", f"{lay.micro_batch}x{lay.grad_accum}",
             f"{state / GB:.1f}", f"{m['activations_peak'] / GB:.1f}", f"{m['total'] / GB:.1f}",
             _si(p.tokens_per_s), f"{p.tokens_per_s_per_gpu:,.0f}", f"{100 * p.mfu:.1f}",
@@ -55,7 +55,8 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
         row = _row("fits" if p.fits else "NO", p)
         rows.append(row)
     lines.append(_table(["fits"] + _COLS[1:], rows))
-    lines.append("AC sel = no activation checkpointing, TSP selective recompute; "
+    lines.append("AC sel = no activation checkpointing, TSP selective recompute; AC keep = no "
+                 "activation checkpointing, TSP keeps attention and MLP gate/up (tsp_recompute none); "
                  "state = parameters + gradients + AdamW state; act = peak activations + transients; "
                  "comm % = share of the step spent in exposed communication; MFU counts model FLOPs "
                  "(causal attention halved) against dense bf16 peak.")

@@ -60,7 +60,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       tsp_recompute: str = "full") -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences). TSP layouts use `tsp_recompute`; selective
-    ones come without activation checkpointing (the trainer refuses the pair)."""
+    and none ones come without activation checkpointing (the trainer refuses the pair)."""
     rejected = rejected if rejected is not None else {}
     out: list[Layout] = []
     for scheme in schemes:
@@ -86,7 +86,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                         for mb in mbs:
                             for zero in (zero_stages if dp > 1 else zero_stages[:1]):
                                 for ac in (False, True):
-                                    if ac and scheme == "tsp" and tsp_recompute == "selective":
+                                    if ac and scheme == "tsp" and tsp_recompute != "full":
                                         continue           # refused by the trainer
                                     mode = {"tsp_recompute": tsp_recompute} if scheme == "tsp" else {}
                                     out.append(Layout(scheme, d, dp=dp, zero_stage=zero,
