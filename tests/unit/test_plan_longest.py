@@ -78,7 +78,7 @@ def test_recompute_none_longest_is_a_boundary_shorter_than_selective_and_refuses
     assert r.best.layout.keeps_mlp and not r.best.layout.activation_checkpointing
     assert r.seq_len < longest_seq_len(CFG, "tsp", hw=H100, nodes=1, tsp_recompute="selective").seq_len
     off = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, tsp_recompute="none")
-    assert off.best is None and "none recompute is refused with activation offload" in off.as_dict()["refused"]
+    assert off.best is None and "tsp_recompute=none is refused with activation offload" in off.as_dict()["refused"]
 
 
 def test_cli_max_seq_len_tables_and_json(tmp_path, capsys):

@@ -63,8 +63,8 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
     trainer refuses the pair)."""
     world = nodes * hw.gpus_per_node
     if offload and scheme == "tsp" and tsp_recompute != "full":
-        return Longest(scheme, 0, None, refused=f"{tsp_recompute} recompute is refused with activation "
-                                                "offload (--tsp-recompute full)")
+        return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "
+                                                "activation offload (--tsp-recompute full)")
 
     def fit(units: int):
         return _fitting(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
