@@ -93,3 +93,41 @@ def test_selective_recompute_keeps_its_activations_not_the_gathered_kv(world, kv
         gathered_kv_bucket = 4 * seq * 2 * s["hkv"] // (world * buckets)
         assert expected <= s["saved"] <= expected + 64 * world * buckets, (s, expected)   # + 0-d anchors
         assert s["saved"] - expected < gathered_kv_bucket / 4, (s, expected, gathered_kv_bucket)
+
+
+def _mlp_saved_between_passes(rank, world, keep_gate_up, inter, seq):
+    """Bytes alive after one TSP MLP forward (its output excluded), before backward."""
+    from tsp_trainer.bench.memory import LiveTensorMemory
+    from tsp_trainer.config import model_config
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.parallel.mesh import build_mesh
+    from tsp_trainer.parallel.schemes import parallelize
+
+    cfg = model_config("tiny", hidden_size=64, num_heads=4, num_kv_heads=4, intermediate_size=inter)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, "tsp", build_mesh(world), seq_len=seq, init_seed=0,
+                tsp_recompute="none" if keep_gate_up else "full")
+    block = model.layers[0].mlp
+    assert block.keep_gate_up == keep_gate_up
+    x = torch.randn(2, seq // world, 64, requires_grad=True)
+    with LiveTensorMemory() as mem:
+        mem.ignore(x, *block.parameters())
+        y = block(x)
+        saved = mem.live - y.numel() * 4
+    y.sum().backward()
+    after = mem.live
+    return {"saved": saved, "tokens": x.shape[0] * x.shape[1], "after_backward": after}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_no_recompute_keeps_the_mlp_gate_and_up_exactly(world):
+    """parallel.tsp_recompute=none: the MLP keeps, per rank, the gate and up pre-activations of
+    every ring step, 2 T I elements (T local tokens, I the full intermediate size: D steps of
+    I/D) = 8 T I bytes in fp32, and nothing else; full keeps nothing beyond X_p."""
+    inter, seq = 96, 16 * world
+    full = run_on_ranks(_mlp_saved_between_passes, world, False, inter, seq)
+    keep = run_on_ranks(_mlp_saved_between_passes, world, True, inter, seq)
+    for f, k in zip(full, keep):
+        assert f["saved"] == 0, f
+        assert k["saved"] == 8 * k["tokens"] * inter, (k, 8 * k["tokens"] * inter)

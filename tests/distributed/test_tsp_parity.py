@@ -70,19 +70,22 @@ def test_tsp_families_biases_and_scaled_rope(family, degree, buckets, seq_len):
         assert ledger_totals(o["ledger"]) == expected
 
 
-@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family", [
-    (1, 4, 1, 16, None), (2, 4, 2, 32, None), (2, 2, 1, 24, "qwen2_yarn"),
-    (4, 4, 1, 40, "llama_bias_llama3"), (4, 8, 2, 48, None),
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode", [
+    (1, 4, 1, 16, None, "selective"), (2, 4, 2, 32, None, "selective"),
+    (2, 2, 1, 24, "qwen2_yarn", "selective"), (4, 4, 1, 40, "llama_bias_llama3", "selective"),
+    (4, 8, 2, 48, None, "selective"),
+    (1, 4, 1, 16, None, "none"), (2, 4, 2, 32, "qwen2_yarn", "none"),
+    (4, 4, 1, 40, "llama_bias_llama3", "none"),
 ])
-def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, seq_len, family):
+def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, seq_len, family, mode):
     """parallel.tsp_recompute=selective (attention output and K/V views kept from forward, K/V
-    re-gathered) gives the same logits, loss, gradients and, after two SGD steps, weights; it moves
-    exactly the bytes of full recompute (backward re-gathers K/V in both)."""
+    re-gathered) and none (also the MLP's gate/up pre-activations kept: no recompute) give the same
+    logits, loss, gradients and, after two SGD steps, weights; they move exactly the bytes of full
+    recompute (backward re-gathers K/V in all three; the MLP's ring is the same)."""
     cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **FAMILY_CFGS.get(family, {}))
     ids, labels = make_batch(cfg, 2, seq_len)
     ref = reference(cfg, 7, ids, labels, steps=2, optim="sgd")
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd",
-                        "selective")
+    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd", mode)
     _assert_parity(ref, outs)
     expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=seq_len, head_buckets=buckets)
     for o in outs:

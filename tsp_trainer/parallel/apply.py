@@ -95,7 +95,7 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute, **biases)
         weights, biases = local.mlp(mlp, cfg)
-        block.mlp = TSPGatedMLP(*weights, comm=comm, **biases)
+        block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none", **biases)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
                                                         pre + "input_layernorm"), comm=comm)
         block.post_attention_layernorm = TSPRMSNorm(

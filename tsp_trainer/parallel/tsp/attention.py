@@ -39,6 +39,8 @@ Recompute (`parallel.tsp_recompute`):
   dX and the weight gradients) and re-gathers K/V. Extra saved bytes per layer and rank: about
   (2 q + 2 k/v + the kernel's output + log-sum-exp) tokens x heads of this rank's tokens, i.e. ~5
   X_p for multi-head attention (tsp-plan models it).
+- "none": the attention keeps what selective keeps; the MLP (tsp/mlp.py) also keeps its gate/up
+  pre-activations, so no GEMM of the forward runs again in backward.
 The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
 in both modes; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
 ranks is not rounded to bf16 on the way).
@@ -58,7 +60,7 @@ from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, add_matmul, unpack
 
-RECOMPUTE_MODES = ("full", "selective")   # parallel.tsp_recompute (see the module docstring)
+RECOMPUTE_MODES = ("full", "selective", "none")   # parallel.tsp_recompute (module docstring)
 
 
 class TSPAttention(nn.Module):
@@ -276,7 +278,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard)
         comm, shapes = block.comm, [tuple(w.shape) for w in params]
         items = _schedule(comm.size, block.head_buckets)
-        selective = block.recompute == "selective"
+        selective = block.recompute != "full"      # selective, none: keep the items
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
 
         def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather

@@ -1,4 +1,5 @@
-"""Which attention routes `parallel.tsp_recompute=selective` can run on (issue 12).
+"""Which attention routes `parallel.tsp_recompute=selective` (and `none`, which keeps the same
+attention items) can run on (issue 12).
 
 Selective recompute (parallel/tsp/attention.py) keeps, per item and layer, the attention kernel's
 autograd graph with the kernel's saved *views* of the gathered K/V dropped (a saved-tensor hook
@@ -23,12 +24,13 @@ from tsp_trainer.model.attention_route import SdpaRoute
 
 
 def check_selective_route(route: SdpaRoute, *, dtype: str, num_heads: int, num_kv_heads: int,
-                          document_masking: bool) -> None:
+                          document_masking: bool, mode: str = "selective") -> None:
     """Raise ValueError when `route` (a CUDA route, `check_cuda_attention`) would make the
-    attention kernel save copies of the gathered K/V under parallel.tsp_recompute=selective."""
+    attention kernel save copies of the gathered K/V under parallel.tsp_recompute=`mode`
+    (selective or none: both keep the attention items)."""
     if route.expand_kv:
         raise ValueError(
-            f"parallel.tsp_recompute='selective' on CUDA with train.dtype={dtype} and GQA "
+            f"parallel.tsp_recompute={mode!r} on CUDA with train.dtype={dtype} and GQA "
             f"(model.num_heads={num_heads}, model.num_kv_heads={num_kv_heads}): the memory-efficient "
             f"kernel gets K/V expanded to the query heads, copies [B, S, heads, head_dim] that "
             f"selective recompute would keep for every head bucket of every layer instead of "
@@ -36,7 +38,7 @@ def check_selective_route(route: SdpaRoute, *, dtype: str, num_heads: int, num_k
             f"parallel.tsp_recompute=full")
     if document_masking and route.kernel in ("flash", "efficient"):
         raise ValueError(
-            f"parallel.tsp_recompute='selective' on CUDA with data.document_masking=true: the "
+            f"parallel.tsp_recompute={mode!r} on CUDA with data.document_masking=true: the "
             f"{route.kernel} kernel's varlen call packs each document's keys into a copy [sum of "
             f"key ranges, kv heads, head_dim] that selective recompute would keep for every head "
             f"bucket of every layer instead of re-gathering it; set parallel.tsp_recompute=full "
