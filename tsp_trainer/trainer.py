@@ -142,7 +142,8 @@ class Trainer:
             if self.cfg.parallel.tsp_recompute != "full":
                 check_selective_route(route, dtype=self.cfg.train.dtype, num_heads=m.num_heads,
                                       num_kv_heads=m.num_kv_heads,
-                                      document_masking=self.cfg.data.document_masking)
+                                      document_masking=self.cfg.data.document_masking,
+                                      mode=self.cfg.parallel.tsp_recompute)
 
     def _ds_config(self, dp: int) -> dict:
         c = self.cfg

@@ -71,10 +71,11 @@ def test_trainer_applies_the_route_rules_to_recompute_none():
     """parallel.tsp_recompute=none keeps the attention kernel's graph as selective does: the
     Trainer refuses the same CUDA routes for it (fp32 + GQA, document masking on flash) and
     passes bf16 without masking."""
-    raises("on CUDA with train.dtype=fp32 and GQA (model.num_heads=4, model.num_kv_heads=2)",
+    raises("parallel.tsp_recompute='none' on CUDA with train.dtype=fp32 and GQA (model.num_heads=4, "
+           "model.num_kv_heads=2)",
            Trainer._check_device_support,
            _trainer_stand_in(parallel__tsp_recompute="none", train__dtype="fp32"))
-    raises("data.document_masking=true", Trainer._check_device_support,
-           _trainer_stand_in(parallel__tsp_recompute="none", train__dtype="bf16",
+    raises("parallel.tsp_recompute='none' on CUDA with data.document_masking=true",
+           Trainer._check_device_support, _trainer_stand_in(parallel__tsp_recompute="none", train__dtype="bf16",
                              data__document_masking=True))
     Trainer._check_device_support(_trainer_stand_in(parallel__tsp_recompute="none", train__dtype="bf16"))

@@ -454,21 +454,24 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device,
     acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
     mid = e * n * inter // d_                           # one [N/D, I/D] MLP intermediate
     # a ring step's intermediates: g, u and silu(g) u (or that product and the step's output);
-    # under none g and u are the kept ones (in mlp_kept, every shard's by the last step)
-    step_mids = 1 if layout.keeps_mlp else 3
+    # under none g and u are the kept ones (in mlp_kept, every shard's by the last step), silu(g)
+    # and the product are the step's own
+    step_mids = 2 if layout.keeps_mlp else 3
     mlp_fwd = acc32 + 2 * w_mlp + max(step_mids * mid, mid + e * n * h)
     # backward of a ring step: full and selective re-run g, u (+ silu(g), its product, dh, dg/du);
-    # none reads the kept g, u instead of re-running them
-    bwd_mids = 4 if layout.keeps_mlp else 6
+    # none reads the kept g, u instead of re-running them (5: measured on fake tensors with an
+    # MLP-heavy shape, I = 16 h, where the MLP backward is the peak: -2.8 to +3.2%; 4 gave -8.5%)
+    bwd_mids = 5 if layout.keeps_mlp else 6
     out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
            "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": (2 * own + sel + mlp_kept + 2 * e * n * h + acc32
                        + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
-           # ring of vocab shards: fp32 logits block [N/D, V/D] and its exp / softmax, x and dX in
-           # fp32, the shards and gradient accumulators
-           "head": (8 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
+           # ring of vocab shards: fp32 logits block [N/D, V/D] (log-sum-exp and softmax in place
+           # on it since main 0c03338) and its activation-dtype product, x and dX in fp32, the
+           # shards and gradient accumulators
+           "head": (4 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
            "norm_bwd_in_layer": own + sel + norm_saved(n, False) + e * n * h,
            "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
     return out
@@ -492,8 +495,9 @@ def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> 
               filled, the one being reduced, and rank 0's own summed gradient once its turn is
               over), two items' qkv (full recompute projects this and the next item), four K/V
               buckets (re-gathered, the next in flight, dK/dV, its rank-major copy for the
-              reduce-scatter), three q_b; selective projects nothing but holds its kept items and
-              one more K/V bucket and q_b; at the end, in bf16, dX and the gradients cast to the
+              reduce-scatter), three q_b; selective (and none) projects nothing but holds its kept
+              items and one more q_b (four K/V buckets: dK and dV leave the graph apart, no
+              zero-filled [B, S, 2, hkv_b, d] pair, main 0c03338); at the end, in bf16, dX and the gradients cast to the
               weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase.
     Coefficients measured on fake tensors per block (tests/unit/test_plan_fake.py checks the
     step within 10%)."""
@@ -515,7 +519,7 @@ def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> 
     if layout.keeps_attention:
         sel_item = sel // items
         fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
-        bwd_item = sel + 5 * kv + 4 * q_b + kv_exp
+        bwd_item = sel + 4 * kv + 4 * q_b + kv_exp
     else:
         bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
     bwd = acc32 + w_bwd + max(bwd_item, cast)
