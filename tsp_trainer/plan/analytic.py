@@ -426,9 +426,10 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": 2 * own + sel + 2 * e * n * h + acc32 + _mlp_ring_backward_shards(w_mlp, ew) + 6 * mid,
-           # ring of vocab shards: fp32 logits block [N/D, V/D] and its exp / softmax, x and dX in
-           # fp32, the shards and gradient accumulators
-           "head": (8 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
+           # ring of vocab shards: one fp32 logits block [N/D, V/D] (its exp / softmax computed in
+           # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32, the shards and
+           # gradient accumulators
+           "head": (4 + (e if e < 4 else 0)) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
            "norm_bwd_in_layer": own + sel + norm_saved(n, False) + e * n * h,
            "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
     return out
@@ -451,9 +452,9 @@ def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> 
     backward: fp32 dX 4nh, min(2, D) weight buffers and min(3, D) fp32 gradient buffers (the one
               filled, the one being reduced, and rank 0's own summed gradient once its turn is
               over), two items' qkv (full recompute projects this and the next item), four K/V
-              buckets (re-gathered, the next in flight, dK/dV, its rank-major copy for the
+              buckets (re-gathered, the next in flight, dK and dV, their rank-major copy for the
               reduce-scatter), three q_b; selective projects nothing but holds its kept items and
-              one more K/V bucket and q_b; at the end, in bf16, dX and the gradients cast to the
+              one more q_b; at the end, in bf16, dX and the gradients cast to the
               weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase.
     Coefficients measured on fake tensors per block (tests/unit/test_plan_fake.py checks the
     step within 10%)."""
@@ -475,7 +476,7 @@ def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> 
     if layout.selective:
         sel_item = sel // items
         fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
-        bwd_item = sel + 5 * kv + 4 * q_b + kv_exp
+        bwd_item = sel + 4 * kv + 4 * q_b + kv_exp
     else:
         bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
     bwd = acc32 + w_bwd + max(bwd_item, cast)
