@@ -427,9 +427,12 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device,
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": 2 * own + sel + 2 * e * n * h + acc32 + _mlp_ring_backward_shards(w_mlp, ew) + 6 * mid,
            # ring of vocab shards: one fp32 logits block [N/D, V/D] (its exp / softmax computed in
-           # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32, the shards and
-           # gradient accumulators
-           "head": (4 + (e if e < 4 else 0)) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
+           # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
+           # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
+           # [V/D, h] gradients (the one being computed, in bf16 also its bf16 product, the
+           # accumulator being sent and the one arriving)
+           "head": ((4 + (e if e < 4 else 0)) * n * (V // d_) + 8 * n * h
+                    + V // d_ * h * (2 * ew + 3 * 4 + (ew if ew < 4 else 0))),
            "norm_bwd_in_layer": own + sel + norm_saved(n, False) + e * n * h,
            "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
     return out
