@@ -468,10 +468,13 @@ def _tsp_transients(cfg, layout, seq_len, prec, tok, p_attn, norm_saved, device,
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": (2 * own + sel + mlp_kept + 2 * e * n * h + acc32
                        + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
-           # ring of vocab shards: fp32 logits block [N/D, V/D] (log-sum-exp and softmax in place
-           # on it since main 0c03338) and its activation-dtype product, x and dX in fp32, the
-           # shards and gradient accumulators
-           "head": (4 + e) * n * (V // d_) + 8 * n * h + 4 * V // d_ * h * ew,
+           # ring of vocab shards: one fp32 logits block [N/D, V/D] (its exp / softmax computed in
+           # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
+           # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
+           # [V/D, h] gradients (the one being computed, in bf16 also its bf16 product, the
+           # accumulator being sent and the one arriving)
+           "head": ((4 + (e if e < 4 else 0)) * n * (V // d_) + 8 * n * h
+                    + V // d_ * h * (2 * ew + 3 * 4 + (ew if ew < 4 else 0))),
            "norm_bwd_in_layer": own + sel + norm_saved(n, False) + e * n * h,
            "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
     return out
@@ -494,10 +497,9 @@ def _tsp_attention_terms(cfg, layout, seq_len, prec, n, p_attn, device, sel) -> 
     backward: fp32 dX 4nh, min(2, D) weight buffers and min(3, D) fp32 gradient buffers (the one
               filled, the one being reduced, and rank 0's own summed gradient once its turn is
               over), two items' qkv (full recompute projects this and the next item), four K/V
-              buckets (re-gathered, the next in flight, dK/dV, its rank-major copy for the
+              buckets (re-gathered, the next in flight, dK and dV, their rank-major copy for the
               reduce-scatter), three q_b; selective (and none) projects nothing but holds its kept
-              items and one more q_b (four K/V buckets: dK and dV leave the graph apart, no
-              zero-filled [B, S, 2, hkv_b, d] pair, main 0c03338); at the end, in bf16, dX and the gradients cast to the
+              items and one more q_b; at the end, in bf16, dX and the gradients cast to the
               weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase.
     Coefficients measured on fake tensors per block (tests/unit/test_plan_fake.py checks the
     step within 10%)."""
