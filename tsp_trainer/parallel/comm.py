@@ -12,10 +12,11 @@ its Work is waited), so the hang watchdog can name the op a stalled step is wait
 library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are covered by
 `Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
 
-Direct exchanges on gloo: gloo's all_gather_into_tensor and reduce_scatter_tensor cost two to
-three times the CPU of sending the same bytes point to point (4 CPU ranks: an all-gather of 512 KB
-per rank 9.1 ms of CPU summed over the ranks against 4.3 ms; a reduce-scatter of 2 MB 14.7 ms
-against 4.8 ms; docs/benchmarks.md), and TSP's attention runs two of them per item. On a gloo
+Direct exchanges on gloo: gloo's all_gather_into_tensor and reduce_scatter_tensor take more CPU and
+time than sending the same bytes point to point (4 CPU ranks, bench/gloo_collectives.py: a K/V
+all-gather of 512 KiB per rank 4.6 ms and 7.7 ms of CPU summed over the ranks against 2.8 and 5.8;
+a dK/dV reduce-scatter of 2 MiB 5.9 and 10.6 ms against 2.6 and 5.8; docs/benchmarks.md, issue 12
+part 3), and TSP's attention runs two of them per item. On a gloo
 group they are therefore run as direct exchanges (each rank sends its block to, or the peer's
 block of the input to, every peer; `_DirectWork` finishes the op when waited: nothing to do for
 the all-gather, which receives into `out` itself, and the sum of the received blocks for the

@@ -42,7 +42,7 @@ Recompute (`parallel.tsp_recompute`):
 - "none": the attention keeps what selective keeps; the MLP (tsp/mlp.py) also keeps its gate/up
   pre-activations, so no GEMM of the forward runs again in backward.
 The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
-in both modes; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
+in every mode; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
 ranks is not rounded to bf16 on the way).
 """
 

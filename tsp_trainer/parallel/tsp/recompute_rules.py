@@ -33,13 +33,13 @@ def check_selective_route(route: SdpaRoute, *, dtype: str, num_heads: int, num_k
             f"parallel.tsp_recompute={mode!r} on CUDA with train.dtype={dtype} and GQA "
             f"(model.num_heads={num_heads}, model.num_kv_heads={num_kv_heads}): the memory-efficient "
             f"kernel gets K/V expanded to the query heads, copies [B, S, heads, head_dim] that "
-            f"selective recompute would keep for every head bucket of every layer instead of "
+            f"tsp_recompute={mode!r} would keep for every head bucket of every layer instead of "
             f"re-gathering them; use train.dtype=bf16 (flash takes GQA as it is) or "
             f"parallel.tsp_recompute=full")
     if document_masking and route.kernel in ("flash", "efficient"):
         raise ValueError(
             f"parallel.tsp_recompute={mode!r} on CUDA with data.document_masking=true: the "
             f"{route.kernel} kernel's varlen call packs each document's keys into a copy [sum of "
-            f"key ranges, kv heads, head_dim] that selective recompute would keep for every head "
+            f"key ranges, kv heads, head_dim] that tsp_recompute={mode!r} would keep for every head "
             f"bucket of every layer instead of re-gathering it; set parallel.tsp_recompute=full "
             f"or data.document_masking=false")
