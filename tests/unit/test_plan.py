@@ -285,47 +285,31 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_plan_with_selective_recompute(capsys):
-    """tsp-plan --tsp-recompute selective: TSP layouts are selective and without AC (the trainer
-    refuses the pair); selective needs more memory than full and is predicted faster (no
-    attention recompute); the baselines are unchanged."""
+@pytest.mark.parametrize("mode,lighter,marker", [("selective", "full", " sel "), ("none", "selective", " keep ")])
+def test_plan_with_kept_activations(capsys, mode, lighter, marker):
+    """tsp-plan --tsp-recompute selective | none: TSP layouts keep their activations and run
+    without AC (the trainer refuses the pair); each mode needs more memory than the one that keeps
+    less and is predicted faster (selective: no attention recompute; none: no gate/up recompute
+    either, its kept MLP bytes 2 e n I per layer); the baselines are unchanged; the CLI prints the
+    mode and its marker."""
     from tsp_trainer.plan.search import candidate_layouts
 
     kw = dict(seq_len=32768, global_batch=8, world=8)
-    sel = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute="selective", **kw)
-    tsp = [lay for lay in sel if lay.scheme == "tsp"]
-    assert tsp and all(lay.selective and not lay.activation_checkpointing for lay in tsp)
-    assert all(lay.tsp_recompute == "full" for lay in sel if lay.scheme != "tsp")
+    layouts = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute=mode, **kw)
+    tsp = [lay for lay in layouts if lay.scheme == "tsp"]
+    assert tsp and all(lay.keeps_attention and not lay.activation_checkpointing for lay in tsp)
+    assert all(lay.keeps_mlp == (mode == "none") for lay in tsp)
+    assert all(lay.tsp_recompute == "full" for lay in layouts if lay.scheme != "tsp")
     hw, cfg = get_profile("h100"), model_config("7b")
-    full = predict(cfg, Layout("tsp", 8), 131072, hw)
-    fast = predict(cfg, Layout("tsp", 8, tsp_recompute="selective"), 131072, hw)
-    assert fast.memory["total"] > full.memory["total"] and fast.step_time < full.step_time
-    assert cli.main(["--model", "7b", "--seq-len", "131072", "--global-batch", "1", "--gpu", "h200",
-                     "--schemes", "tsp", "--tsp-recompute", "selective"]) == 0
-    out = capsys.readouterr().out
-    assert "TSP recompute selective" in out and " sel " in out
-
-
-def test_plan_with_recompute_none(capsys):
-    """tsp-plan --tsp-recompute none: TSP layouts keep everything and run without AC; none needs
-    more memory than selective and is predicted faster still (no gate/up recompute); the CLI
-    prints the mode and its 'keep' marker."""
-    from tsp_trainer.plan.search import candidate_layouts
-
-    kw = dict(seq_len=32768, global_batch=8, world=8)
-    none = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute="none", **kw)
-    tsp = [lay for lay in none if lay.scheme == "tsp"]
-    assert tsp and all(lay.keeps_mlp and not lay.activation_checkpointing for lay in tsp)
-    assert all(lay.tsp_recompute == "full" for lay in none if lay.scheme != "tsp")
-    hw, cfg = get_profile("h100"), model_config("7b")
-    sel = predict(cfg, Layout("tsp", 8, tsp_recompute="selective"), 32768, hw)
-    keep = predict(cfg, Layout("tsp", 8, tsp_recompute="none"), 32768, hw)
-    assert keep.memory["total"] > sel.memory["total"] and keep.step_time < sel.step_time
-    assert keep.activation.terms["tsp_mlp_kept"] == 2 * 2 * (32768 // 8) * cfg.intermediate_size
+    less = predict(cfg, Layout("tsp", 8, tsp_recompute=lighter), 32768, hw)
+    more = predict(cfg, Layout("tsp", 8, tsp_recompute=mode), 32768, hw)
+    assert more.memory["total"] > less.memory["total"] and more.step_time < less.step_time
+    expected_mlp = 2 * 2 * (32768 // 8) * cfg.intermediate_size if mode == "none" else 0
+    assert more.activation.terms.get("tsp_mlp_kept", 0) == expected_mlp
     assert cli.main(["--model", "7b", "--seq-len", "32768", "--global-batch", "1", "--gpu", "h200",
-                     "--schemes", "tsp", "--tsp-recompute", "none"]) == 0
+                     "--schemes", "tsp", "--tsp-recompute", mode]) == 0
     out = capsys.readouterr().out
-    assert "TSP recompute none" in out and " keep " in out
+    assert f"TSP recompute {mode}" in out and marker in out
 
 
 @pytest.mark.parametrize("argv,match", [
