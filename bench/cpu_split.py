@@ -4,8 +4,8 @@ command, schemes interleaved step by step (the machine's noise hits them alike).
     python bench/cpu_split.py [--degree 4] [--seq-len 4096] [--steps 7]
                               [--schemes tsp:selective,tsp:full,tp] [--out docs/cpu_split.json]
 
-1. gloo ranks: D processes (1 thread each), every scheme built on the same weights and batch, one
-   forward + backward of each in turn per step; per rank the wall time and the process CPU time
+1. gloo ranks: D processes (1 thread each), every scheme built by tsp-bench's builder on the same
+   weights and batch, one step (forward + backward + AdamW, as tsp-bench times it) of each in turn; per rank the wall time and the process CPU time
    (time.process_time) of the step. On 2 cores and D = 4 ranks the cores are saturated, so the
    wall time is about the CPU time summed over the ranks / cores, plus idle waiting: extra CPU
    work of any kind, compute or gloo's, shows directly.
@@ -37,34 +37,23 @@ def _model(seq_len: int):
                         intermediate_size=688, vocab_size=2048, max_seq_len=seq_len)
 
 
-def _steps(degree: int, seq_len: int, schemes: list[tuple[str, str]], device="cpu"):
-    """One fwd_bwd closure per scheme, on the same weights and batch (rank-local views)."""
-    import torch
+def _runners(degree: int, seq_len: int, schemes: list[tuple[str, str]]):
+    """One tsp-bench step runner per scheme (bench/run.py: same weights and batch, forward +
+    backward + AdamW step), each warmed up by one step."""
+    import torch.distributed as dist
 
-    from tsp_trainer.bench.run import make_batch
-    from tsp_trainer.model import Transformer
-    from tsp_trainer.parallel.loss import global_count
-    from tsp_trainer.parallel.mesh import build_mesh
-    from tsp_trainer.parallel.schemes import parallelize
+    from tsp_trainer.bench.run import _build_scheme
 
-    cfg = _model(seq_len)
-    ids, labels = make_batch(cfg, 1, seq_len, 0)
-    runs = []
+    runners = []
     for scheme, recompute in schemes:
-        mesh = build_mesh(degree, device=torch.device(device))
-        torch.manual_seed(0)
-        model = Transformer(cfg)
-        options = {"tsp_recompute": recompute} if scheme == "tsp" else {}
-        par = parallelize(model, scheme, mesh, seq_len=seq_len, init_seed=0, **options)
-        batch = list(par.local_batch(ids, labels))
-
-        def fwd_bwd(par=par, batch=batch, model=model):
-            loss_sum, count = par.loss_sum(*batch)
-            (loss_sum / global_count(count, par.token_comms)).backward()
-            model.zero_grad(set_to_none=True)
-        fwd_bwd()                                           # warm-up
-        runs.append(fwd_bwd)
-    return runs
+        options = {"head_buckets": 1, "tsp_recompute": recompute} if scheme == "tsp" else {}
+        job = {"scheme": scheme, "options": options, "model": _model(seq_len), "seq_len": seq_len,
+               "micro_batch": 1, "seed": 0, "backend": "gloo", "dtype": "fp32",
+               "activation_checkpointing": False}
+        run, _ = _build_scheme(dist.get_rank(), degree, job)
+        run.step()                                          # warm-up
+        runners.append(run)
+    return runners
 
 
 def _median(xs: list[float]) -> float:
@@ -74,14 +63,14 @@ def _median(xs: list[float]) -> float:
 def _gloo_rank(rank: int, world: int, seq_len: int, schemes, steps: int) -> dict:
     import torch.distributed as dist
 
-    runs = _steps(world, seq_len, schemes)
+    runs = _runners(world, seq_len, schemes)
     wall = [[] for _ in runs]
     cpu = [[] for _ in runs]
     for _ in range(steps):
-        for i, fwd_bwd in enumerate(runs):                 # interleaved
+        for i, run in enumerate(runs):                     # interleaved
             dist.barrier()
             w, c = time.perf_counter(), time.process_time()
-            fwd_bwd()
+            run.step()
             dist.barrier()                                 # the step ends when every rank is done
             wall[i].append(time.perf_counter() - w)
             cpu[i].append(time.process_time() - c)
@@ -92,12 +81,12 @@ def _compute_only(degree: int, seq_len: int, schemes, steps: int) -> list[float]
     from tsp_trainer.plan.dry_run import fake_world
 
     with fake_world(degree, 0):
-        runs = _steps(degree, seq_len, schemes)
+        runs = _runners(degree, seq_len, schemes)
         cpu = [[] for _ in runs]
         for _ in range(steps):
-            for i, fwd_bwd in enumerate(runs):
+            for i, run in enumerate(runs):
                 c = time.process_time()
-                fwd_bwd()
+                run.step()
                 cpu[i].append(time.process_time() - c)
     return [_median(c) for c in cpu]
 
