@@ -1,4 +1,4 @@
-"""The DP split reads about 1/dp of the bytes per rank (issue 14, row 1): whole files, parquet row
+"""The DP split reads about 1/dp of the bytes per rank: whole files, parquet row
 groups after reshard(), token-file ranges; the read-everything fallback is refused at large DP
 degrees in one line, and still allowed (with a warning) at small ones. Bytes are measured with
 /proc/self/io (every byte the process reads), not inferred from the assignment."""
