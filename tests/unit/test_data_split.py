@@ -50,7 +50,7 @@ def test_23_files_over_8_ranks_read_at_most_twice_the_fair_share(folder_23):
 
 
 def test_the_example_split_would_read_everything(folder_23):
-    """The instrument sees the old behaviour: datasets' "examples" strategy (its default for 23
+    """The instrument can tell: datasets' "examples" strategy (its default for 23
     files over 8 ranks) reads the whole dataset on every rank."""
     from datasets.distributed import split_dataset_by_node
 
