@@ -1,5 +1,5 @@
 """Test-wide set-up: offline, quiet, single-threaded ranks; heavy imports prewarmed in the parent
-so forked ranks inherit them (ENV_NOTES.md section 9)."""
+so forked ranks inherit them instead of each paying the import."""
 
 import os
 import tempfile

@@ -1,6 +1,6 @@
 """Parity of the baselines (tp, tp_sp, sp, tp_x_sp) with one process, and their ledger bytes
-against the closed-form formula of parallel/baselines/comm_model.py. fp32, rtol 1e-5 / atol 1e-6
-(STYLE.md 7): the same math as the reference, summed in a different order over ranks."""
+against the closed-form formula of parallel/baselines/comm_model.py. fp32, rtol 1e-5 / atol 1e-6:
+the same math as the reference, summed in a different order over ranks."""
 
 from __future__ import annotations
 

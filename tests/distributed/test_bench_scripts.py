@@ -1,7 +1,7 @@
-"""The measurement scripts behind docs/benchmarks.md's issue 12 part 3 run end to end at tiny
-sizes (so they cannot rot): bench/gloo_collectives.py times gloo's op and Comm's direct exchange
-side by side; bench/cpu_split.py splits a step's CPU time into compute (fake process group) and
-the rest (gloo ranks)."""
+"""The measurement scripts behind docs/benchmarks.md's communication section run end to end at
+tiny sizes (so they cannot rot): experiments/gloo_collectives.py times gloo's op and Comm's direct
+exchange side by side; experiments/cpu_split.py splits a step's CPU time into compute (fake process
+group) and the rest (gloo ranks)."""
 
 import importlib.util
 import json

@@ -1,10 +1,10 @@
-"""The CUDA path, checked with CPU processes (issue 13): what a GPU run would trip over, made
+"""The CUDA path, checked with CPU processes: what a GPU run would trip over, made
 visible on gloo.
 
 - Device placement: a training step runs under a process group serving CPU tensors only
   ("cpu:gloo") while tensors created without a device in the compute packages land on another
   device (tests/helpers/devices.py), as host tensors do next to CUDA ones.
-- Host syncs: counted per micro-step in the whole Trainer step (bench/host_sync.py).
+- Host syncs: counted per micro-step in the whole Trainer step (tsp_trainer/tools/host_sync.py).
 - Precision: gradient reductions and accumulators are fp32 in a bf16 run (the ledger records each
   payload's dtype), DeepSpeed accumulates and reduces in fp32, and a bf16 run follows the fp32
   loss curve.
@@ -49,8 +49,8 @@ def test_training_step_keeps_every_tensor_on_the_compute_device():
 def test_host_syncs_per_micro_step_are_a_small_constant():
     """Tiny model, D = 2, 2 head buckets, GQA: the package issues at most 10 host syncs per
     micro-step (measured: 3 per optimizer step, none per micro-step), and the count does not grow
-    with layers or micro-steps (the old code synced per layer, shard, bucket and parameter:
-    239 per optimizer step of 2 micro-steps here, ~13,700 per micro-step for the 7B recipe)."""
+    with layers or micro-steps (a sync per layer, shard, bucket and parameter would be 239 per
+    optimizer step of 2 micro-steps here, ~13,700 per micro-step for the 7B recipe)."""
     base = run_on_ranks(count_host_syncs, 2, ["train.steps=2", "train.grad_accum=2"] + GQA_BUCKETS)[0]
     deeper = run_on_ranks(count_host_syncs, 2, ["train.steps=2", "train.grad_accum=4",
                                                 "model.num_layers=4"] + GQA_BUCKETS)[0]
@@ -95,8 +95,8 @@ def test_bf16_training_follows_the_fp32_loss_curve_with_fp32_gradient_accumulati
 
     Tolerance: every step's loss within 0.02 of the fp32 run, the mean gap below 0.005
     (measured 0.0015 and 0.0005 at losses of 5.2-6.9; the same runs with bf16 gradient
-    accumulation, before this change, measured 0.0029 and 0.0008: at this size the loss curve
-    cannot tell them apart, which is why the dtypes are asserted). bf16 keeps 8 significant
+    accumulation measure 0.0029 and 0.0008: at this size the loss curve cannot tell them apart,
+    which is why the dtypes are asserted). bf16 keeps 8 significant
     bits: each matmul input carries up to 0.4% relative rounding, the loss (an fp32 mean over 128
     tokens) moves by ~1e-3 per step from it, and 50 steps let the two runs drift apart by a few
     times that; 0.02 leaves a margin of 13x. A gradient path that loses a term or a scale drifts by

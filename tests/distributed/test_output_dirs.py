@@ -41,8 +41,9 @@ def test_relaunches_into_a_used_folder(tmp_path):
     assert _state(out) == ("step_00000040", ["step_00000020", "step_00000030", "step_00000040"],
                            list(range(1, 41)))
 
-    # Issue 10's case: 5 more steps with the default resume=none used to be accepted, its step_5
-    # pruned at once while `latest` named it. Now refused in one line naming the choices.
+    # 5 more steps with the default resume=none into the same folder: accepting them would prune
+    # their step_5 at once while `latest` names it, so they are refused in one line naming the
+    # choices.
     refused = run_on_ranks(launch_rank, 1, at + ["train.steps=5"])[0]["refused"]
     assert "already holds checkpoints" in refused and "train.resume=auto" in refused
 

@@ -4,8 +4,8 @@ processes: the MLP weight ring, the attention weight broadcast, the K/V all-gath
 of 4) and DeepSpeed's ZeRO gradient reduction over dp (DP=2 x TSP=2). Before the timeout, the hang
 watchdog dumps each waiting rank's stacks and the op in flight.
 
-Before this was fixed, the tsp and dp groups had torch's 30-minute default timeout whatever
-train.collective_timeout_s said, and such a job hung (issue 10)."""
+A group created without an explicit timeout gets torch's 30-minute default whatever
+train.collective_timeout_s says, so this also checks that every axis carries the configured one."""
 
 import json
 import time
@@ -36,8 +36,8 @@ MLP, BCAST, KV = "send/recv of 'mlp.weights'", "broadcast of 'attn.weights'", "a
     # receivers got shard 0 and wait in the K/V all-gather that rank 2 never joins.
     ("attn", BCAST, {BCAST, KV}),
     # Rank 2 stops in front of item 0's K/V all-gather. The broadcasts of the next shards were
-    # issued ahead (issue 12: transfers one step ahead of the compute), so a waiting rank may first
-    # reach the wait of a broadcast rank 2 no longer serves: either op is the truth for that rank.
+    # issued ahead (transfers run one step ahead of the compute), so a waiting rank may first
+    # reach the wait of a broadcast rank 2 does not serve: either op is the truth for that rank.
     ("kv", KV, {KV, BCAST}),
 ])
 def test_stalled_peer_fails_every_rank_with_op_axis_and_peers(tmp_path, block, op, allowed):

@@ -2,13 +2,12 @@
 backward of a block, minus its output, input gradient and parameter gradients).
 
 Measured at h = 512, I = 2048, 64 tokens (weights dominate): attention 4.2-4.3 packed shards at
-D = 4 and 8 (issue 12: backward holds two weight buffers of a fixed pool, this rank's shard packed
-into one of them when its turn comes, and two fp32 gradient buffers, the one filled and the one
-being reduced, the gradients written into them by hand; the rest is the gathered K/V buckets and
-token-sized temporaries; before: 6.3, with a standing packed copy, a new gradient pack per owner and
-autograd's per-weight gradients); the MLP ~3.1 (issue 12: its weight gradients go straight into the
-ring's fp32 accumulator and the sent accumulator is the next receive buffer: the shard in use, the
-one arriving and two accumulators; before: 6.0), independent of D in units of a shard, so the
+D = 4 and 8 (backward holds two weight buffers of a fixed pool, this rank's shard packed into one of
+them when its turn comes, and two fp32 gradient buffers, the one filled and the one being reduced,
+the gradients written into them by hand; the rest is the gathered K/V buckets and token-sized
+temporaries); the MLP ~3.1 (its weight gradients go straight into the ring's fp32 accumulator and
+the sent accumulator is the next receive buffer: the shard in use, the one arriving and two
+accumulators), independent of D in units of a shard, so the
 transient is a fixed number of shards (P/D), never the full layer once D >= 8."""
 
 import pytest

@@ -1,5 +1,5 @@
 """The order in which TSP's attention issues, waits for and computes around its transfers
-(issue 12: comm / compute overlap). On CUDA the overlap itself comes from NCCL's stream: an async op
+(comm / compute overlap). On CUDA the overlap itself comes from NCCL's stream: an async op
 runs beside the kernels issued after it until `wait()` orders the compute stream behind it. So what
 decides the overlap is the program order, the same on CPU: each transfer must be *issued* before
 the compute it should hide under and *waited* only after it. This test records that order on gloo

@@ -117,7 +117,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues(tmp_path)
 
 @pytest.mark.slow
 def test_two_jobs_on_one_machine_do_not_collide(tmp_path):
-    """launch/accelerate/cpu_4proc.yaml used to fix port 29511; two launches at once both finish."""
+    """launch/accelerate/cpu_4proc.yaml fixes no port (a fixed one would collide); two launches at
+    once both finish."""
     procs = [subprocess.Popen(_accelerate(["train.steps=2", f"train.output_dir={tmp_path / str(i)}"]
                                           + SHORT), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -89,7 +89,7 @@ class _FlashCalls(TorchDispatchMode):
 
 
 def test_cpu_route_merges_prefix_and_diagonal_without_a_mask():
-    """Issue 12 lever 1: a zigzag chunk's attention is its key prefix (no mask) plus its diagonal
+    """A zigzag chunk's attention is its key prefix (no mask) plus its diagonal
     block (causal), merged by log-sum-exp; no mask exists and no masked-out score is computed."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 32, 4, 8), torch.randn(1, 32, 2, 8), torch.randn(1, 32, 2, 8)

@@ -26,7 +26,7 @@ TRAIN_SHARDS = sorted(CORPUS.glob("train-*.jsonl"))
 
 @pytest.fixture(scope="module", autouse=True)
 def offline_hf(tmp_path_factory):
-    """No network, a private HF cache, and no 5 s parquet shutdown sleep (ENV_NOTES.md 6).
+    """No network, a private HF cache, and no 5 s parquet shutdown sleep at exit.
 
     datasets reads the environment when first imported (our package imports it lazily), and its
     config values are patched too in case another test imported it earlier.

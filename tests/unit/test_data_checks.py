@@ -1,4 +1,4 @@
-"""Start-up data checks (issue 14 row 2, issue 10's data rows): evaluation that cannot kill the
+"""Start-up data checks: evaluation that cannot kill the
 run, single-file sources never evaluating on their training data, a missing eval split failing
 before training, data.format honoured, eval batches built once, and the token budget against the
 data's size. Every error is one line, raised before any process group exists."""

@@ -1,4 +1,4 @@
-"""Long-context controls (issue 14 row 9): a sequence-length schedule (shapes by step, the token
+"""Long-context controls: a sequence-length schedule (shapes by step, the token
 stream continuous across a stage boundary, resume across it exact, TSP's 2D | seq_len rule per
 stage at config time), long-document upsampling, and BOS that follows the tokenizer."""
 

@@ -1,4 +1,4 @@
-"""Mixtures weighted by tokens (issue 14 row 5): weights are shares of the trained tokens, not of
+"""Mixtures weighted by tokens: weights are shares of the trained tokens, not of
 documents; measured on the packed token stream, independently of the mixture's own counters."""
 
 from __future__ import annotations

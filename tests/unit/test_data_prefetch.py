@@ -1,4 +1,4 @@
-"""The prefetch worker (issue 14 row 3): the same batches as the loader alone, a checkpoint that
+"""The prefetch worker: the same batches as the loader alone, a checkpoint that
 holds the queued batches so resume is exact (into a prefetching or a plain loader), errors raised
 in the training loop at the batch they belong to, and a worker that stops when asked."""
 

@@ -1,4 +1,4 @@
-"""Pre-tokenized data (issue 14 row 4): `tsp-tokenize` on the bundled corpus, training from its
+"""Pre-tokenized data: `tsp-tokenize` on the bundled corpus, training from its
 output reproducing the text path's batches token for token, token files and token-id columns
 read without a tokenizer, exact resume on both, and clear errors."""
 

@@ -1,4 +1,4 @@
-"""The DP split reads about 1/dp of the bytes per rank (issue 14, row 1): whole files, parquet row
+"""The DP split reads about 1/dp of the bytes per rank: whole files, parquet row
 groups after reshard(), token-file ranges; the read-everything fallback is refused at large DP
 degrees in one line, and still allowed (with a warning) at small ones. Bytes are measured with
 /proc/self/io (every byte the process reads), not inferred from the assignment."""
@@ -50,7 +50,7 @@ def test_23_files_over_8_ranks_read_at_most_twice_the_fair_share(folder_23):
 
 
 def test_the_example_split_would_read_everything(folder_23):
-    """The instrument sees the old behaviour: datasets' "examples" strategy (its default for 23
+    """The instrument can tell: datasets' "examples" strategy (its default for 23
     files over 8 ranks) reads the whole dataset on every rank."""
     from datasets.distributed import split_dataset_by_node
 

@@ -1,4 +1,5 @@
-"""The dependency rules of DESIGN.md section 6, checked on every module's imports (ast)."""
+"""The package's dependency rules (docs/design.md, "Packages and the direction of imports"), checked
+on every module's imports (ast)."""
 
 import ast
 import pathlib
@@ -99,7 +100,7 @@ def test_run_package_is_called_by_the_conductors_only():
 
 
 def test_data_knows_nothing_of_distribution():
-    """The data package takes dp_rank and dp_degree as integers (STYLE.md section 2): no
+    """The data package takes dp_rank and dp_degree as integers (it never sees a process group): no
     torch.distributed, and none of parallel/, engine/, checkpoint/ or the trainer."""
     for rel, names in _modules():
         if rel.startswith("data/"):

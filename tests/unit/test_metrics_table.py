@@ -53,7 +53,7 @@ def test_table_rules():
     assert required <= set(names)
     assert metric_def("comm/tsp/all_gather_bytes").name == "comm/*/*_bytes"
     with pytest.raises(KeyError, match="metric_names.py"):
-        metric_def("loss")                       # the old flat names are gone
+        metric_def("loss")                       # a bare name is not a metric
 
 
 def test_every_metric_has_a_panel_and_every_panel_a_metric():

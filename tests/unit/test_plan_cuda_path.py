@@ -60,8 +60,7 @@ def test_selective_is_not_modelled_where_the_trainer_refuses_it():
 
 def test_cuda_path_peaks_like_the_cpu_path_and_moves_the_same_bytes():
     """SP with AC peaks in the attention backward. Neither path holds a mask (CPU: prefix and
-    diagonal merged by log-sum-exp), so in bf16 with no K/V expansion the peaks are equal; the
-    former CPU route with a mask per query block peaked higher."""
+    diagonal merged by log-sum-exp), so in bf16 with no K/V expansion the peaks are equal."""
     kw = dict(world_size=2, degree=2, seq_len=SEQ, activation_checkpointing=True, rank=0)
     cpu, cuda = (run_step(GQA, "sp", attention=att, **kw) for att in ("cpu", "cuda"))
     assert cuda.peak_bytes == cpu.peak_bytes and cuda.comm == cpu.comm

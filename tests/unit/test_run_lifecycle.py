@@ -124,8 +124,8 @@ def test_rewrite_metrics_keeps_each_step_once_up_to_the_resumed_step(tmp_path):
 
 
 def test_publish_never_prunes_the_checkpoint_latest_names(tmp_path):
-    """Issue 10's case: a run kept step 20, 30, 40 (keep_last=3); a 5-step run saved into the same
-    folder used to be pruned at once while `latest` named it."""
+    """A run kept step 20, 30, 40 (keep_last=3); a 5-step run that saves into the same folder must
+    not have its step_5 pruned at once while `latest` names it."""
     manager = CheckpointManager(tmp_path, world=one_rank(), keep_last=3)
 
     def save(step):

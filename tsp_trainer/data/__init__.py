@@ -1,7 +1,7 @@
 """Data pipeline: HF datasets streaming split by DP rank only (by shards), tokenisation in a
 background worker, packing into fixed seq_len windows with document boundaries, token-weighted
 mixtures, pre-tokenized inputs, long-context controls, and per-DP-rank resumable loader state
-(DESIGN.md 8; docs/data.md).
+(docs/data.md).
 
 Imports torch, datasets, numpy, tokenizers/transformers (the last two lazily) and the standard
 library; never torch.distributed: the caller passes dp_rank and dp_degree as plain integers.

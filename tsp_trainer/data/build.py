@@ -1,6 +1,7 @@
 """From the `data` config section to loaders: the training loader (one source or a token-weighted
 mixture, long-document upsampling, the length schedule, the prefetch worker) and the evaluation
-batches (built once). Receives only `DataSection` and plain integers (STYLE.md section 4).
+batches (built once). Receives only `DataSection` and plain integers (no process group, no config
+tree).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Held-out batches for evaluation: the same micro-batches at every evaluation, from a loader
-built once (the Trainer used to reopen the dataset and re-tokenize at each evaluation).
+built once (no dataset reopened and re-tokenized at each evaluation).
 
 The first evaluation reads and packs `num_batches` micro-batches and, when they hold at most
 `cache_max_tokens` tokens, keeps them (int64: 4 x 128K tokens are 4 MiB); later evaluations reuse

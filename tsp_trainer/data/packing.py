@@ -9,8 +9,7 @@ document boundaries unless asked (standard for packed pre-training; EOS tells th
 document starts); with data.document_masking the batch also carries "document_ids", from which
 attention stops at every boundary (model/documents.py).
 Labels are already shifted over the full sequence; the parallel code takes its zigzag slices of
-both tensors later (STYLE.md 5.4). Imports torch only (DocumentTokenizer, which lived here, is
-re-exported from documents.py).
+both tensors later. Imports torch only (DocumentTokenizer is re-exported from documents.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Prefetch: read, tokenize and pack in a background thread, `depth` micro-batches ahead.
 
 Tokenizing a 128K-token micro-batch takes 0.4-1.3 s with a real-size BPE; in the training loop
-that is 6-13% of a 7B step (issue 14). Here a worker thread runs the loader (`next_windows()`:
+that is 6-13% of a 7B step. Here a worker thread runs the loader (`next_windows()`:
 the document groups go through `encode_batch`, which releases the GIL in the Rust tokenizer) and
 builds the batch tensors, so the training loop only pops a finished batch.
 

@@ -4,7 +4,7 @@ Sources: a Hugging Face Hub name, or a local file, folder or glob of jsonl/json,
 txt or token files (`.bin`, see tokenfile.py). The format is `data.format`, or inferred from the
 extension when it is "auto"; a folder's splits follow the Hub's file-naming conventions (e.g.
 train-00000-of-00002.jsonl, validation.jsonl). Every TSP rank of a replica must see the same
-documents, so the split is by `dp_rank` over `dp_degree`, never by global rank (STYLE.md 5.4).
+documents, so the split is by `dp_rank` over `dp_degree`, never by global rank.
 
 The split is by shards (whole files, parquet row groups, token-file ranges) so that each DP rank
 reads about 1/dp of the bytes: `IterableDataset.reshard()` first when the shard count does not

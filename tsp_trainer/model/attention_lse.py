@@ -1,5 +1,5 @@
 """Bottom-right causal attention without masked waste on CPU: the key prefix and the diagonal
-block computed apart and merged by log-sum-exp (issue 12, lever 1).
+block computed apart and merged by log-sum-exp.
 
 A zigzag chunk of n queries at positions first..first+n-1 sees keys 0..first+n-1: every query sees
 the whole prefix 0..first-1 (no mask), and the diagonal block first..first+n-1 causally (a square

@@ -24,7 +24,7 @@ and one bottom-right causal call per segment elsewhere.
 
 On CPU (the validation path; CPU SDPA has no lower-right bias without a mask) the route splits a
 bottom-right causal call into its key prefix (no mask) and diagonal block (`is_causal`) and merges
-them by log-sum-exp (model/attention_lse.py): no mask, no masked-out scores computed. The former
+them by log-sum-exp (model/attention_lse.py): no mask, no masked-out scores computed. A second
 route, a boolean mask per block of CPU_MASK_QUERY_BLOCK queries, stays selectable
 (SdpaRoute("cpu_blocked_mask", query_block=...)) as the comparison. `attention_core` takes the route as given,
 so a test runs the CUDA route's math on CPU tensors (tests/unit/test_attention_route.py).

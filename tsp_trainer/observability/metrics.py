@@ -90,7 +90,7 @@ def peak_memory_bytes(device: torch.device | str | None = None) -> int:
     the last reset_peak_memory()). On CPU: the process's maximum resident set size from
     resource.getrusage, i.e. RSS of the whole process (Python, libraries, allocator caches), not the
     tensor allocator's bytes, and it cannot be reset. For per-tensor CPU accounting use the memory
-    tools of DESIGN.md section 5 (MemTracker, saved-tensor hooks).
+    tools of tsp_trainer/tools/memory.py (MemTracker, saved-tensor hooks).
     """
     device = torch.device(device) if device is not None else None
     if torch.cuda.is_available() and (device is None or device.type == "cuda"):

@@ -4,7 +4,7 @@ the typed config (logging.wandb_mode).
 
 Modes: "online" (needs network and a login), "offline" (writes <dir>/wandb/offline-run-*, upload
 later with `wandb sync`), "disabled" (no files, no child process). Offline runs start a wandb-core
-child that exits with the training process (ENV_NOTES.md section 7). `dir` is always passed, so
+child that exits with the training process. `dir` is always passed, so
 nothing lands in the working directory; wandb-core's own debug logs go to the user cache dir unless
 WANDB_CACHE_DIR points elsewhere (a launch-script concern).
 """

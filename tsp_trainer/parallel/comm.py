@@ -13,17 +13,17 @@ library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are co
 `Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
 
 Direct exchanges on gloo: gloo's all_gather_into_tensor and reduce_scatter_tensor take more CPU and
-time than sending the same bytes point to point (4 CPU ranks, bench/gloo_collectives.py: a K/V
-all-gather of 512 KiB per rank 4.6 ms and 7.7 ms of CPU summed over the ranks against 2.8 and 5.8;
-a dK/dV reduce-scatter of 2 MiB 5.9 and 10.6 ms against 2.6 and 5.8; docs/benchmarks.md, issue 12
-part 3), and TSP's attention runs two of them per item. On a gloo group they are therefore run as
-direct exchanges (each rank sends its block to, or the peer's block of the input to, every peer;
-`_DirectWork` finishes the op when waited: nothing to do for the all-gather, which receives into
-`out` itself, and the sum of the received blocks for the reduce-scatter). The ledger records the
-same op and bytes as the collective; failures and time-outs surface as the same CommError naming
-the op. NCCL (and any other backend)
-keeps its own collectives. all_reduce, broadcast and reduce stay gloo's: a direct all-reduce is no
-cheaper, and a direct reduce would hold D - 1 received gradient shards at the owner.
+time than sending the same bytes point to point (4 CPU ranks, experiments/gloo_collectives.py: a K/V
+all-gather of 512 KiB per rank 4.6 ms and 7.7 ms of CPU summed over the ranks against 2.8 and 5.8; a
+dK/dV reduce-scatter of 2 MiB 5.9 and 10.6 ms against 2.6 and 5.8; docs/benchmarks.md,
+"Communication"), and TSP's attention runs two of them per item. On a gloo group they are therefore
+run as direct exchanges (each rank sends its block to, or the peer's block of the input to, every
+peer; `_DirectWork` finishes the op when waited: nothing to do for the all-gather, which receives
+into `out` itself, and the sum of the received blocks for the reduce-scatter). The ledger records
+the same op and bytes as the collective; failures and time-outs surface as the same CommError naming
+the op. NCCL (and any other backend) keeps its own collectives. all_reduce, broadcast and reduce
+stay gloo's: a direct all-reduce is no cheaper, and a direct reduce would hold D - 1 received
+gradient shards at the owner.
 
 Device guard: a Comm knows the compute device of the run (cuda:<local device> under NCCL, cpu
 under gloo). Every tensor op checks its tensors are there before it is issued, also on groups of

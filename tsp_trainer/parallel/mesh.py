@@ -6,7 +6,7 @@ every rank in the same order (torch.distributed requires it) and handed out expl
 objects; nothing here is global state.
 
 Timeouts: `dist.new_group` without `timeout=` gets torch's backend default (30 minutes for gloo),
-not the timeout the default group was created with (ENV_NOTES.md, measured 2026-11-30). Every group
+not the timeout the default group was created with (torch 2.13). Every group
 created here gets `timeout_s` (the Trainer passes train.collective_timeout_s), or else the default
 group's own timeout, so a stalled peer fails every axis within the same bound. Each group carries
 its axis name as `group_desc`, which NCCL's watchdog prints when it aborts a timed-out op."""

@@ -3,7 +3,8 @@
 Model-parallel getters return the tsp group, data-parallel getters the dp group, so ZeRO shards
 and reduces over dp only. Deliberately absent: `initialize_sequence_parallel` and the
 sequence(-data)-parallel getters, whose presence switches DeepSpeed to Ulysses semantics (ZeRO
-would then reduce over dp x tsp and sum gradients of different weight shards; DESIGN.md section 7).
+would then reduce over dp x tsp and sum gradients of different weight shards;
+docs/design.md, "DeepSpeed and Accelerate").
 """
 
 from __future__ import annotations

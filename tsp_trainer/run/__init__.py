@@ -1,4 +1,4 @@
-"""The job's lifecycle around the training loop (DESIGN.md section 6): inputs checked before
+"""The job's lifecycle around the training loop: inputs checked before
 start-up (inputs.py), the run folder and its reuse rules (rundir.py), the run's W&B identity across
 requeues (identity.py), preemption signals and the max-runtime clock agreed by all ranks at step
 boundaries (preemption.py), and the hang watchdog with its stack dumps (watchdog.py).

@@ -25,9 +25,10 @@ n = B N / S tokens are in a TP region on each rank; a = n h e is one such activa
   o/down biases:   all-reduce  bias.grad: L h 4 (fp32) per replicated bias (o_proj, down_proj),
                                over the same groups as the norms
 
-Per rank and step the TP traffic is 4 L a ~ 4 L B N h e / S (independent of T, as in TSP_PAPER.md
-5.1 where the (T-1)/T factor counts the bytes that actually cross links), and the SP traffic
-3 L B N 2 h_kv e / T + 4 P / T: bytes grow with N for every baseline.
+Per rank and step the TP traffic is 4 L a ~ 4 L B N h e / S (independent of T, as in section 5.1 of
+the TSP paper, https://arxiv.org/abs/2604.26294, where the (T-1)/T factor counts the bytes that
+actually cross links), and the SP traffic 3 L B N 2 h_kv e / T + 4 P / T: bytes grow with N for
+every baseline.
 """
 
 from __future__ import annotations

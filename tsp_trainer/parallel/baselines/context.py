@@ -9,8 +9,9 @@ Llama 3's context parallelism): each rank holds the zigzag chunks p and 2S-1-p o
 |           |                                                     | back to the token owners             |
 
 The gathered K/V of all tokens is transient: only the local q, k, v are saved, and backward
-re-gathers and recomputes the attention (the same choice TSP makes; TSP_PAPER.md 5.2 counts SP's
-gathered K/V as transient). Cost: one extra K/V all-gather and one attention forward per layer.
+re-gathers and recomputes the attention (the same choice TSP makes; section 5.2 of the TSP paper,
+https://arxiv.org/abs/2604.26294, counts SP's gathered K/V as transient). Cost: one extra K/V
+all-gather and one attention forward per layer.
 """
 
 from __future__ import annotations

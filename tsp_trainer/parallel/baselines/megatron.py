@@ -1,8 +1,8 @@
 """Megatron-style autograd functions for the TP, TP+SP and TP x SP baselines: region entry/exit
 around the column/row parallel matmuls, sequence gather/scatter, and the vocab-parallel embedding
 and cross-entropy. In these schemes the weights stay with their owners and the activations move
-(the opposite of TSP, STYLE.md 5.1). All communication goes through `Comm` (ledger); nothing here
-imports parallel/tsp.
+(the opposite of TSP, where the weights move and the activations stay). All communication goes
+through `Comm` (ledger); nothing here imports parallel/tsp.
 
 | Function                    | Forward op                         | Backward op                      |
 |-----------------------------|------------------------------------|----------------------------------|

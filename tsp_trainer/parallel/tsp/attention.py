@@ -1,4 +1,4 @@
-"""TSP attention (DESIGN.md section 3; TSP_PAPER.md section 3).
+"""TSP attention (docs/design.md; the TSP paper, https://arxiv.org/abs/2604.26294, section 3).
 
 Rank p of D holds rows of W_q, W_k, W_v for head group p and the matching columns of W_o, and the
 N/D tokens X_p of its two zigzag chunks. The work is a schedule of items (r, b): owner r's shard,
@@ -10,7 +10,7 @@ heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The 
 replicated and added once per token after the sum; its gradient is summed over the group (like a
 norm's, tag "bias.grad").
 
-Overlap (issue 12). Every transfer is asynchronous and issued one step ahead of the compute that
+Overlap. Every transfer is asynchronous and issued one step ahead of the compute that
 needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py checks the order):
 - weights: owner r's shard is broadcast into a fixed pool of buffers (tsp/ring.py ShardBroadcasts),
   the next shards in flight while shard r is used;

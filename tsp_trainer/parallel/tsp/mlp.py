@@ -1,4 +1,4 @@
-"""TSP gated MLP (DESIGN.md section 3; TSP_PAPER.md section 4).
+"""TSP gated MLP (docs/design.md; the TSP paper, https://arxiv.org/abs/2604.26294, section 4).
 
 Rank p holds rows p*I/D.. of W_gate and W_up and the matching columns of W_down (one block of the
 intermediate dim). Forward: the packed shard passes around the ring (batch_isend_irecv, posted

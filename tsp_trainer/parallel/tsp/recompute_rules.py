@@ -1,5 +1,5 @@
 """Which attention routes `parallel.tsp_recompute=selective` (and `none`, which keeps the same
-attention items) can run on (issue 12).
+attention items) can run on.
 
 Selective recompute (parallel/tsp/attention.py) keeps, per item and layer, the attention kernel's
 autograd graph with the kernel's saved *views* of the gathered K/V dropped (a saved-tensor hook
