@@ -7,7 +7,7 @@
 
 The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, head buckets,
 micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted tokens/s
-(plan/analytic.py; docs/planner.md). Impossible requests (nothing fits, a global batch no layout can
+(plan/predict.py; docs/planner.md). Impossible requests (nothing fits, a global batch no layout can
 split) exit with code 2 and say why.
 """
 
@@ -17,7 +17,9 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from tsp_trainer.plan.analytic import PRECISIONS, SCHEMES, Assumptions
+from tsp_trainer.plan.layout import SCHEMES
+from tsp_trainer.plan.precision import PRECISIONS
+from tsp_trainer.plan.predict import Assumptions
 
 _DEFAULT_ASSUMPTIONS = Assumptions()
 

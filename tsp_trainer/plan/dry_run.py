@@ -343,12 +343,16 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
             log=None) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
-    the analytic model (plan/analytic.py): the ledger must equal it exactly; memory within a few %.
+    the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
+    equal it exactly; memory within a few %.
     attention="cuda" runs attention_core's CUDA route (`cuda_attention_path`) and compares with the
     analytic model's device="cuda" variant, the one the planner predicts with.
     Returns a JSON-friendly report."""
-    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, grad_bytes,
-                                           model_parallel_comm, state_bytes)
+    from tsp_trainer.plan.activations import activation_memory
+    from tsp_trainer.plan.communication import model_parallel_comm
+    from tsp_trainer.plan.layout import Layout
+    from tsp_trainer.plan.precision import BF16
+    from tsp_trainer.plan.state import grad_bytes, state_bytes
 
     prec = BF16
     dp = world_size // degree

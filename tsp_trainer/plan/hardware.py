@@ -14,7 +14,7 @@ noted per field. Bandwidths are bytes/s **per GPU, per direction** (unidirection
 * `inter_node_bw`: one GPU's NIC (rail-optimised clusters give each GPU its own NIC).
 
 Achievable fractions (bus-bandwidth efficiency, GEMM efficiency) are parameters of the planner, not
-of the profile (`analytic.Assumptions`).
+of the profile (`predict.Assumptions`).
 """
 
 from __future__ import annotations
