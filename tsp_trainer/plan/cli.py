@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--full-depth", action="store_true",
                    help="run all layers instead of extrapolating from 1 and 2 (slower)")
     g.add_argument("--attention", choices=("cpu", "cuda"), default="cpu",
-                   help="attention path of the dry run: cpu (the fake tensors' own: masks per query "
-                        "block) or cuda (the GPU route: fused kernel, no mask), compared with the "
-                        "analytic model's matching variant (default cpu)")
+                   help="attention path of the dry run: cpu (the fake tensors' own: key prefix and "
+                        "causal diagonal merged by log-sum-exp, no mask) or cuda (the GPU route: "
+                        "fused kernel, no mask), compared with the analytic model's matching "
+                        "variant (default cpu)")
     return p
 
 
