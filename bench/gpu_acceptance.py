@@ -14,7 +14,7 @@ It writes one JSON with four parts:
     P2P ops return at once without moving data, so every buffer the rank receives has the right
     shape and device and garbage contents (the loss is meaningless; time and memory are real,
     less the communication). Reports the CUDA peak (torch.cuda.max_memory_allocated) of the
-    forward + backward against the planner's activation peak (plan/analytic.py), and the step time;
+    forward + backward against the planner's activation peak (plan/activations.py), and the step time;
 (c) which SDPA kernel ran: the kernel / aten op names of one profiled step that match flash,
     memory-efficient, cuDNN or math attention;
 (d) MFU of that rank: model FLOPs of its tokens (S / D) per step time over the GPU's peak.
@@ -79,7 +79,9 @@ def tsp_rank(device: torch.device, spec: dict, steps: int, peak: float | None) -
     """(b), (c), (d): rank 0 of a D-rank TSP group whose peers are the fake process group."""
     from tsp_trainer.parallel.mesh import build_mesh
     from tsp_trainer.parallel.schemes import parallelize
-    from tsp_trainer.plan.analytic import BF16, FP32, Layout, activation_memory
+    from tsp_trainer.plan.activations import activation_memory
+    from tsp_trainer.plan.layout import Layout
+    from tsp_trainer.plan.precision import BF16, FP32
     from tsp_trainer.plan.dry_run import fake_world
     from tsp_trainer.parallel.loss import global_count
 

@@ -3,8 +3,8 @@
 so the fake default process group never touches the pytest process).
 
 The ledger of one step must equal the analytic communication model exactly; saved activations
-must agree to 1% and the peak to 10% (plan/analytic.py, device="cpu": the fake tensors take the
-CPU attention path)."""
+must agree to 1% and the peak to 10% (plan/activations.py, device="cpu": the fake tensors take
+the CPU attention path)."""
 
 from __future__ import annotations
 

@@ -14,11 +14,15 @@ from tsp_trainer.observability.flops import flops_per_token
 from tsp_trainer.observability.metrics import DEVICE_PEAK_FLOPS
 from tsp_trainer.parallel.tsp.comm_model import tsp_step_comm
 from tsp_trainer.plan import cli
-from tsp_trainer.plan.analytic import (BF16, FP32, Assumptions, Layout, activation_memory,
-                                       data_parallel_comm, hardware_flops_per_token,
-                                       model_parallel_comm, param_count, predict, state_bytes,
-                                       wire_bytes, OVERLAPPABLE_TAGS, WIRE_FACTOR)
+from tsp_trainer.plan.activations import activation_memory
+from tsp_trainer.plan.communication import (WIRE_FACTOR, data_parallel_comm, model_parallel_comm,
+                                            wire_bytes)
+from tsp_trainer.plan.flops import hardware_flops_per_token
 from tsp_trainer.plan.hardware import PROFILES, get_profile
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16, FP32
+from tsp_trainer.plan.predict import OVERLAPPABLE_TAGS, Assumptions, predict
+from tsp_trainer.plan.state import param_count, state_bytes
 from tsp_trainer.plan.search import PlanError, candidate_layouts, plan
 
 SMALL = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
@@ -174,7 +178,7 @@ def test_recompute_none_layout_rules_and_kept_bytes():
     """Layout refuses none where it refuses selective (baseline, AC, offload), labels it 'keep',
     and says what each mode keeps; none keeps selective's bytes plus 2 (B S / D) I elements of
     the activation dtype per layer (every ring step's g and u, [B S/D, I/D] each)."""
-    from tsp_trainer.plan.analytic import tsp_mlp_kept, tsp_selective_saved
+    from tsp_trainer.plan.activations import tsp_mlp_kept, tsp_selective_saved
 
     none = Layout("tsp", 2, micro_batch=2, tsp_recompute="none")
     assert "keep" in none.label() and "sel" not in none.label()

@@ -1,6 +1,6 @@
 """The dry run's CUDA attention path (plan/dry_run.py, attention="cuda") against the planner's
-CUDA variant (plan/analytic.py, device="cuda"): the real code on fake tensors takes the route it
-takes on a GPU (fused kernel, no mask; K/V expanded for fp32 + GQA), each fused SDPA call
+CUDA variant (plan/activations.py, device="cuda"): the real code on fake tensors takes the route
+it takes on a GPU (fused kernel, no mask; K/V expanded for fp32 + GQA), each fused SDPA call
 allocating what the kernel allocates. Saved activations agree to 1% and the peak to 10%, the
 tolerances of the CPU variant (test_plan_fake.py), and no step of the model makes the host wait
 for the device."""
@@ -13,7 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.layers import PositionRuns, attention_core
-from tsp_trainer.plan.analytic import BF16, FP32, Layout, activation_memory
+from tsp_trainer.plan.activations import activation_memory
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16, FP32
 from tsp_trainer.plan.dry_run import cuda_attention_path, run_step
 
 GQA = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,

@@ -2,8 +2,8 @@
 rank (`bench.run.scheme_rank`: one forward + backward + AdamW step, ledger reset before the step,
 peak activations from its live-tensor tracker) on 2 and 4 processes.
 
-(a) per-rank communication: the ledger equals `analytic.model_parallel_comm` exactly, every op and
-    tag, with and without activation checkpointing;
+(a) per-rank communication: the ledger equals `communication.model_parallel_comm` exactly, every
+    op and tag, with and without activation checkpointing;
 (b) per-rank memory: parameters + gradients + AdamW state + peak activations within 10% of what
     the benchmark measures, and the peak activations alone within 10% too.
 """
@@ -15,7 +15,11 @@ import pytest
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.bench.run import scheme_rank
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.analytic import FP32, Layout, activation_memory, model_parallel_comm, state_bytes
+from tsp_trainer.plan.activations import activation_memory
+from tsp_trainer.plan.communication import model_parallel_comm
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import FP32
+from tsp_trainer.plan.state import state_bytes
 
 pytestmark = pytest.mark.distributed
 

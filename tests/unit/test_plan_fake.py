@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.analytic import (BF16, FP32, Layout, activation_memory, model_parallel_comm,
-                                       tsp_mlp_kept, tsp_selective_saved)
+from tsp_trainer.plan.activations import activation_memory, tsp_mlp_kept, tsp_selective_saved
+from tsp_trainer.plan.communication import model_parallel_comm
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16, FP32
 from tsp_trainer.plan.dry_run import run_step, simulate
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,

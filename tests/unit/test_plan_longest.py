@@ -10,7 +10,10 @@ import pytest
 
 from tsp_trainer.config.model import model_config
 from tsp_trainer.plan import cli
-from tsp_trainer.plan.analytic import BF16, Assumptions, Layout, activation_memory, predict
+from tsp_trainer.plan.activations import activation_memory
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16
+from tsp_trainer.plan.predict import Assumptions, predict
 from tsp_trainer.plan.hardware import get_profile
 from tsp_trainer.plan.longest import _fitting, longest_seq_len
 

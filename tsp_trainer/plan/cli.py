@@ -7,7 +7,7 @@
 
 The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, head buckets,
 micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted tokens/s
-(plan/analytic.py; docs/planner.md). Impossible requests (nothing fits, a global batch no layout can
+(plan/predict.py; docs/planner.md). Impossible requests (nothing fits, a global batch no layout can
 split) exit with code 2 and say why.
 """
 
@@ -17,7 +17,9 @@ import argparse
 import sys
 from dataclasses import asdict
 
-from tsp_trainer.plan.analytic import PRECISIONS, SCHEMES, Assumptions
+from tsp_trainer.plan.layout import SCHEMES
+from tsp_trainer.plan.precision import PRECISIONS
+from tsp_trainer.plan.predict import Assumptions
 
 _DEFAULT_ASSUMPTIONS = Assumptions()
 
@@ -71,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--full-depth", action="store_true",
                    help="run all layers instead of extrapolating from 1 and 2 (slower)")
     g.add_argument("--attention", choices=("cpu", "cuda"), default="cpu",
-                   help="attention path of the dry run: cpu (the fake tensors' own: masks per query "
-                        "block) or cuda (the GPU route: fused kernel, no mask), compared with the "
-                        "analytic model's matching variant (default cpu)")
+                   help="attention path of the dry run: cpu (the fake tensors' own: key prefix and "
+                        "causal diagonal merged by log-sum-exp, no mask) or cuda (the GPU route: "
+                        "fused kernel, no mask), compared with the analytic model's matching "
+                        "variant (default cpu)")
     return p
 
 

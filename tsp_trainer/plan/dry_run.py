@@ -32,18 +32,18 @@ Two local adjustments make the real code run on fake tensors; none changes the p
    peak it holds as long as the peak falls in the same phase (the last layer's backward or the
    loss), which tests check against full-depth runs of small models.
 
-The fake tensors live on the CPU device, so `attention_core` takes its CPU path (a boolean causal
-mask per block of `CPU_MASK_QUERY_BLOCK` queries, which SDPA turns into an additive mask) and the
-run is compared with the analytic model's device="cpu" variant. With attention="cuda"
-(`tsp-plan --dry-run --attention cuda`) it takes the route it takes on a GPU instead
-(`cuda_attention_path`: the fused kernel torch would pick, K/V heads expanded where that kernel
-needs it, no mask; each fused call allocates its output and log-sum-exp, its backward dq, dk, dv)
-and is compared with device="cuda", the variant the planner predicts with. Fake CUDA tensors
-cannot stand in for this: torch's CPU build refuses autograd and SDPA on them.
+The fake tensors live on the CPU device, so `attention_core` takes its CPU route (each zigzag run's
+key prefix without a mask and its diagonal block with `is_causal`, merged by log-sum-exp:
+model/attention_lse.py; no mask tensor) and the run is compared with the analytic model's
+device="cpu" variant. With attention="cuda" (`tsp-plan --dry-run --attention cuda`) it takes the
+route it takes on a GPU instead (`cuda_attention_path`: the fused kernel torch would pick, K/V
+heads expanded where that kernel needs it, no mask; each fused call allocates its output and
+log-sum-exp, its backward dq, dk, dv) and is compared with device="cuda", the variant the planner
+predicts with. Fake CUDA tensors cannot stand in for this: torch's CPU build refuses autograd and
+SDPA on them.
 
 Host syncs: the step runs under `HostSyncCounter` (bench/host_sync.py), so the report says how
-many times the real code would make the host wait for a GPU per micro-step (0 for every scheme
-since issue 13; 13,424 before, for the 7B recipe's TSP step).
+many times the real code would make the host wait for a GPU per micro-step (0 for every scheme).
 
 Not modelled by fake tensors: allocator rounding / fragmentation, communication-library scratch
 buffers, kernel workspaces that are not tensors (e.g. FlashAttention's tiles).
@@ -300,7 +300,7 @@ def _checkpointed(block, x, rope):
 
 def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwargs) -> StepResult:
     """`run_step` at full depth (layers = cfg.num_layers), or extrapolated from runs with 1 and 2
-    layers (layers=None, the default; module docstring item 3). Parameter counts and bytes are
+    layers (layers=None, the default; module docstring item 2). Parameter counts and bytes are
     extrapolated the same way; the shapes are those of the run."""
     if layers is not None and layers >= cfg.num_layers:
         return run_step(cfg, scheme, **kwargs)
@@ -343,12 +343,16 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
             log=None) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
-    the analytic model (plan/analytic.py): the ledger must equal it exactly; memory within a few %.
+    the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
+    equal it exactly; memory within a few %.
     attention="cuda" runs attention_core's CUDA route (`cuda_attention_path`) and compares with the
     analytic model's device="cuda" variant, the one the planner predicts with.
     Returns a JSON-friendly report."""
-    from tsp_trainer.plan.analytic import (BF16, Layout, activation_memory, grad_bytes,
-                                           model_parallel_comm, state_bytes)
+    from tsp_trainer.plan.activations import activation_memory
+    from tsp_trainer.plan.communication import model_parallel_comm
+    from tsp_trainer.plan.layout import Layout
+    from tsp_trainer.plan.precision import BF16
+    from tsp_trainer.plan.state import grad_bytes, state_bytes
 
     prec = BF16
     dp = world_size // degree

@@ -14,7 +14,7 @@ noted per field. Bandwidths are bytes/s **per GPU, per direction** (unidirection
 * `inter_node_bw`: one GPU's NIC (rail-optimised clusters give each GPU its own NIC).
 
 Achievable fractions (bus-bandwidth efficiency, GEMM efficiency) are parameters of the planner, not
-of the profile (`analytic.Assumptions`).
+of the profile (`predict.Assumptions`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ PROFILES: dict[str, HardwareProfile] = {
     # to the 7 peers of a fully connected 8-GPU node, 64 GB/s per link per direction (AMD: "896
     # GB/s aggregate peak bidirectional" = 7 x 128) -> 448 GB/s per direction in total, 64 GB/s
     # to one peer. Network: one 400 Gb/s NIC per GPU (e.g. ConnectX-7 / Pollara 400 in
-    # rail-optimised clusters) -> 50 GB/s per direction. The paper's interconnect is not stated
-    # (TSP_PAPER.md 7.1).
+    # rail-optimised clusters) -> 50 GB/s per direction. The TSP paper does not state the
+    # interconnect it measured on, so these are the data sheets' figures.
     "mi300x": HardwareProfile("mi300x", _peak("mi300x"), 192 * GB, 5.3e12,
                               intra_node_bw=448 * GB, p2p_bw=64 * GB, inter_node_bw=50 * GB),
     # NVIDIA H100 SXM5 80 GB. Peak bf16 dense 989 TFLOP/s (data sheet: 989.4); 80 GB HBM3 at

@@ -2,7 +2,7 @@
 
 For one scheme, a sequence length S "fits" when some layout of that scheme (any D, DP, ZeRO stage,
 activation checkpointing, head buckets, micro-batch; plan/search.py's candidates) fits in GPU
-memory under the planner's memory model (plan/analytic.py). Memory grows with S for every layout,
+memory under the planner's memory model (plan/predict.py). Memory grows with S for every layout,
 so the longest S is found by doubling until nothing fits, then bisecting, on multiples of
 `granule` tokens (1,024 by default: a multiple of 2D for every D the search tries).
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.analytic import BF16, Assumptions, Layout, Precision, Prediction, predict
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16, Precision
+from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.search import candidate_layouts
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from tsp_trainer.plan.analytic import RECOMPUTE_MARK, Prediction
+from tsp_trainer.plan.layout import RECOMPUTE_MARK
+from tsp_trainer.plan.predict import Prediction
 from tsp_trainer.plan.search import PlanResult, _family
 
 GB = 1e9

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
-from tsp_trainer.plan.analytic import (BF16, SCHEMES, Assumptions, Layout, Precision, Prediction,
-                                       predict)
+from tsp_trainer.plan.layout import SCHEMES, Layout
+from tsp_trainer.plan.precision import BF16, Precision
+from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
 
 

@@ -1,0 +1,242 @@
+"""Activation memory per rank: what one forward keeps for the backward (per layer and outside the
+layers), where it lives (GPU, or host under activation offload), and the peak of saved + transient
+bytes (transients.py) over the phases of one forward + backward.
+
+Derived from what the code keeps (docs/planner.md section 2): RMSNorm saves its input in fp32, the
+normalised input and (when the next op keeps it) its output; TSP attention and MLP save only X_p;
+the baselines keep what autograd keeps around F.linear / SDPA / SiLU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.rms_norm import backward_chunk_rows
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16, Precision
+from tsp_trainer.plan.transients import (baseline_transients, expands_kv, rms_norm_saved,
+                                         tsp_transients)
+
+
+@dataclass
+class ActivationEstimate:
+    stored_per_layer: int          # saved between forward and backward, per layer (AC: block input)
+    stored_outside: int            # final norm, loss, RoPE tables
+    stored: int                    # at the end of the forward (all layers + outside)
+    phases: dict[str, int]         # peak live bytes in each phase of the step
+    peak: int
+    peak_phase: str
+    terms: dict[str, int] = field(default_factory=dict)   # named pieces, for the docs and JSON
+    host: int = 0                  # offloaded to host memory (train.offload_activations)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """Saved bytes of one rank, and where they are during the step."""
+
+    layer: int                     # one layer's saved tensors without AC
+    per_layer: int                 # one layer's as run (AC: the checkpointed block input)
+    outside: int                   # outside the layers, RoPE tables included
+    rope: int                      # the fp32 RoPE tables
+    forward: int                   # layers' saved bytes on the GPU at the end of the forward
+    backward: int                  # layers' saved bytes on the GPU during the backward
+    host: int                      # layers' saved bytes in host memory (activation offload)
+
+
+def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16, *,
+                      device: str = "cuda") -> ActivationEstimate:
+    """Saved activations and the peak of saved + transient bytes over one forward + backward.
+
+    The transient peak is the largest of the phases listed in `phases`, for the rank with the
+    largest causal prefix (module docstring; docs/planner.md section 2).
+
+    device: "cuda" (what the planner predicts: `attention_core` passes a lower-right CausalBias, no
+    mask in memory) or "cpu" (the validation runs: prefix and diagonal merged by log-sum-exp, no
+    mask either; the two differ in the K/V expansion of the CUDA memory-efficient kernel).
+    """
+    e, h = prec.act, cfg.hidden_size
+    tok = _tokens(layout, seq_len)
+    sel = tsp_selective_saved(cfg, layout, seq_len, prec)       # 0 unless selective or none
+    mlp_kept = tsp_mlp_kept(cfg, layout, seq_len, prec)         # 0 unless none
+    _check_kept_attention(cfg, layout, prec, device, sel)
+    rope = 2 * tok["rope"] * cfg.head_dim * 4                   # fp32 cos, sin tables
+    if layout.scheme == "tsp":
+        layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
+        tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device, sel, mlp_kept)
+    else:
+        layer, outside = _baseline_saved(cfg, layout, prec, tok)
+        tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device)
+    ac_input = _ac_block_input(layout, prec, h, tok)
+    saved = _place(layout, cfg.num_layers, layer, ac_input if layout.activation_checkpointing else layer,
+                   outside + rope, rope)
+    norm_tmp = e * tok["norm"] * h + norm_backward_chunk_bytes(h, min(tok["norm"], backward_chunk_rows(h)), e)
+    phases = _phases(layout, cfg.num_layers, e * tok["norm"] * h, saved, tr)
+    phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
+    peak_phase = max(phases, key=phases.get)
+    terms = {"rope_tables": rope, "tsp_selective_kept": sel, "tsp_mlp_kept": mlp_kept,
+             "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
+             **{f"transient_{k}": v for k, v in tr.items()}, "norm_backward_temporaries": norm_tmp}
+    return ActivationEstimate(stored_per_layer=saved.per_layer, stored_outside=saved.outside,
+                              stored=saved.forward + saved.outside, phases=phases,
+                              peak=phases[peak_phase], peak_phase=peak_phase, terms=terms,
+                              host=saved.host)
+
+
+def _tokens(layout: Layout, seq_len: int) -> dict[str, int]:
+    """Tokens per rank in each region of a layer."""
+    t, s, seqpar = layout.axes
+    b = layout.micro_batch
+    if layout.scheme == "tsp":
+        n = b * seq_len // layout.degree
+        return {"region": n, "norm": n, "rope": seq_len // layout.degree}
+    region = b * seq_len // s                     # tokens entering the TP matmuls
+    return {"region": region, "norm": region // t if seqpar else region, "rope": seq_len // s}
+
+
+def _check_kept_attention(cfg: ModelConfig, layout: Layout, prec: Precision, device: str,
+                          sel: int) -> None:
+    """The trainer refuses selective and none recompute where the attention kernel would save
+    expanded K/V copies (parallel/tsp/recompute_rules.py)."""
+    if sel and expands_kv(prec.act, device, cfg.num_heads != cfg.num_kv_heads):
+        raise ValueError(f"tsp_recompute={layout.tsp_recompute!r} on CUDA in fp32 with GQA: the "
+                         "memory-efficient kernel saves expanded K/V copies, which the trainer refuses "
+                         "(parallel/tsp/recompute_rules.py); use bf16 or tsp_recompute='full'")
+
+
+def _tsp_saved(cfg: ModelConfig, prec: Precision, tok: dict[str, int], sel: int,
+               mlp_kept: int) -> tuple[int, int]:
+    """(one layer without AC, outside the layers before the RoPE tables) saved by TSP: both norms
+    with their outputs (X_p) and what selective / none keep; the final norm and the loss's fp32
+    log-sum-exp, target and loss per token."""
+    e, h, n_n = prec.act, cfg.hidden_size, tok["norm"]
+    layer = 2 * rms_norm_saved(n_n, h, e, output_kept=True) + sel + mlp_kept
+    outside = rms_norm_saved(n_n, h, e, output_kept=True) + 4 * tok["region"] * 3
+    return layer, outside
+
+
+def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
+                    tok: dict[str, int]) -> tuple[int, int]:
+    """(one layer without AC, outside the layers before the RoPE tables) saved by a baseline: what
+    autograd keeps around its norms, F.linear, SDPA and SiLU; the final norm and the
+    cross-entropy's fp32 softmax block."""
+    e = prec.act
+    t, s_p, seqpar = layout.axes
+    h, hkv, inter, V = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.vocab_size
+    n_r, n_n = tok["region"], tok["norm"]
+    layer = 2 * rms_norm_saved(n_n, h, e, output_kept=not seqpar)
+    if seqpar:
+        layer += 2 * e * n_r * h                                 # gathered norm output (all tokens)
+    q_out = 2 * e * n_r * (h // t)                               # q and the attention output
+    kv = 2 * e * n_r * (hkv // t)
+    lse = 4 * (cfg.num_heads // t) * n_r if s_p == 1 else 0      # SDPA logsumexp (not recomputed)
+    layer += q_out + kv + lse + 4 * e * n_r * (inter // t)      # gate, silu, up, product
+    if e != 4:                                                   # apply_rope's cos/sin cast to the
+        layer += 2 * tok["rope"] * cfg.head_dim * e              # activation dtype, kept by autograd
+    outside = rms_norm_saved(n_n, h, e, output_kept=not seqpar) + (e * n_r * h if seqpar else 0)
+    outside += 4 * n_r * (V // t) + 4 * n_r * 4                  # fp32 softmax block kept by the CE
+    outside += 3 * n_r           # per-token loss bookkeeping (3 B/token, measured on fake tensors)
+    return layer, outside
+
+
+def _ac_block_input(layout: Layout, prec: Precision, h: int, tok: dict[str, int]) -> int:
+    """What activation checkpointing keeps of one block: its input, plus an fp32 [n_r] per
+    checkpointed baseline block (measured on fake tensors)."""
+    ac_input = prec.act * tok["norm"] * h
+    if layout.scheme != "tsp":
+        ac_input += 4 * tok["region"]
+    return ac_input
+
+
+def _place(layout: Layout, num_layers: int, layer: int, per_layer: int, outside: int,
+           rope: int) -> _Saved:
+    """Where the layers' saved tensors are. On the GPU: all of them, or with offload
+    (model/offload.py) one block in forward (its copy to host draining) and two in backward (the
+    block being backpropagated and the one prefetched); the host holds every layer's."""
+    L = num_layers
+    if layout.offload_activations:
+        return _Saved(layer, per_layer, outside, rope, forward=min(L, 1) * per_layer,
+                      backward=min(L, 2) * per_layer, host=L * per_layer)
+    return _Saved(layer, per_layer, outside, rope, forward=L * per_layer, backward=L * per_layer,
+                  host=0)
+
+
+def _phases(layout: Layout, num_layers: int, block_input: int, saved: _Saved,
+            tr: dict[str, int]) -> dict[str, int]:
+    """Live bytes in the forward, backward and loss phases: the transients of the phase on top of
+    what the layers saved (`block_input`: one block input's bytes)."""
+    ac, s = layout.activation_checkpointing, saved
+    # the layers before the last one
+    below = s.forward - s.per_layer + (s.per_layer if layout.offload_activations and num_layers > 1 else 0) + s.rope
+    phases = {}
+    if ac:
+        # forward: no saved tensors inside a checkpointed block; backward: the block is recomputed
+        # (its saved tensors come back) and then backpropagated
+        phases["forward"] = below + max(tr["attn_fwd_nograd"], tr["mlp_fwd_nograd"])
+        phases["backward"] = (s.backward + s.rope + max(tr["attn_bwd"], tr["mlp_bwd"])
+                              - _shared_block_input(layout, block_input))
+    else:
+        phases["forward"] = below + max(tr["attn_fwd"], tr["mlp_fwd"])
+        phases["backward"] = s.backward + s.rope - s.layer + max(tr["attn_bwd"], tr["mlp_bwd"])
+    phases["loss"] = s.forward + s.outside + tr["head"]
+    return phases
+
+
+def _shared_block_input(layout: Layout, block_input: int) -> int:
+    """Under AC the recomputed first norm saves the checkpointed block input itself (one tensor):
+    TSP's backward peak sees that sharing, the baselines' peak comes while a second block-input
+    sized tensor (the incoming gradient's region copy) is alive (measured on fake tensors)."""
+    return block_input if (layout.activation_checkpointing and layout.scheme == "tsp") else 0
+
+
+def _norm_backward_phase(layout: Layout, prec: Precision, h: int, n_n: int, saved: _Saved,
+                         tr: dict[str, int], norm_tmp: int) -> int:
+    """RMSNorm's backward (RmsNormFn): dx in the activation dtype plus the fp32 temporaries of one
+    chunk of tokens (`norm_tmp`), on top of what is saved and the incoming gradient: the final
+    norm after the loss, or a block's second norm, with the block's attention still saved."""
+    e, s = prec.act, saved
+    block_input = e * n_n * h
+    final = s.forward + s.rope + rms_norm_saved(n_n, h, e, output_kept=False) + block_input
+    ac = layout.activation_checkpointing
+    in_layer = (s.backward + s.rope - (_shared_block_input(layout, block_input) if ac else s.layer)
+                + tr["norm_bwd_in_layer"])
+    return max(final, in_layer) + norm_tmp
+
+
+def norm_backward_chunk_bytes(h: int, rows: int, e: int) -> int:
+    """Peak temporaries of one RmsNormFn backward chunk of `rows` tokens: the fp32 normalised
+    input and g = dy * w in fp32, plus (bf16) g's bf16 product before its cast."""
+    return (8 + (e if e < 4 else 0)) * rows * h
+
+
+def tsp_selective_saved(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:
+    """Bytes per layer and rank that parallel.tsp_recompute=selective keeps beyond X_p
+    (parallel/tsp/attention.py, `_Item`): per item (owner r, head bucket b) the local q
+    [B, T, hq_b, d] and stacked k/v [B, T, 2, hkv_b, d] after RoPE, the attention output a and the
+    kernel's saved output per zigzag run ([B, T, hq_b d] each, activation dtype) and its fp32
+    log-sum-exp [B, hq_b heads, T]; the kernel's views of the gathered K/V are dropped. Summed
+    over the D n_b items that is every head of the model for this rank's T = B S / D tokens:
+    e T (3 n_h d + 2 h_kv) + 4 T n_h (the same for the CPU log-sum-exp route and CUDA's flash
+    kernel: both save their output and log-sum-exp). The same under tsp_recompute=none (whose
+    attention keeps what selective keeps). 0 under full recompute."""
+    if not layout.keeps_attention:
+        return 0
+    n = layout.micro_batch * seq_len // layout.degree
+    nh, d = cfg.num_heads, cfg.head_dim
+    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh
+
+
+def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:
+    """Bytes per layer and rank that parallel.tsp_recompute=none keeps beyond selective
+    (parallel/tsp/mlp.py): per ring step j (weight shard j of D) the gate and up pre-activations
+    g = X_p W_gate_j^T (+b) and u = X_p W_up_j^T (+b), each [B T, I/D] in the activation dtype,
+    alive from the layer's forward until its MLP backward. Over the D shards: 2 e T I with
+    T = B S / D. 0 under full and selective recompute (their backward re-runs gate/up)."""
+    if not layout.keeps_mlp:
+        return 0
+    n = layout.micro_batch * seq_len // layout.degree
+    return 2 * prec.act * n * cfg.intermediate_size
+
+
+__all__ = ["ActivationEstimate", "activation_memory", "norm_backward_chunk_bytes", "tsp_mlp_kept",
+           "tsp_selective_saved"]

@@ -1,0 +1,121 @@
+"""How one job is laid out: the scheme, the model-parallel degree D = T x S_p (T splits weights, S_p
+splits tokens; TSP splits both D ways), DP replicas, the ZeRO stage, activation checkpointing (AC),
+TSP's head buckets and recompute mode, micro-batch and grad accumulation. `Layout` refuses what
+the trainer refuses, so no layout the planner offers is one the trainer would not run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
+TSP_RECOMPUTE = ("full", "selective", "none")   # parallel.tsp_recompute (parallel/tsp/)
+
+# the short marker of a tsp_recompute other than full in layout labels and tables
+RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one job is laid out. `degree` is D, the model-parallel group (the mesh's inner axis);
+    for tp_x_sp, tp x sp = D."""
+
+    scheme: str
+    degree: int
+    dp: int = 1
+    tp: int | None = None                  # tp_x_sp only
+    sp: int | None = None                  # tp_x_sp only
+    tp_sequence_parallel: bool = False     # tp_x_sp only: Megatron SP inside the tp sub-axis
+    zero_stage: int = 1
+    activation_checkpointing: bool = False
+    head_buckets: int = 1                  # tsp only
+    micro_batch: int = 1                   # sequences per replica per micro-step
+    grad_accum: int = 1
+    offload_activations: bool = False      # blocks' saved tensors in host memory (model/offload.py)
+    tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs;
+                                           # "none" also the MLP's gate/up pre-activations
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"scheme={self.scheme!r} is not one of {', '.join(SCHEMES)}")
+        self._check_recompute()
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1 or 2")
+        if self.scheme == "tp_x_sp":
+            t, s, _ = self.axes
+            if t * s != self.degree:
+                raise ValueError(f"tp x sp = {t} x {s} is not the degree {self.degree}")
+
+    def _check_recompute(self) -> None:
+        """The trainer's rules (config/validate.py::_check_tsp_recompute), so that no layout the
+        planner offers is one the trainer refuses."""
+        mode = self.tsp_recompute
+        if mode not in TSP_RECOMPUTE:
+            raise ValueError(f"tsp_recompute={mode!r} is not one of {', '.join(TSP_RECOMPUTE)}")
+        if mode == "full":
+            return
+        if self.scheme != "tsp":
+            raise ValueError(f"tsp_recompute={mode!r} with scheme {self.scheme!r}: only tsp "
+                             "recomputes by shard; use tsp_recompute='full'")
+        if self.activation_checkpointing or self.offload_activations:
+            raise ValueError(f"tsp_recompute={mode!r} with "
+                             f"{'activation checkpointing' if self.activation_checkpointing else 'activation offload'}: "
+                             "the trainer refuses it (the kept attention outputs would stay on the "
+                             "device for every layer); use tsp_recompute='full'")
+
+    @property
+    def selective(self) -> bool:
+        """tsp_recompute == "selective" exactly (the attention kept, the MLP recomputed)."""
+        return self.tsp_recompute == "selective"
+
+    @property
+    def keeps_attention(self) -> bool:
+        """TSP keeps each item's q, k/v, attention output and log-sum-exp (selective and none):
+        backward re-runs neither the q/k/v projections nor the attention forward."""
+        return self.scheme == "tsp" and self.tsp_recompute in ("selective", "none")
+
+    @property
+    def keeps_mlp(self) -> bool:
+        """TSP keeps every ring step's gate/up pre-activations (none): backward re-runs no
+        gate/up GEMM."""
+        return self.scheme == "tsp" and self.tsp_recompute == "none"
+
+    @property
+    def axes(self) -> tuple[int, int, bool]:
+        """(T, S_p, Megatron SP): weight split, token split, sequence-parallel TP regions."""
+        d = self.degree
+        if self.scheme == "tsp":
+            return d, d, False
+        if self.scheme == "tp":
+            return d, 1, False
+        if self.scheme == "tp_sp":
+            return d, 1, d > 1
+        if self.scheme == "sp":
+            return 1, d, False
+        if self.tp is None or self.sp is None:
+            raise ValueError("scheme tp_x_sp needs tp and sp (tp x sp = degree)")
+        return self.tp, self.sp, self.tp_sequence_parallel and self.tp > 1
+
+    @property
+    def world(self) -> int:
+        return self.degree * self.dp
+
+    def label(self) -> str:
+        name = self.scheme
+        if self.scheme == "tp_x_sp":
+            name = f"tp{self.tp}xsp{self.sp}" + ("+seqpar" if self.tp_sequence_parallel else "")
+        parts = [name, f"D={self.degree}", f"DP={self.dp}", f"Z{self.zero_stage}",
+                 "AC" if self.activation_checkpointing else "noAC"]
+        if self.scheme == "tsp":
+            parts.append(f"nb={self.head_buckets}")
+            if self.tsp_recompute != "full":
+                parts.append(RECOMPUTE_MARK[self.tsp_recompute])
+        parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
+        if self.offload_activations:
+            parts.append("offload")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+__all__ = ["RECOMPUTE_MARK", "SCHEMES", "TSP_RECOMPUTE", "Layout"]

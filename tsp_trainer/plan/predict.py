@@ -1,0 +1,176 @@
+"""Predicted memory, communication and time of one optimizer step of a layout on a hardware profile:
+the step time, tokens/s, MFU and HFU under an explicit overlap model (docs/planner.md section 4).
+
+Everything is per rank, bytes and seconds unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.plan.activations import ActivationEstimate, activation_memory
+from tsp_trainer.plan.communication import WIRE_FACTOR, data_parallel_comm, model_parallel_comm
+from tsp_trainer.plan.flops import hardware_flops_per_token
+from tsp_trainer.plan.hardware import HardwareProfile
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import BF16, Precision
+from tsp_trainer.plan.state import state_bytes
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The planner's free parameters (docs/planner.md section 4 explains each)."""
+
+    compute_efficiency: float = 0.45       # achieved fraction of peak FLOP/s (GEMMs + attention)
+    comm_efficiency: float = 0.75          # achieved fraction of link bandwidth (bus bandwidth)
+    hbm_usable: float = 0.92               # of HBM, for tensors (allocator slack, NCCL/RCCL, context)
+    op_latency_s: float = 15e-6            # fixed cost of one collective / P2P op (launch + sync)
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    memory: dict[str, int]              # params, grads, optimizer, activations_peak, total
+    fits: bool
+    capacity: float
+    activation: ActivationEstimate
+    comm_mp: dict
+    comm_dp: dict
+    times: dict[str, float]             # seconds: compute, exposed comm, ... per optimizer step
+    step_time: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    hfu: float
+
+    def as_dict(self) -> dict:
+        a = self.activation
+        return {"layout": self.layout.as_dict(), "label": self.layout.label(), "memory": self.memory,
+                "fits": self.fits, "capacity_bytes": self.capacity,
+                "activation": {"stored_per_layer": a.stored_per_layer, "stored_outside": a.stored_outside,
+                               "stored": a.stored, "phases": a.phases, "peak": a.peak,
+                               "peak_phase": a.peak_phase, "terms": a.terms},
+                "comm_mp_per_micro_step": self.comm_mp, "comm_dp_per_step": self.comm_dp,
+                "times_s": self.times, "step_time_s": self.step_time, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu, "hfu": self.hfu}
+
+
+# Overlap model (docs/planner.md section 4): which ledger tags the code issues asynchronously and
+# waits for later (they can hide behind compute), and which it issues synchronously (exposed).
+# TSP's K/V all-gathers and dK/dV reduce-scatters are issued one item ahead: all but one item per
+# layer and pass hide behind compute (`_model_parallel_seconds`).
+OVERLAPPABLE_TAGS = ("attn.weights", "attn.wgrad", "mlp.weights", "mlp.weights.grad", "embed.weights",
+                     "embed.weights.grad", "head.weights", "head.weights.grad")
+
+
+def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile, *,
+            global_batch: int | None = None, prec: Precision = BF16,
+            assumptions: Assumptions = Assumptions()) -> Prediction:
+    """Memory, communication and time of one optimizer step of `layout` on `hw`."""
+    st = state_bytes(cfg, layout, prec)
+    act = activation_memory(cfg, layout, seq_len, prec, device="cuda")
+    memory = _memory(st, act)
+    capacity = hw.hbm_bytes * assumptions.hbm_usable
+
+    mp = model_parallel_comm(cfg, layout, seq_len, prec)
+    dp = data_parallel_comm(cfg, layout, prec)
+    eff_c, eff_n = assumptions.compute_efficiency, assumptions.comm_efficiency
+    flops = hardware_flops_per_token(cfg, layout, seq_len)
+    tokens_micro = layout.micro_batch * seq_len                    # per replica
+    t_compute = flops["hardware"] * tokens_micro / layout.degree / (hw.peak_flops * eff_c)
+    overlappable, exposed = _model_parallel_seconds(mp, layout, hw, assumptions)
+    # activation offload: every block's saved tensors go to the host in forward and come back in
+    # backward on a side stream, overlapped with compute (model/offload.py)
+    t_offload = 2 * act.host / (hw.host_bw * eff_n)
+    t_micro = max(t_compute, overlappable, t_offload) + exposed
+    # DP: gradients reduced while the last micro-step's backward runs (2/3 of its compute);
+    # ZeRO-1/2 all-gather the updated parameters after the step (exposed)
+    t_dp_grad, t_dp_params = _data_parallel_seconds(dp, layout, hw, eff_n)
+    t_dp_exposed = max(0.0, t_dp_grad - 2 / 3 * t_compute) + t_dp_params
+    t_opt = _optimizer_seconds(st["param_count"], layout, prec, hw)
+    step = layout.grad_accum * t_micro + t_dp_exposed + t_opt
+    batch = global_batch if global_batch is not None else layout.micro_batch * layout.grad_accum * layout.dp
+    tps = batch * seq_len / step
+    per_gpu = tps / layout.world
+    times = {"compute_per_micro": t_compute, "overlappable_comm_per_micro": overlappable,
+             "exposed_comm_per_micro": exposed, "offload_per_micro": t_offload, "micro_step": t_micro,
+             "dp_grad_comm": t_dp_grad, "dp_param_allgather": t_dp_params, "dp_exposed": t_dp_exposed,
+             "optimizer": t_opt}
+    return Prediction(layout=layout, memory=memory, fits=memory["total"] <= capacity, capacity=capacity,
+                      activation=act, comm_mp=mp, comm_dp=dp, times=times, step_time=step,
+                      tokens_per_s=tps, tokens_per_s_per_gpu=per_gpu,
+                      mfu=flops["model"] * per_gpu / hw.peak_flops,
+                      hfu=flops["hardware"] * per_gpu / hw.peak_flops)
+
+
+def _memory(st: dict[str, int], act: ActivationEstimate) -> dict[str, int]:
+    """Per-rank memory: model state, saved and peak activations, their total on the GPU, and what
+    activation offload holds in host memory."""
+    total = st["params"] + st["grads"] + st["optimizer"] + act.peak
+    return {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
+            "activations_stored": act.stored, "activations_peak": act.peak, "total": total,
+            "host_offloaded": act.host}
+
+
+def _link_bw(group_span: int, hw: HardwareProfile, *, p2p: bool) -> float:
+    """Bandwidth of a group of `group_span` consecutive ranks: inside one node -> the node fabric
+    (one peer for P2P rings), across nodes -> the NIC."""
+    if group_span <= hw.gpus_per_node:
+        return hw.p2p_bw if p2p else hw.intra_node_bw
+    return hw.inter_node_bw
+
+
+def _model_parallel_seconds(mp: dict[str, dict[str, int]], layout: Layout, hw: HardwareProfile,
+                            assumptions: Assumptions) -> tuple[float, float]:
+    """(overlappable, exposed) seconds of one micro-step's model-parallel ops: bytes on the wire
+    over the link's achieved bandwidth, plus a fixed latency per op."""
+    eff_n = assumptions.comm_efficiency
+    overlappable = exposed = 0.0
+    for key, v in mp.items():
+        op, tag = key.split("/", 1)
+        g = v["group"]
+        if g <= 1:
+            continue
+        span = g if tag not in ("attn.kv", "attn.dkv", "wgrad", "loss.count") or layout.scheme == "tsp" \
+            else layout.degree                                     # the sp sub-axis strides over tp
+        bw = _link_bw(span, hw, p2p=op in ("send", "recv")) * eff_n
+        seconds = v["bytes"] * WIRE_FACTOR[op](g) / bw + v["count"] * assumptions.op_latency_s
+        if layout.scheme == "tsp" and tag in OVERLAPPABLE_TAGS:
+            overlappable += seconds
+        elif layout.scheme == "tsp" and tag in ("attn.kv", "attn.dkv"):
+            # issued one item ahead (parallel/tsp/attention.py): only each pass's first item of a
+            # layer waits for its K/V (forward, backward; the AC replay) and the last item's dK/dV
+            # reduce-scatter is waited for before the layer's backward ends
+            first = 1 / (layout.degree * layout.head_buckets)
+            exposed += seconds * first
+            overlappable += seconds * (1 - first)
+        else:
+            exposed += seconds
+    return overlappable, exposed
+
+
+def _data_parallel_seconds(dp: dict[str, dict[str, int]], layout: Layout, hw: HardwareProfile,
+                           eff_n: float) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds of one optimizer step's DP ops, over the
+    whole world's links."""
+    t_dp_grad = t_dp_params = 0.0
+    for key, v in dp.items():
+        op = key.split("/")[0]
+        bw = _link_bw(layout.world, hw, p2p=False) * eff_n
+        seconds = v["bytes"] * WIRE_FACTOR[op](v["group"]) / bw
+        if key.endswith("dp.params"):
+            t_dp_params += seconds
+        else:
+            t_dp_grad += seconds
+    return t_dp_grad, t_dp_params
+
+
+def _optimizer_seconds(param_count: int, layout: Layout, prec: Precision, hw: HardwareProfile) -> float:
+    """AdamW over this rank's shard, bound by HBM bandwidth: it reads and writes the fp32 master and
+    2 moments, reads the gradient, writes the bf16 weight."""
+    shard = param_count / (layout.dp if layout.zero_stage >= 1 else 1)
+    return shard * (2 * prec.optimizer + (prec.grad_accum or prec.grad) + prec.weight) / hw.hbm_bw
+
+
+__all__ = ["OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "predict"]

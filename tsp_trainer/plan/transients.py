@@ -1,0 +1,210 @@
+"""Transient bytes of one training step per rank: what a layer's forward and backward, the loss
+and RMSNorm's backward allocate on top of the saved activations, per scheme. `activations.py` adds
+them to what the layers saved to find the peak of each phase.
+
+Notation as in docs/planner.md: e bytes per activation element, n this rank's tokens, h hidden,
+h_kv = n_kv * d, I intermediate, V vocab, D the model-parallel degree, n_b head buckets (TSP).
+"""
+
+from __future__ import annotations
+
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import Precision
+
+
+def rms_norm_saved(tokens: int, h: int, e: int, *, output_kept: bool) -> int:
+    """Bytes RmsNormFn (model/rms_norm.py) saves for `tokens` tokens: its input x (activation
+    dtype) and rstd [tokens, 1] in fp32; plus the output when the consumer saves it."""
+    return (e + (e if output_kept else 0)) * tokens * h + 4 * tokens
+
+
+def expands_kv(e: int, device: str, gqa: bool) -> bool:
+    """Whether `attention_core` repeats K/V heads to the query heads before SDPA: on CUDA when
+    the route is the memory-efficient kernel under GQA (fp32; model/attention_route.py)."""
+    if device != "cuda" or not gqa:
+        return False
+    import torch
+
+    from tsp_trainer.model.attention_route import sdpa_route
+
+    dtype = torch.float32 if e == 4 else torch.bfloat16
+    return sdpa_route("cuda", dtype, gqa=True, head_dim=128).expand_kv
+
+
+def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int, n: int, *,
+                      recomputed_qkv: bool, scatter_copies: int, device: str) -> dict[str, int]:
+    """Transient bytes of one zigzag attention call (all-gathered K/V, `attention_core` per run) for
+    hq query and hkv key/value channels per call and n local tokens: forward, backward with
+    recompute, and the dK/dV reduce-scatter (`scatter_copies` K/V-sized buffers alive then: dK/dV,
+    their stack, the reordered copy, and for TSP the re-gathered K/V still referenced).
+
+    No causal mask exists on either device: CUDA passes a lower-right CausalBias to a fused
+    kernel; CPU splits each run (C = S / (2 S_p) queries) into its key prefix (no mask) and its
+    diagonal block (`is_causal`) and merges them by log-sum-exp (model/attention_lse.py), whose
+    [B, H, C, d] partial outputs are no larger than the runs' outputs counted here."""
+    c = seq_len // (2 * s_p)                              # queries per zigzag run
+    kv_full = 2 * e * b * seq_len * hkv                   # gathered K and V in logical order
+    # CUDA memory-efficient route under GQA: K/V repeated to the query heads (saved by SDPA for
+    # its backward, and their gradients before they are summed back to the K/V heads)
+    kv_exp = kv_full * hq // hkv if expands_kv(e, device, hq != hkv) else 0
+    outs = 2 * e * b * c * hq                             # SDPA outputs of the two runs
+    qkv = e * n * (hq + 2 * hkv) if recomputed_qkv else 0
+    # with B > 1 the zigzag reorders (zigzag.py) copy once more (a transpose made contiguous)
+    extra = 1 if b > 1 else 0
+    fwd = qkv + kv_full + kv_exp + max(outs, (1 + extra) * kv_full)
+    # backward: re-gathered K/V (and, expanded, their copy and its gradient), then either the
+    # recomputed runs' outputs or SDPA's backward (dK, dV of the whole prefix and one run's dq);
+    # then the reduce-scatter of dK/dV (gradients, their stacked copy and the zigzag-reordered copy)
+    bwd = qkv + max(kv_full + 2 * kv_exp + max(outs, kv_full + e * b * c * hq),
+                    (scatter_copies + extra) * kv_full)
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
+                   device: str, sel: int, mlp_kept: int) -> dict[str, int]:
+    """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
+    gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
+    ring's logits block. `sel`: the layer's kept attention bytes (selective, none; 0 under full),
+    alive from the layer's forward until its attention backward; `mlp_kept`: the gate/up
+    pre-activations none keeps (0 otherwise), alive from the MLP's forward until its backward.
+    n: this rank's tokens, B S / D."""
+    e, ew = prec.act, prec.weight
+    d_ = layout.degree
+    h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel)
+    w_mlp = cfg.mlp_sharded_params // d_ * ew
+    own = rms_norm_saved(n, h, e, output_kept=True)    # norm's saved tensors + X_p
+    acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
+    mid = e * n * inter // d_                           # one [N/D, I/D] MLP intermediate
+    # a ring step's intermediates: g, u and silu(g) u (or that product and the step's output);
+    # under none g and u are the kept ones (in mlp_kept, every shard's by the last step), silu(g)
+    # and the product are the step's own
+    step_mids = 2 if layout.keeps_mlp else 3
+    mlp_fwd = acc32 + 2 * w_mlp + max(step_mids * mid, mid + e * n * h)
+    # backward of a ring step: full and selective re-run g, u (+ silu(g), its product, dh, dg/du);
+    # none reads the kept g, u instead of re-running them (5: measured on fake tensors with an
+    # MLP-heavy shape, I = 16 h, where the MLP backward is the peak: -2.8 to +3.2%; 4 gave -8.5%)
+    bwd_mids = 5 if layout.keeps_mlp else 6
+    out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
+           "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
+           # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
+           "attn_bwd": own + e * n * h + a["bwd"],
+           "mlp_bwd": (2 * own + sel + mlp_kept + 2 * e * n * h + acc32
+                       + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
+           # ring of vocab shards: one fp32 logits block [N/D, V/D] (its exp / softmax computed in
+           # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
+           # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
+           # [V/D, h] gradients (the one being computed, in bf16 also its bf16 product, the
+           # accumulator being sent and the one arriving)
+           "head": ((4 + (e if e < 4 else 0)) * n * (V // d_) + 8 * n * h
+                    + V // d_ * h * (2 * ew + 3 * 4 + (ew if ew < 4 else 0))),
+           "norm_bwd_in_layer": own + sel + rms_norm_saved(n, h, e, output_kept=False) + e * n * h,
+           # no causal mask or bias tensor on either attention route: 0 in the reported terms
+           "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
+    return out
+
+
+def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
+                         device: str, sel: int) -> dict[str, int]:
+    """TSP attention's transient bytes (parallel/tsp/attention.py), per rank, for the worst item
+    (the model describes rank 0). Items (r, b) run one step ahead: item i+1's projection and K/V
+    all-gather are issued before item i's attention. Counted in units of one item (hq_b, hkv_b =
+    this rank's query / K/V channels per bucket, n local tokens):
+
+      qkv   = e n (hq_b + 2 hkv_b)   the item's local q and stacked k/v
+      kv    = 2 e B S hkv_b          one gathered K/V bucket (the raw gather or its logical copy)
+      q_b   = e n hq_b               a query-sized temporary (output a, dA, dq)
+
+    forward:  fp32 output 4nh, min(3, D) weight buffers, the current and the next item's qkv, three
+              K/V buckets (this item's gather and its logical-order copy, the next item's gather in
+              flight), two q_b; selective adds the items already kept (the largest phase is the
+              item before last, or the last with every item kept and two buckets alive);
+    backward: fp32 dX 4nh, min(2, D) weight buffers and min(3, D) fp32 gradient buffers (the one
+              filled, the one being reduced, and rank 0's own summed gradient once its turn is
+              over), two items' qkv (full recompute projects this and the next item), four K/V
+              buckets (re-gathered, the next in flight, dK and dV, their rank-major copy for the
+              reduce-scatter), three q_b; selective (and none) projects nothing but holds its kept
+              items and one more q_b; at the end, in bf16, dX and the gradients cast to the
+              weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase.
+    Coefficients measured on fake tensors per block (tests/unit/test_plan_fake.py checks the
+    step within 10%)."""
+    e, ew = prec.act, prec.weight
+    d_, nb, b = layout.degree, layout.head_buckets, layout.micro_batch
+    h = cfg.hidden_size
+    hq_b = cfg.num_heads * cfg.head_dim // (d_ * nb)
+    hkv_b = cfg.kv_hidden_size // (d_ * nb)
+    items = d_ * nb
+    qkv, q_b = e * n * (hq_b + 2 * hkv_b), e * n * hq_b
+    kv = 2 * e * b * seq_len * hkv_b
+    kv_exp = kv * hq_b // hkv_b if expands_kv(e, device, hq_b != hkv_b) else 0
+    w = cfg.attn_sharded_params // d_ * ew
+    acc32 = 4 * n * h
+    w_fwd = min(3, d_) * w
+    w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
+    cast = (e * n * h + w) if ew != 4 else 0            # dX and the gradients cast from fp32
+    fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp
+    if layout.keeps_attention:
+        sel_item = sel // items
+        fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
+        bwd_item = sel + 4 * kv + 4 * q_b + kv_exp
+    else:
+        bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
+    bwd = acc32 + w_bwd + max(bwd_item, cast)
+    return {"fwd": fwd, "bwd": bwd, "kv_bucket": kv}
+
+
+def _mlp_ring_backward_shards(w: int, ew: int) -> int:
+    """Bytes of packed MLP shards alive in a step of the reverse ring (tsp/mlp.py,
+    tsp/ring.py::ring_backward_into): the shard in use and the one arriving (2 w) and two fp32
+    accumulators (the one being filled, the one arriving; the sent one is reused as the next
+    receive buffer); weight gradients go straight into the accumulator (in bf16 through one
+    weight-sized product at a time)."""
+    acc = w * 4 // ew
+    return 2 * w + 2 * acc + (w // 3 if ew != 4 else 0)
+
+
+def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
+                        tok: dict[str, int], layer_saved: int, device: str) -> dict[str, int]:
+    """Transients of the baselines (parallel/baselines/): the TP region's partial output and its
+    reduced copy, the gradients of q/k/v and the MLP intermediates, the zigzag attention of the sp
+    sub-axis (gathered K/V of all local heads), the vocab-parallel logits. tok: tokens per rank in
+    the TP region and at the norms; layer_saved: a layer's saved bytes without AC."""
+    e, ew = prec.act, prec.weight
+    t, s_p, seqpar = layout.axes
+    b = layout.micro_batch
+    h, hkv, inter, V, nh = (cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size,
+                            cfg.vocab_size, cfg.num_heads)
+    n_r, n_n = tok["region"], tok["norm"]
+    a_r, a_n = e * n_r * h, e * n_n * h                 # activations of the region / of the norms
+    own1 = rms_norm_saved(n_n, h, e, output_kept=not seqpar) + (a_r if seqpar else 0)
+    attn_saved = e * n_r * (2 * h + 2 * hkv) // t + (4 * nh // t * n_r if s_p == 1 else 0)
+    mid = e * n_r * inter // t
+    leave = a_r + (a_n if seqpar else a_r)              # partial output + reduced copy
+    dgrad_in = a_n + (a_r if seqpar else 0)             # incoming gradient (+ its gathered copy)
+    if s_p > 1:
+        z = _zigzag_attention(e, b, seq_len, s_p, h // t, hkv // t, n_r, recomputed_qkv=False,
+                              scatter_copies=3, device=device)
+        core_fwd, core_bwd = z["fwd"], z["bwd"]
+        wgrad = 2 * ew * h * inter // t                 # a weight gradient and its all-reduced clone
+    else:
+        core_fwd = 0
+        core_bwd = e * n_r * (2 * h + 2 * hkv) // t     # d(out), dq, dk, dv
+        wgrad = 0
+    # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's
+    # saved tensors meet the first gradients (dy, d(intermediate)), or, in attention, the SDPA /
+    # zigzag backward; then dX partials of q/k/v summed and all-reduced (or reduce-scattered)
+    out = {"attn_fwd": own1 + attn_saved + max(core_fwd, leave),
+           "mlp_fwd": layer_saved + leave,
+           "attn_fwd_nograd": a_n + (a_r if seqpar else 0) + max(core_fwd, attn_saved + leave),
+           "mlp_fwd_nograd": a_n + (a_r if seqpar else 0) + 3 * mid + leave,
+           "attn_bwd": own1 + max(attn_saved + dgrad_in + core_bwd, dgrad_in + 3 * a_r),
+           "mlp_bwd": layer_saved + dgrad_in + mid + wgrad,
+           "norm_bwd_in_layer": own1 + attn_saved + rms_norm_saved(n_n, h, e, output_kept=False) + a_n,
+           # bf16 logits while the fp32 copy is made; backward: their gradient in bf16, dX, dW
+           # (none in fp32: the cross-entropy works on the logits in place)
+           "head": (e * n_r * V // t if e != 4 else 0) + a_r + V // t * h * ew * (2 if s_p > 1 else 1)}
+    return out
+
+
+__all__ = ["baseline_transients", "expands_kv", "rms_norm_saved", "tsp_transients"]
