@@ -6,7 +6,7 @@
 stall: runs of 5 steps with a checkpoint every 2 steps (saves at steps 2 and 4; the final one at
 step 5 is reported apart, since nothing is left to overlap with it), interleaved round by round:
 checkpoint.async_save=false, =true, and no checkpoints. Per periodic save it records the time the
-training thread was blocked in Checkpointer.save / poll / wait until that save was published (the
+training thread was blocked in CheckpointWriter.save / poll / wait until that save was published (the
 stall), and per run the loop's wall time; "overhead" is a run's wall time minus the interleaved
 run without checkpoints, divided by its saves.
 
@@ -41,26 +41,25 @@ def _overrides(size: str, out: str, extra: list[str]) -> list[str]:
 
 
 def _timed_run(rank, world, overrides):
-    """One fit; the blocked time of every Checkpointer call, tagged with the step it ran at."""
+    """One fit; the blocked time of every CheckpointWriter call, tagged with the step it ran at."""
     from tsp_trainer.config import load_config
     from tsp_trainer.trainer import Trainer
 
     trainer = Trainer(load_config(REPO / "recipes" / "tiny_cpu.yaml", overrides), world_size=world,
                       global_rank=rank)
     calls = []
-    ckpt = getattr(trainer, "checkpointer", None)
-    if ckpt is not None:
-        for name in ("save", "poll", "wait"):
-            real = getattr(ckpt, name)
+    ckpt = trainer.checkpoints.writer
+    for name in ("save", "poll", "wait"):
+        real = getattr(ckpt, name)
 
-            def timed(*args, _real=real, _name=name, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _real(*args, **kwargs)
-                finally:
-                    calls.append((_name, trainer.state.step, time.perf_counter() - start,
-                                  ckpt.in_flight))
-            setattr(ckpt, name, timed)
+        def timed(*args, _real=real, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                calls.append((_name, trainer.state.step, time.perf_counter() - start,
+                              ckpt.in_flight))
+        setattr(ckpt, name, timed)
     start = time.perf_counter()
     trainer.fit()
     return {"wall_s": time.perf_counter() - start, "calls": calls, "state_bytes": _state_bytes(trainer)}

@@ -41,19 +41,21 @@ def _inject(trainer, kind, at_step):
         mlp = trainer.par.model.layers[-1].mlp
         forward = mlp.forward
         mlp.forward = lambda x: _kill_self() if due() else forward(x)
-    elif kind == "save":                     # die after DeepSpeed wrote its files, before publish
-        write = trainer.ckpt.write_rank_state
-        trainer.ckpt.write_rank_state = lambda tmp, st: (
+    elif kind == "save":                     # die after writing the shards, before publish
+        store = trainer.checkpoints.store
+        write = store.write_rank_state
+        store.write_rank_state = lambda tmp, st: (
             _kill_self() if trainer.state.step == at_step else write(tmp, st))
     elif kind == "async_write":              # die in the background writer thread of a save
-        write = trainer.ckpt.write_rank_state
+        store = trainer.checkpoints.store
+        write = store.write_rank_state
 
         def write_then_die(tmp, state):
             if f"step_{at_step:08d}" in str(tmp):
-                assert trainer.checkpointer.async_save
+                assert trainer.checkpoints.writer.async_save
                 _kill_self()
             return write(tmp, state)
-        trainer.ckpt.write_rank_state = write_then_die
+        store.write_rank_state = write_then_die
     elif kind == "nan":                      # one rank's loss turns NaN
         module = trainer.engine.module
         loss_sum = module.loss_sum

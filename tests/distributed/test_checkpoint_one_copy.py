@@ -3,13 +3,14 @@ and hashed by every rank, verified in shares; async saves publish only complete 
 resume bit for bit (4 CPU processes)."""
 
 import json
+import re
 
 import pytest
 import torch
 
-from tests.distributed.trainer_cases import config, train_rank
+from tests.distributed.trainer_cases import captured_log, config, train_rank
 from tests.helpers.dist import run_on_ranks
-from tsp_trainer.checkpoint.manager import build_manifest
+from tsp_trainer.checkpoint.disk_format import build_manifest, folder_bytes
 from tsp_trainer.checkpoint.shards import read_full_state_dict
 
 pytestmark = pytest.mark.distributed
@@ -19,11 +20,12 @@ RUN = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=10"]
 def _history_rank(rank, world, overrides):
     from tsp_trainer.trainer import Trainer
 
-    trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
-    history = trainer.fit()
+    with captured_log() as log:
+        trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+        history = trainer.fit()
     weights = trainer.par.gather_full_state_dict()
     return {"history": history, "weights": weights if rank == 0 else None,
-            "state_bytes": _state_bytes(trainer)}
+            "state_bytes": _state_bytes(trainer), "log": log}
 
 
 def _state_bytes(trainer) -> int:
@@ -66,6 +68,32 @@ def test_one_copy_of_the_state_written_and_hashed_by_every_rank(sync_run):
     assert manifest == json.loads(json.dumps(build_manifest(step)))
 
 
+def _checkpoint_lines(log: list[str], checkpoints, how: str) -> None:
+    """One line per checkpoint written: step, folder, its size on disk, seconds, sync or async."""
+    lines = [line for line in log if "checkpoint: step" in line]
+    assert len(lines) == 4, lines
+    for line, step in zip(lines, (2, 4, 6, 8)):
+        folder = checkpoints / f"step_{step:08d}"
+        size = f"{folder_bytes(folder) / 2**20:.1f} MiB"
+        assert re.fullmatch(rf"\[rank 0\] checkpoint: step {step} written to {re.escape(str(folder))} "
+                            rf"\({re.escape(size)}, \d+\.\d s, {how}\)", line), line
+    assert size != "0.0 MiB"
+
+
+def test_start_up_phases_and_checkpoints_are_logged_on_rank_0(sync_run):
+    """Rank 0 says each start-up phase with its seconds, in order, and each checkpoint written;
+    the other ranks say neither."""
+    outs, out = sync_run
+    phases = [line for line in outs[0]["log"] if "start-up:" in line]
+    assert [re.fullmatch(r"\[rank 0\] start-up: (.+) \(\d+\.\d s\)", p).group(1) for p in phases] == [
+        "config checked and resolved", "process groups: 4 ranks = dp 2 x tsp 2",
+        "model: 2 layers, parallel.scheme=tsp", "engine: DeepSpeed ZeRO-1 over dp 2",
+        "data: training loader"]
+    _checkpoint_lines(outs[0]["log"], out / "checkpoints", "sync")
+    for o in outs[1:]:
+        assert not [line for line in o["log"] if "start-up:" in line or "checkpoint: step" in line]
+
+
 def test_async_save_same_checkpoints_and_exact_resume(sync_run, tmp_path):
     """checkpoint.async_save=true trains the same (losses bit for bit), publishes the same
     checkpoints (byte-identical state files), and resuming one equals the uninterrupted run."""
@@ -81,6 +109,7 @@ def test_async_save_same_checkpoints_and_exact_resume(sync_run, tmp_path):
         theirs = json.loads((out / "checkpoints" / step / "manifest.json").read_text())["files"]
         state = [f for f in theirs if f.startswith(("model/", "optim/"))]
         assert {f: mine[f] for f in state} == {f: theirs[f] for f in state}
+    _checkpoint_lines(async_out["log"], ckpts, "async")
     stalls = [h["perf/checkpoint_stall_s"] for h in async_out["history"]]
     assert all(s >= 0 for s in stalls) and sum(stalls) > 0
     resumed = run_on_ranks(train_rank, 4, RUN + [f"train.output_dir={tmp_path / 'b'}",

@@ -76,18 +76,18 @@ def test_nan_with_stop_policy_stops_before_update_and_never_checkpoints(tmp_path
 def _disk_full_rank(rank, world, overrides):
     import errno
 
-    import tsp_trainer.checkpoint.manager as manager
+    import tsp_trainer.checkpoint.store as store
     from tsp_trainer.trainer import CheckpointSaveError, Trainer
 
     from tests.distributed.trainer_cases import config
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
-    real = manager.atomic_torch_save
+    real = store.atomic_torch_save
 
     def full_at_step_4(obj, path):
         if trainer.state.step == 4:
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(obj, path)
-    manager.atomic_torch_save = full_at_step_4
+    store.atomic_torch_save = full_at_step_4
     try:
         trainer.fit()
     except CheckpointSaveError as err:

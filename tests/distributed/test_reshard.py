@@ -13,7 +13,7 @@ import torch
 from tests.distributed.trainer_cases import config
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.checkpoint import reshard
-from tsp_trainer.checkpoint.manager import build_manifest
+from tsp_trainer.checkpoint.disk_format import build_manifest
 from tsp_trainer.checkpoint.shards import read_extra, read_full_state_dict
 from tsp_trainer.data import build_loader, load_tokenizer
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import tempfile
 from pathlib import Path
 
@@ -30,6 +32,24 @@ def config(overrides):
     if not any(o.startswith("train.output_dir=") for o in overrides):
         overrides.append(f"train.output_dir={DEFAULT_OUTPUT_DIR}")
     return load_config(RECIPE, FAST + overrides)
+
+
+@contextlib.contextmanager
+def captured_log():
+    """Inside the block, the list fills with every message the tsp_trainer loggers of this process
+    emit at INFO and above (on a rank != 0 the Trainer's INFO lines are dropped before that)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("tsp_trainer")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def train_rank(rank, world, overrides, return_weights=True):

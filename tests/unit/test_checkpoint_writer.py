@@ -1,5 +1,5 @@
 """The checkpoint writer on one process: the streaming safetensors writer (read back by safetensors,
-hashed while writing) and the Checkpointer's phases (snapshot, background write, publish last, at
+hashed while writing) and the CheckpointWriter's phases (snapshot, background write, publish last, at
 most one save in flight, a failed write never published)."""
 
 import hashlib
@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tsp_trainer.checkpoint.async_writer import (CheckpointSaveError, Checkpointer, HostStaging,
-                                                 Snapshot)
-from tsp_trainer.checkpoint.manager import CheckpointManager, verify_manifest
+from tsp_trainer.checkpoint.background import HostStaging
+from tsp_trainer.checkpoint.disk_format import verify_manifest
+from tsp_trainer.checkpoint.store import CheckpointStore
+from tsp_trainer.checkpoint.writer import CheckpointSaveError, CheckpointWriter, Snapshot
 from tsp_trainer.checkpoint.reshard import ShardFile
 from tsp_trainer.checkpoint.shards import save_safetensors
 from tsp_trainer.parallel.comm import Comm
@@ -77,8 +78,8 @@ def _read_w(folder):
 
 
 def test_async_save_publishes_only_when_the_write_is_complete(tmp_path):
-    manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
-    ckpt = Checkpointer(manager, world=_world(), async_save=True, device=torch.device("cpu"))
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=5)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=True, device=torch.device("cpu"))
     ckpt.save(1, _snapshot_fn(1.0))
     assert ckpt.wait() == tmp_path / "step_00000001"
     gate, live = _Gate(), {}
@@ -88,14 +89,14 @@ def test_async_save_publishes_only_when_the_write_is_complete(tmp_path):
     assert gate.entered.wait(30) and ckpt.in_flight
     for _ in range(3):                                       # steps go on; nothing is published
         assert ckpt.poll() is None
-    assert manager.latest() == tmp_path / "step_00000001"
+    assert store.latest() == tmp_path / "step_00000001"
     assert (tmp_path / ".step_00000002.tmp").exists() and not (tmp_path / "step_00000002").exists()
     gate.open.set()
     deadline = time.time() + 30
     while ckpt.poll() is None:
         assert time.time() < deadline
         time.sleep(0.01)
-    assert manager.latest() == tmp_path / "step_00000002" and not ckpt.in_flight
+    assert store.latest() == tmp_path / "step_00000002" and not ckpt.in_flight
     assert torch.equal(_read_w(tmp_path / "step_00000002"), torch.full((64, 64), 2.0))  # the snapshot
     assert verify_manifest(tmp_path / "step_00000002") is None
     manifest = json.loads((tmp_path / "step_00000002" / "manifest.json").read_text())
@@ -105,8 +106,8 @@ def test_async_save_publishes_only_when_the_write_is_complete(tmp_path):
 
 
 def test_at_most_one_save_in_flight(tmp_path):
-    manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
-    ckpt = Checkpointer(manager, world=_world(), async_save=True, device=torch.device("cpu"))
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=5)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=True, device=torch.device("cpu"))
     gate = _Gate()
     ckpt.save(1, _snapshot_fn(1.0, gate))
     assert gate.entered.wait(30)
@@ -117,14 +118,14 @@ def test_at_most_one_save_in_flight(tmp_path):
     assert not (tmp_path / ".step_00000002.tmp").exists()
     gate.open.set()
     second.join(30)
-    assert not second.is_alive() and manager.latest() == tmp_path / "step_00000001"
+    assert not second.is_alive() and store.latest() == tmp_path / "step_00000001"
     assert ckpt.wait() == tmp_path / "step_00000002"
 
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_failed_write_is_never_published(tmp_path, async_save):
-    manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
-    ckpt = Checkpointer(manager, world=_world(), async_save=async_save, device=torch.device("cpu"))
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=5)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=async_save, device=torch.device("cpu"))
     ckpt.save(1, _snapshot_fn(1.0))
     ckpt.wait()
     with pytest.raises(CheckpointSaveError, match="step-2 checkpoint failed on rank 0: .*No space"
@@ -137,8 +138,8 @@ def test_failed_write_is_never_published(tmp_path, async_save):
 
 def test_before_update_waits_for_the_deferred_copy(tmp_path):
     """The live tensors are copied by the writer thread; before_update() blocks until then."""
-    manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
-    ckpt = Checkpointer(manager, world=_world(), async_save=True, device=torch.device("cpu"))
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=5)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=True, device=torch.device("cpu"))
     ckpt.staging.complete = lambda real=ckpt.staging.complete: (time.sleep(0.5), real())[1]
     live = {}
     ckpt.save(1, _snapshot_fn(1.0, live=live))
@@ -151,8 +152,8 @@ def test_before_update_waits_for_the_deferred_copy(tmp_path):
 
 
 def test_sync_save_writes_live_tensors_without_a_copy(tmp_path):
-    manager = CheckpointManager(tmp_path, world=_world(), keep_last=5)
-    ckpt = Checkpointer(manager, world=_world(), async_save=False, device=torch.device("cpu"))
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=5)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=False, device=torch.device("cpu"))
     live = {}
     ckpt.save(1, _snapshot_fn(1.0, live=live))
     assert ckpt.staging is None and not ckpt.in_flight

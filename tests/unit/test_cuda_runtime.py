@@ -13,7 +13,7 @@ from tsp_trainer.config.model import RopeScaling
 from tsp_trainer.model.rope import PositionRuns, rope_cos_sin
 from tsp_trainer.parallel.comm import Comm, WrongDeviceError
 from tsp_trainer.parallel.ledger import CommLedger
-from tsp_trainer.trainer import cuda_rng_state_for_this_device
+from tsp_trainer.checkpoint.train_state import cuda_rng_state_for_this_device
 
 
 def _comm(size: int, device: str) -> Comm:

@@ -10,7 +10,7 @@ import torch
 
 from tsp_trainer.checkpoint.export_cli import main as export_main
 from tsp_trainer.checkpoint.hf import export_checkpoint, load_hf_state_dict, parse_size
-from tsp_trainer.checkpoint.manager import build_manifest
+from tsp_trainer.checkpoint.disk_format import build_manifest
 from tsp_trainer.checkpoint.shards import shard_file_name, write_shard
 from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer

@@ -1,5 +1,5 @@
 """The package's dependency rules (docs/design.md, "Packages and the direction of imports"), checked
-on every module's imports (ast)."""
+on every module's imports (ast), and the size that keeps trainer.py a conductor."""
 
 import ast
 import pathlib
@@ -120,3 +120,15 @@ def test_eval_package_is_used_by_the_trainer_and_cli_never_the_reverse():
             assert not any(_uses(names, f"tsp_trainer.{m}") for m in ("trainer", "engine", "cli")), rel
         elif rel not in ("trainer.py", "cli.py"):
             assert not _uses(names, "tsp_trainer.eval"), rel
+
+
+TRAINER_MAX_LINES = 350
+
+
+def test_trainer_stays_a_conductor():
+    """trainer.py builds the pieces in order and runs fit() and train_step(); what does not
+    conduct (checkpoint state, device checks, FLOP counts, block wrappers) lives in its package."""
+    lines = len((ROOT / "trainer.py").read_text().splitlines())
+    assert lines <= TRAINER_MAX_LINES, (
+        f"tsp_trainer/trainer.py has {lines} lines, more than {TRAINER_MAX_LINES}: move what does "
+        "not conduct the run into the package it belongs to")

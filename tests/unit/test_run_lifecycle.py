@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.distributed.trainer_cases import config
-from tsp_trainer.checkpoint.manager import (CheckpointManager, file_entry, find_checkpoint,
-                                            latest_checkpoint)
+from tsp_trainer.checkpoint.disk_format import file_entry, find_checkpoint, latest_checkpoint
+from tsp_trainer.checkpoint.store import CheckpointStore
 from tsp_trainer.config import load_config, validate_config
 from tsp_trainer.parallel.comm import Comm, CommError, _Work
 from tsp_trainer.parallel.ledger import CommLedger
@@ -124,20 +124,20 @@ def test_rewrite_metrics_keeps_each_step_once_up_to_the_resumed_step(tmp_path):
 
 
 def test_publish_never_prunes_the_checkpoint_latest_names(tmp_path):
-    """A run kept step 20, 30, 40 (keep_last=3); a 5-step run that saves into the same folder must
-    not have its step_5 pruned at once while `latest` names it."""
-    manager = CheckpointManager(tmp_path, world=one_rank(), keep_last=3)
+    """A run kept step 20, 30, 40 (keep_last=3); a 5-step run saved into the same folder is kept
+    (it is what `latest` names) and the later steps of the abandoned run are pruned."""
+    store = CheckpointStore(tmp_path, world=one_rank(), keep_last=3)
 
     def save(step):
-        tmp = manager.begin(step)
+        tmp = store.begin(step)
         (tmp / "model" / "w").write_bytes(b"w")
-        return manager.publish(tmp, step, {"step": step}, {"model/w": file_entry(tmp / "model" / "w")})
+        return store.publish(tmp, step, {"step": step}, {"model/w": file_entry(tmp / "model" / "w")})
     for step in (10, 20, 30, 40):
         save(step)
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000020", "step_00000030",
                                                                "step_00000040"]
     save(5)
-    assert manager.latest() == tmp_path / "step_00000005" and manager.latest().exists()
+    assert store.latest() == tmp_path / "step_00000005" and store.latest().exists()
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000005"]
     for step in (6, 7, 8):
         save(step)

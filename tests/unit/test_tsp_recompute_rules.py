@@ -1,11 +1,10 @@
 """parallel.tsp_recompute=selective on CUDA: the routes whose kernel saves copies of the gathered
 K/V (fp32 + GQA's expanded K/V, document masking's varlen call) are refused before any process
 group, naming dtype / heads / key and what to set; the others pass. Run on CPU: the route
-decision is pure (model/attention_route.py), and the Trainer's check is called on a stand-in."""
+decision is pure (model/attention_route.py), and the device check the Trainer runs first is
+called with a CUDA device that is never used."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 from tsp_trainer.config.schema import TrainConfig
 from tsp_trainer.model.attention_route import sdpa_route
 from tsp_trainer.parallel.tsp.recompute_rules import check_selective_route
-from tsp_trainer.trainer import Trainer
+from tsp_trainer.engine.device_support import check_device_support
 from tests.unit.test_config import raises, with_
 
 
@@ -47,24 +46,21 @@ def test_routes_that_save_views_pass(dtype, gqa):
                           num_kv_heads=8, document_masking=True)
 
 
-def _trainer_stand_in(**changes):
+def _check_on_cuda(**changes) -> None:
     cfg = with_(TrainConfig(), model__num_heads=4, model__num_kv_heads=2, zero__stage=1, **changes)
-    return SimpleNamespace(cfg=cfg, model_cfg=cfg.model.to_model_config(), bf16=cfg.train.dtype == "bf16",
-                           device=torch.device("cuda"))
+    check_device_support(cfg, cfg.model.to_model_config(), device=torch.device("cuda"))
 
 
 def test_trainer_refuses_before_any_process_group():
-    """Trainer._check_device_support (called before the accelerator and the mesh exist) applies
-    the rule for CUDA devices; full recompute and bf16 pass."""
-    stand_in = _trainer_stand_in(parallel__tsp_recompute="selective", train__dtype="fp32")
+    """check_device_support (the Trainer calls it before the accelerator and the mesh exist)
+    applies the rule for CUDA devices; full recompute and bf16 pass."""
     raises("parallel.tsp_recompute='selective' on CUDA with train.dtype=fp32 and GQA "
-           "(model.num_heads=4, model.num_kv_heads=2)", Trainer._check_device_support, stand_in)
-    stand_in = _trainer_stand_in(parallel__tsp_recompute="selective", train__dtype="bf16",
-                                 data__document_masking=True)
-    raises("data.document_masking=true", Trainer._check_device_support, stand_in)
-    Trainer._check_device_support(_trainer_stand_in(parallel__tsp_recompute="selective",
-                                                    train__dtype="bf16"))
-    Trainer._check_device_support(_trainer_stand_in(parallel__tsp_recompute="full", train__dtype="fp32"))
+           "(model.num_heads=4, model.num_kv_heads=2)", _check_on_cuda,
+           parallel__tsp_recompute="selective", train__dtype="fp32")
+    raises("data.document_masking=true", _check_on_cuda, parallel__tsp_recompute="selective",
+           train__dtype="bf16", data__document_masking=True)
+    _check_on_cuda(parallel__tsp_recompute="selective", train__dtype="bf16")
+    _check_on_cuda(parallel__tsp_recompute="full", train__dtype="fp32")
 
 
 def test_trainer_applies_the_route_rules_to_recompute_none():
@@ -73,9 +69,7 @@ def test_trainer_applies_the_route_rules_to_recompute_none():
     passes bf16 without masking."""
     raises("parallel.tsp_recompute='none' on CUDA with train.dtype=fp32 and GQA (model.num_heads=4, "
            "model.num_kv_heads=2)",
-           Trainer._check_device_support,
-           _trainer_stand_in(parallel__tsp_recompute="none", train__dtype="fp32"))
+           _check_on_cuda, parallel__tsp_recompute="none", train__dtype="fp32")
     raises("parallel.tsp_recompute='none' on CUDA with data.document_masking=true",
-           Trainer._check_device_support, _trainer_stand_in(parallel__tsp_recompute="none", train__dtype="bf16",
-                             data__document_masking=True))
-    Trainer._check_device_support(_trainer_stand_in(parallel__tsp_recompute="none", train__dtype="bf16"))
+           _check_on_cuda, parallel__tsp_recompute="none", train__dtype="bf16", data__document_masking=True)
+    _check_on_cuda(parallel__tsp_recompute="none", train__dtype="bf16")

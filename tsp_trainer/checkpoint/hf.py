@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tsp_trainer.checkpoint.manager import LATEST, read_verified_meta
+from tsp_trainer.checkpoint.disk_format import LATEST, read_verified_meta
 from tsp_trainer.checkpoint.shards import read_full_state_dict
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.hf_model import HF_FAMILIES, hf_config_dict, is_close, model_fields_from_hf

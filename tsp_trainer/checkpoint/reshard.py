@@ -170,9 +170,9 @@ def load_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.opt
     master weights and the AdamW moments and step count. No collective."""
     folder = Path(folder)
     if not list((folder / OPTIM).glob(f"{OPTIM}-*.safetensors")):
-        raise ValueError(f"checkpoint {folder} has no layout-free optimizer state ({OPTIM}/): it "
-                         "was written before tsp_trainer saved one (then beside DeepSpeed's own "
-                         "files, which are no longer read); export its weights with tsp-export "
+        raise ValueError(f"checkpoint {folder} has no layout-free optimizer state ({OPTIM}/), "
+                         "which a resume reads (DeepSpeed's own checkpoint files are not read); "
+                         "export its weights with tsp-export "
                          "and start from them with model.init_from")
     params = dict(par.model.named_parameters())
     ranks = _axis_ranks(par)

@@ -1,7 +1,8 @@
 """Self-describing model shards: each rank that owns a distinct shard (dp_rank 0 of each tsp rank)
 writes its local tensors to one safetensors file whose metadata records, per tensor, the full
 shape and how it is split (ShardSpec). Reading every file back gives the full state dict whatever
-layout wrote it, which is what resharding and export need (STYLE.md section 5.8).
+layout wrote it, which is what resharding and export need: the file names are never the only
+record of the layout.
 
 The same format holds the layout-free optimizer state (checkpoint/reshard.py): files
 `optim-tspXXX-of-YYY[-partPPP-of-QQQ].safetensors`, tensors named "<state key>/<parameter name>".

@@ -3,10 +3,11 @@
 Accelerate has no public way to hand DeepSpeed a model-parallel `mpu`. Measured on accelerate
 1.15 / deepspeed 0.19: `Accelerator._prepare_deepspeed` looks up `deepspeed.initialize` when it
 runs, so binding `mpu=` onto it for the duration of `accelerator.prepare(...)` works. That is the
-one Accelerate internal we rely on; tests/distributed/test_engine.py fails if it changes.
+one Accelerate internal we rely on; tests/distributed/test_trainer.py
+(test_accelerate_internal_the_mpu_shim_relies_on) fails if it changes.
 
-Everything else is the contract of DESIGN.md section 7: train_batch_size = micro x grad_accum x
-dp written explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
+The rest of the contract with DeepSpeed: train_batch_size = micro x grad_accum x dp written
+explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
 gradient_clipping written explicitly (DeepSpeed's default is 1.0); a torch AdamW (no JIT build of
 DeepSpeed's fused op); bf16 on GPU, fp32 on CPU, gradients accumulated and reduced in fp32 either
 way; the data loader is ours, never prepared.
@@ -52,7 +53,7 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
 
 def skip_cpu_shm_build() -> None:
     """DeepSpeed JIT-compiles a shared-memory comm op at every initialize on CPU (~26 s the first
-    time) although only inference_all_reduce uses it; skip the build (ENV_NOTES.md section 3)."""
+    time) although only inference_all_reduce uses it, which training never calls: skip the build."""
     module = importlib.import_module("deepspeed.comm.torch")
     module = sys.modules["deepspeed.comm.torch"]          # deepspeed.comm re-exports torch
     module.build_shm_op = lambda: None

@@ -1,12 +1,12 @@
-"""ZeRO optimizer-state accessors for layout-free checkpoints (checkpoint/reshard.py): the engine
-package is the only importer of deepspeed (DESIGN.md section 6).
+"""ZeRO optimizer-state accessors for layout-free checkpoints (checkpoint/reshard.py), kept here
+because the engine package is the only importer of deepspeed.
 
 ZeRO 1/2 and DeepSpeed's bf16 optimizer link each model parameter to its fragment of the flat
 fp32 partition and set `param._hp_mapping` (None where this rank holds no fragment; its
 `lp_fragment_address` is the fragment's (start, numel) in the flattened parameter and
 `get_hp_fragment(key)` the fragment itself); the safe_* helpers dispatch on that attribute, so do
-these. Without it (ZeRO-0, fp32) the torch optimizer holds the state per parameter. tests/distributed/test_reshard.py fails if any of this
-changes in a DeepSpeed upgrade.
+these. Without it (ZeRO-0, fp32) the torch optimizer holds the state per parameter.
+tests/distributed/test_reshard.py fails if any of this changes in a DeepSpeed upgrade.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tsp_trainer.checkpoint.hf import load_hf_state_dict, resolve_checkpoint
-from tsp_trainer.checkpoint.manager import MANIFEST, META, sha256_file
+from tsp_trainer.checkpoint.disk_format import MANIFEST, META, sha256_file
 from tsp_trainer.checkpoint.shards import read_local_state_dict
 from tsp_trainer.config import ModelConfig, ModelSection, TrainConfig, load_config
 from tsp_trainer.data import TextTokenizer, load_run_tokenizer, load_tokenizer

@@ -25,7 +25,7 @@ import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tsp_trainer.checkpoint.manager import atomic_write_text
+from tsp_trainer.checkpoint.disk_format import atomic_write_text
 from tsp_trainer.run.rundir import RUN_FILE
 
 

@@ -17,10 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tsp_trainer.checkpoint.manager import META
+from tsp_trainer.checkpoint.disk_format import META
 from tsp_trainer.checkpoint.reshard import check_layout_change
+from tsp_trainer.checkpoint.train_state import check_same_model
 from tsp_trainer.config import TrainConfig, validate_config
-from tsp_trainer.config.model import ModelConfig
 from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, load_run_tokenizer
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.run.rundir import check_output_dir, resolve_resume
@@ -63,16 +63,6 @@ def read_meta(path: Path) -> dict:
         return json.loads(meta.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"train.resume: checkpoint {path} has an unreadable {META} ({err})") from err
-
-
-def check_same_model(meta: dict, model_cfg: ModelConfig, path: Path) -> None:
-    """The checkpoint must hold this model's shape; the message names every field that differs."""
-    saved, mine = ModelConfig.from_dict(meta["model"]).to_dict(), model_cfg.to_dict()
-    if saved != mine:
-        diff = {k: (v, mine.get(k)) for k, v in saved.items() if mine.get(k) != v}
-        raise ValueError(f"checkpoint {path} is of another model shape: "
-                         + ", ".join(f"model.{k}={b} here vs {a} in the checkpoint"
-                                     for k, (a, b) in diff.items()))
 
 
 def run_layout(cfg: TrainConfig, world_size: int) -> dict:

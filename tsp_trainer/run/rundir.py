@@ -5,7 +5,7 @@ files that must agree with the checkpoint a run continues from.
         config.yaml       resolved config of the newest launch
         run.json          the run's identity: W&B run id and name (run/identity.py)
         metrics.jsonl     one line per logged step, each step once (cut back to the resumed step)
-        checkpoints/      step_* folders and `latest` (checkpoint/manager.py)
+        checkpoints/      step_* folders and `latest` (checkpoint/disk_format.py)
         hang_dumps/       rank_XXXXX.txt, written by the hang watchdog (run/watchdog.py)
 
 Rules (docs/reliability.md, "Output folders"):
@@ -17,7 +17,7 @@ Rules (docs/reliability.md, "Output folders"):
 
 `check_output_dir` and `resolve_resume` only read (and probe writability); they run before any
 process group exists (run/inputs.py). `claim_output_dir` mutates and runs on global rank 0 only.
-Imports nothing of ours but checkpoint.manager's path helpers.
+Imports nothing of ours but checkpoint.disk_format's path helpers.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tsp_trainer.checkpoint.manager import (MANIFEST, atomic_write_text, find_checkpoint,
-                                            latest_checkpoint)
+from tsp_trainer.checkpoint.disk_format import (MANIFEST, atomic_write_text, find_checkpoint,
+                                                latest_checkpoint)
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -97,7 +97,7 @@ def is_inside(path: Path, root: Path) -> bool:
 
 def abandoned_checkpoints(output_dir: str | os.PathLike, resume_path: Path | None) -> list[str]:
     """Checkpoints of this folder newer than the one resumed (a rollback): the first save of the
-    resumed run prunes them (checkpoint/manager.py), so the caller says so up front."""
+    resumed run prunes them (checkpoint/store.py), so the caller says so up front."""
     if resume_path is None or not is_inside(resume_path, checkpoints_root(output_dir)):
         return []
     return sorted(p.name for p in checkpoints_root(output_dir).glob("step_*")

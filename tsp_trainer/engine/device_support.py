@@ -1,0 +1,28 @@
+"""What this device and dtype cannot run, refused before any process group starts, each refusal
+naming the shape and dtype: DeepSpeed's precision rule, the CUDA attention route for the model's
+heads, and the routes parallel.tsp_recompute=selective / none accept."""
+
+from __future__ import annotations
+
+import torch
+
+from tsp_trainer.config import ModelConfig, TrainConfig
+from tsp_trainer.config.validate import check_precision
+from tsp_trainer.model.attention_route import check_cuda_attention
+from tsp_trainer.parallel.tsp.recompute_rules import check_selective_route
+
+
+def check_device_support(cfg: TrainConfig, model_cfg: ModelConfig, *, device: torch.device) -> None:
+    """Raises ValueError for what `device` cannot run under `cfg` (train.dtype already resolved)."""
+    bf16 = cfg.train.dtype == "bf16"
+    check_precision(zero_stage=cfg.zero.stage, bf16=bf16)
+    if device.type != "cuda":
+        return
+    m = model_cfg
+    route = check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                                 dtype=torch.bfloat16 if bf16 else torch.float32)
+    # selective and none keep the attention kernel's graph alike (none adds the MLP's)
+    if cfg.parallel.tsp_recompute != "full":
+        check_selective_route(route, dtype=cfg.train.dtype, num_heads=m.num_heads,
+                              num_kv_heads=m.num_kv_heads, document_masking=cfg.data.document_masking,
+                              mode=cfg.parallel.tsp_recompute)
