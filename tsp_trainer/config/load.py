@@ -5,7 +5,7 @@ Layers are merged in order onto `OmegaConf.structured(TrainConfig)`: the `base:`
 before it is merged, so a mistake is reported as one line naming the full dotted key, the value, the
 rule and where it came from; OmegaConf's own messages are multi-line and convert silently (an int 2
 into a bool, `no` into a string field as False), which we want to refuse. No DictConfig leaves this
-file (STYLE.md section 4).
+file: the rest of the code sees only the typed dataclasses of schema.py.
 
 OmegaConf (and PyYAML) are imported inside the functions that use them, so `import tsp_trainer.config`,
 which the model package does, stays standard-library only.
