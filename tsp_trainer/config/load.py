@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Union
 
 from tsp_trainer.config.schema import TrainConfig
+from tsp_trainer.config.settings import list_of_sections
 
 if typing.TYPE_CHECKING:
     import yaml
@@ -145,7 +146,7 @@ def _check_section(layer: dict, cls: type, *, prefix: str, source: str) -> None:
                 raise ValueError(f"config key '{dotted}'={_show(value)} must be a section "
                                  f"(a mapping of {kind.__name__} keys); {source}")
             _check_section(value, kind, prefix=dotted + ".", source=source)
-        elif _list_of_sections(kind) and isinstance(value, list):
+        elif list_of_sections(kind) and isinstance(value, list):
             item_cls = typing.get_args(kind)[0]
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
@@ -161,11 +162,6 @@ def _check_section(layer: dict, cls: type, *, prefix: str, source: str) -> None:
 def _removed_choice(dotted: str, value: Any) -> str:
     """The hint for a choice an older version took (REMOVED_CHOICES); a list value has none."""
     return REMOVED_CHOICES.get((dotted, value), "") if isinstance(value, typing.Hashable) else ""
-
-
-def _list_of_sections(kind: Any) -> bool:
-    args = typing.get_args(kind)
-    return typing.get_origin(kind) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
 
 
 def _accepts(value: Any, kind: Any) -> bool:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.config.model import MODEL_SIZES, ModelConfig
 from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer
 from tsp_trainer.config.settings import setting
 
@@ -41,7 +41,7 @@ def resolved_dtype(dtype: str, cuda: bool) -> str:
 
 @dataclass(frozen=True)
 class RopeScalingSection:
-    """model.rope_scaling: transformers' rope_parameters keys. Unset (all null) keeps the size's or
+    """Transformers' rope_parameters keys. Unset (all null) keeps the size's or
     folder's scaling; any key set replaces it and needs rope_type (docs/long_context.md)."""
 
     rope_type: RopeType | None = setting(None, doc="default (no scaling), linear, llama3 or yarn")
@@ -60,11 +60,11 @@ class RopeScalingSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """A named size or a Hugging Face folder, plus optional overrides; None means "not set": take
+    """A named size or a Hugging Face folder, plus optional overrides; null means "not set": take
     the value from the size or the folder (config/model_source.py states the rule)."""
 
-    size: str | None = setting(None, doc="a named size (config.model.MODEL_SIZES); null: \"tiny\", "
-                                         "or the folder's shape")
+    size: str | None = setting(None, choices=tuple(MODEL_SIZES),
+                               doc="a named size; null: tiny, or the folder's shape")
     vocab_size: int | None = setting(None, doc="tokens in the embedding / LM head")
     hidden_size: int | None = setting(None, doc="h, the residual width")
     num_layers: int | None = setting(None, doc="decoder blocks")
@@ -114,7 +114,7 @@ class ParallelSection:
 class SourceSection:
     """One source of a token-weighted mixture (`data.sources`); unset fields follow `data.*`."""
 
-    source: str = setting("???", doc="local file/folder/glob or a hub dataset name (required)")
+    source: str = setting("???", doc="local file/folder/glob or a hub dataset name")
     weight: float = setting(1.0, above=0, doc="share of the trained tokens (normalised over sources)")
     name: str | None = setting(None, doc="label in logs and metrics; null = the source")
     format: DataFormat = setting("auto", doc="as data.format")

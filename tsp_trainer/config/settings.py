@@ -10,6 +10,7 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,3 +69,9 @@ def choices_of(f: dataclasses.Field) -> tuple:
 def field_of(cls: type, name: str) -> dataclasses.Field:
     """The dataclass field `name` of `cls` (a schema section)."""
     return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def list_of_sections(kind: Any) -> bool:
+    """Whether the type `kind` is `list[SomeSection]` (data.sources, data.seq_len_schedule)."""
+    args = typing.get_args(kind)
+    return typing.get_origin(kind) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])

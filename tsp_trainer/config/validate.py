@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from tsp_trainer.config.model import ModelConfig
 from tsp_trainer.config.schema import ModelSection, ParallelSection, Scheme, TrainConfig, ZeroSection
-from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of
+from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, list_of_sections
 
 SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
 
@@ -141,16 +141,11 @@ def _check_bounds(section: Any, prefix: str) -> None:
         key, value, kind = prefix + f.name, getattr(section, f.name), hints[f.name]
         if dataclasses.is_dataclass(kind):
             _check_bounds(value, key + ".")
-        elif _list_of_sections(kind):
+        elif list_of_sections(kind):
             for i, item in enumerate(value):
                 _check_bounds(item, f"{key}[{i}].")
         elif bound_of(f) is not None and not (value is None and _optional(kind)):
             _require_bound(key, value, bound_of(f), integer=_number_kind(kind) is int)
-
-
-def _list_of_sections(kind: Any) -> bool:
-    args = typing.get_args(kind)
-    return typing.get_origin(kind) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
 
 
 def _optional(kind: Any) -> bool:
