@@ -15,7 +15,7 @@ from tsp_trainer.config.model import MODEL_SIZES
 from tsp_trainer.config.reference import config_reference, config_sections
 from tsp_trainer.config.schema import (DataFormat, DType, OptimSection, ParallelSection, Scheme,
                                        TrainConfig, TspRecompute)
-from tsp_trainer.config.settings import Bound, bound_of, field_of, setting
+from tsp_trainer.config.settings import Bound, bound_of, field_of, leaf_keys, setting
 from tsp_trainer.config.validate import validate_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -87,22 +87,12 @@ def test_every_scheme_has_its_shape_rule():
 # --help-config and docs/config.md
 
 
-def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    for name, kind in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(kind):
-            keys += _leaf_keys(kind, f"{prefix}{name}.")
-        else:
-            keys.append(prefix + name)
-    return keys
-
-
 def test_the_reference_lists_every_key_with_a_doc():
     from tsp_trainer.config.schema import LengthStageSection, SourceSection
 
     shown = [k for s in config_sections() for k in s.keys]
-    expected = (_leaf_keys(TrainConfig) + _leaf_keys(SourceSection, "data.sources[].")
-                + _leaf_keys(LengthStageSection, "data.seq_len_schedule[]."))
+    expected = (leaf_keys(TrainConfig) + leaf_keys(SourceSection, "data.sources[].")
+                + leaf_keys(LengthStageSection, "data.seq_len_schedule[]."))
     assert sorted(k.dotted for k in shown) == sorted(expected)
     assert [k.dotted for k in shown if not k.doc] == []
 
@@ -120,7 +110,7 @@ def test_help_config_prints_every_key_and_exits_0(capsys):
     assert "  optim.beta2 (float, in [0, 1); default 0.95)\n" in out
     assert "  zero.stage (int, one of 0, 1, 2; default 1)\n" in out
     assert "  data.sources[].source (str; required)\n" in out
-    assert all(f"  {key} (" in out for key in _leaf_keys(TrainConfig))
+    assert all(f"  {key} (" in out for key in leaf_keys(TrainConfig))
 
 
 def test_docs_config_md_is_what_help_config_markdown_prints():

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Union
 
 from tsp_trainer.config.schema import TrainConfig
-from tsp_trainer.config.settings import list_of_sections
+from tsp_trainer.config.settings import leaf_keys, list_of_sections
 
 if typing.TYPE_CHECKING:
     import yaml
@@ -214,22 +214,12 @@ def _key_hint(key: Any, cls: type, prefix: str) -> str:
     if close:
         return f"did you mean '{prefix}{close[0]}'?"
     # The key may belong to another section (`train.seq_len` for `data.seq_len`).
-    leaves = _leaf_paths(TrainConfig)
+    leaves = leaf_keys(TrainConfig)
     close = difflib.get_close_matches(name, [p.rsplit(".", 1)[-1] for p in leaves], n=1)
     if close:
         return f"did you mean '{next(p for p in leaves if p.endswith('.' + close[0]))}'?"
     section = f" of '{prefix[:-1]}'" if prefix else ""
     return f"known keys{section}: {', '.join(siblings)}"
-
-
-def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
-    paths = []
-    for name, kind in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(kind):
-            paths += _leaf_paths(kind, f"{prefix}{name}.")
-        else:
-            paths.append(f"{prefix}{name}")
-    return paths
 
 
 def _is_interpolation(value: Any) -> bool:

@@ -75,3 +75,14 @@ def list_of_sections(kind: Any) -> bool:
     """Whether the type `kind` is `list[SomeSection]` (data.sources, data.seq_len_schedule)."""
     args = typing.get_args(kind)
     return typing.get_origin(kind) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
+
+
+def leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """The dotted keys of section `cls` and its sub-sections, in schema order ("model.size", ...)."""
+    keys = []
+    for name, kind in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(kind):
+            keys += leaf_keys(kind, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
