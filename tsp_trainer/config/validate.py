@@ -163,6 +163,8 @@ def _require_bound(key: str, value: Any, bound: Bound, *, integer: bool) -> None
         if isinstance(value, bool) or not isinstance(value, int) or not bound.allows(value):
             raise ValueError(f"{key}={value!r} must be an integer {bound.text()}")
         return
+    # Every bounded float must also be finite: an `.inf` learning rate would apply one update of
+    # infinities and then skip every later step.
     rule = f"must be {bound.text()}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key}={value!r} must be a number; it {rule}")
@@ -174,9 +176,11 @@ def _require_bound(key: str, value: Any, bound: Bound, *, integer: bool) -> None
 
 def _check_model_floats(model: ModelConfig) -> None:
     """The bounded model keys on the resolved model (a size's or folder's value, or the override)."""
+    hints = typing.get_type_hints(ModelSection)
     for f in dataclasses.fields(ModelSection):
         if bound_of(f) is not None and hasattr(model, f.name):
-            _require_bound(f"model.{f.name}", getattr(model, f.name), bound_of(f), integer=False)
+            _require_bound(f"model.{f.name}", getattr(model, f.name), bound_of(f),
+                           integer=_number_kind(hints[f.name]) is int)
 
 
 def hang_dump_after_s(train) -> float:
