@@ -119,9 +119,20 @@ def _quiet_known_warnings() -> None:
 def train_main(argv: list[str] | None = None) -> None:
     _quiet_known_warnings()
     parser = argparse.ArgumentParser(prog="tsp-train", description="Train from a YAML recipe.")
-    parser.add_argument("recipe", help="recipes/*.yaml")
+    parser.add_argument("recipe", nargs="?", help="recipes/*.yaml")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
+    parser.add_argument("--help-config", action="store_true",
+                        help="print every config key (type, default, allowed values, meaning) and exit")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --help-config: as Markdown (the text of docs/config.md)")
     args = parser.parse_args(argv)
+    if args.help_config:
+        from tsp_trainer.config.reference import config_reference
+
+        print(config_reference(markdown=args.markdown), end="")
+        sys.exit(0)
+    if args.recipe is None:
+        parser.error("the following arguments are required: recipe")
     world, rank, local_rank = _launcher_env()
     cfg, inputs = _check_inputs_or_exit(args, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)

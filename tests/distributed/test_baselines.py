@@ -5,6 +5,7 @@ the same math as the reference, summed in a different order over ranks."""
 from __future__ import annotations
 
 import functools
+import typing
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from tests.distributed.tsp_cases import init_model, make_batch, reference
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import RopeScaling
+from tsp_trainer.config.schema import Scheme
 from tsp_trainer.model import Transformer
 from tsp_trainer.parallel.baselines.comm_model import bytes_by_op, expected_ledger_bytes
 from tsp_trainer.parallel.comm import Comm
@@ -108,8 +110,9 @@ def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
         assert out["param_numel"] == (cfg.num_params() - replicated) // t + replicated
 
 
-def test_registered():
-    assert {"tsp", "tp", "tp_sp", "sp", "tp_x_sp"} <= set(SCHEMES)
+def test_the_table_of_schemes_is_the_configs_scheme_type():
+    # parallel/schemes.py SCHEMES builds exactly the values parallel.scheme may take, in its order.
+    assert tuple(SCHEMES) == typing.get_args(Scheme) == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
 
 
 def _fake_mesh(degree: int) -> Mesh:

@@ -1,5 +1,6 @@
 """The package's dependency rules (docs/design.md, "Packages and the direction of imports"), checked
-on every module's imports (ast), and the size that keeps trainer.py a conductor."""
+on every module's imports (ast), the absence of import cycles among tsp_trainer modules, and the
+size that keeps trainer.py a conductor."""
 
 import ast
 import pathlib
@@ -132,3 +133,76 @@ def test_trainer_stays_a_conductor():
     assert lines <= TRAINER_MAX_LINES, (
         f"tsp_trainer/trainer.py has {lines} lines, more than {TRAINER_MAX_LINES}: move what does "
         "not conduct the run into the package it belongs to")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ("tsp_trainer", *path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_time_imports(tree: ast.AST) -> list[ast.stmt]:
+    """Import statements that run when the module is imported: not inside a function (a lazy
+    import runs later) nor under `if TYPE_CHECKING:`."""
+    found, todo = [], list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        todo += ast.iter_child_nodes(node)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """tsp_trainer module -> the tsp_trainer modules it imports at import time (`from pkg import
+    name` counts as pkg.name when that is a module)."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        targets = set()
+        for node in _import_time_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif node.module:
+                subs = {f"{node.module}.{a.name}" for a in node.names}
+                targets |= (subs & paths.keys()) or {node.module}
+        graph[name] = {t for t in targets if t in paths and t != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None (depth-first search, white/grey/black)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_among_our_modules():
+    graph = _import_graph()
+    assert "tsp_trainer.parallel.baselines.apply" in graph["tsp_trainer.parallel.schemes"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

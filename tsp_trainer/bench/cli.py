@@ -15,6 +15,7 @@ import math
 import os
 import platform
 import sys
+import typing
 
 import torch
 
@@ -23,7 +24,8 @@ from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_
                                       write_plot)
 from tsp_trainer.bench.run import scheme_rank, single_process
 from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
-from tsp_trainer.config.schema import resolved_dtype
+from tsp_trainer.config.model import MODEL_SIZES
+from tsp_trainer.config.schema import DType, TspRecompute, resolved_dtype
 
 _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
               "kv_heads": "num_kv_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
@@ -33,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tsp-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
-                   help="named size (tiny, 125m, 1b, 7b, 7b_ffn4x, llama3_8b, qwen2_5_7b, mistral_7b) "
-                        "or a Hugging Face model folder / config.json (shape only)")
+                   help=f"named size ({', '.join(MODEL_SIZES)}) or a Hugging Face model folder / "
+                        "config.json (shape only)")
     for flag in _OVERRIDES:
         p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
                        help=f"override model.{_OVERRIDES[flag]}")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp: S = D / T")
     p.add_argument("--tp-sequence-parallel", action="store_true", help="tp_x_sp: Megatron SP inside tp")
     p.add_argument("--head-buckets", type=int, default=1, help="tsp: K/V all-gather buckets")
-    p.add_argument("--tsp-recompute", choices=("full", "selective", "none"), default="full",
+    p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecompute), default="full",
                    help="tsp: full (save X_p only), selective (keep each shard's attention output) "
                         "or none (also keep the MLP's gate/up pre-activations: backward re-runs no "
                         "forward GEMM)")
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps; the first measures memory")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl when CUDA is available, else gloo")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+    p.add_argument("--dtype", choices=typing.get_args(DType), default="auto",
                    help="weights and activations; auto: bf16 with nccl (GPUs), fp32 with gloo, as "
                         "the trainer's train.dtype=auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / D)")

@@ -5,7 +5,7 @@ Layers are merged in order onto `OmegaConf.structured(TrainConfig)`: the `base:`
 before it is merged, so a mistake is reported as one line naming the full dotted key, the value, the
 rule and where it came from; OmegaConf's own messages are multi-line and convert silently (an int 2
 into a bool, `no` into a string field as False), which we want to refuse. No DictConfig leaves this
-file (STYLE.md section 4).
+file: the rest of the code sees only the typed dataclasses of schema.py.
 
 OmegaConf (and PyYAML) are imported inside the functions that use them, so `import tsp_trainer.config`,
 which the model package does, stays standard-library only.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Union
 
 from tsp_trainer.config.schema import TrainConfig
+from tsp_trainer.config.settings import leaf_keys, list_of_sections
 
 if typing.TYPE_CHECKING:
     import yaml
@@ -145,7 +146,7 @@ def _check_section(layer: dict, cls: type, *, prefix: str, source: str) -> None:
                 raise ValueError(f"config key '{dotted}'={_show(value)} must be a section "
                                  f"(a mapping of {kind.__name__} keys); {source}")
             _check_section(value, kind, prefix=dotted + ".", source=source)
-        elif _list_of_sections(kind) and isinstance(value, list):
+        elif list_of_sections(kind) and isinstance(value, list):
             item_cls = typing.get_args(kind)[0]
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
@@ -161,11 +162,6 @@ def _check_section(layer: dict, cls: type, *, prefix: str, source: str) -> None:
 def _removed_choice(dotted: str, value: Any) -> str:
     """The hint for a choice an older version took (REMOVED_CHOICES); a list value has none."""
     return REMOVED_CHOICES.get((dotted, value), "") if isinstance(value, typing.Hashable) else ""
-
-
-def _list_of_sections(kind: Any) -> bool:
-    args = typing.get_args(kind)
-    return typing.get_origin(kind) is list and len(args) == 1 and dataclasses.is_dataclass(args[0])
 
 
 def _accepts(value: Any, kind: Any) -> bool:
@@ -218,22 +214,12 @@ def _key_hint(key: Any, cls: type, prefix: str) -> str:
     if close:
         return f"did you mean '{prefix}{close[0]}'?"
     # The key may belong to another section (`train.seq_len` for `data.seq_len`).
-    leaves = _leaf_paths(TrainConfig)
+    leaves = leaf_keys(TrainConfig)
     close = difflib.get_close_matches(name, [p.rsplit(".", 1)[-1] for p in leaves], n=1)
     if close:
         return f"did you mean '{next(p for p in leaves if p.endswith('.' + close[0]))}'?"
     section = f" of '{prefix[:-1]}'" if prefix else ""
     return f"known keys{section}: {', '.join(siblings)}"
-
-
-def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
-    paths = []
-    for name, kind in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(kind):
-            paths += _leaf_paths(kind, f"{prefix}{name}.")
-        else:
-            paths.append(f"{prefix}{name}")
-    return paths
 
 
 def _is_interpolation(value: Any) -> bool:

@@ -213,10 +213,11 @@ def _check_family(cfg: ModelConfig) -> None:
 
 
 # Named sizes. 7b is Llama-2-7B's shape (SwiGLU intermediate 11008, ~6.74B parameters);
-# 7b_ffn4x is the paper's literal "FFN x4" gated MLP (intermediate 16384, ~8.9B parameters),
-# see TSP_PAPER.md section 7.1 for the ambiguity. llama3_8b, qwen2_5_7b and mistral_7b are the
-# shapes (no weights, no tokenizer ids) of the released models' config.json: Llama-3.1-8B,
-# Qwen2.5-7B and Mistral-7B-v0.3.
+# 7b_ffn4x is the TSP paper's "FFN x4" read literally as a gated MLP of width 4h (intermediate
+# 16384, ~8.9B parameters). The paper's "7B" with "FFN x4" fits only one of them: 7b if "7B" is
+# the count (11008 ~ 2/3 x 4h, the usual gated-MLP scaling), 7b_ffn4x if "x4" is the width.
+# llama3_8b, qwen2_5_7b and mistral_7b are the shapes (no weights, no tokenizer ids) of the
+# released models' config.json: Llama-3.1-8B, Qwen2.5-7B and Mistral-7B-v0.3.
 MODEL_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=1024, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=128, max_seq_len=1024),

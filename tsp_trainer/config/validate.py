@@ -1,5 +1,7 @@
-"""Cross-field rules of a TrainConfig. Each failure is a ValueError naming key(s), value(s), the rule
-and a hint, e.g. `parallel.tsp_degree=3 does not divide model.num_kv_heads=8; use one of 1, 2, 4, 8`.
+"""The rules of a TrainConfig: each key's own rule (its choices, bound or allowed values, read from
+the schema's settings) and the cross-field rules. Each failure is a ValueError naming key(s),
+value(s), the rule and a hint, e.g.
+`parallel.tsp_degree=3 does not divide model.num_kv_heads=8; use one of 1, 2, 4, 8`.
 
 `check_parallel_shapes` is the pure shape rule of every scheme; the parallel package calls it before
 any process-group work, so a bad degree fails with this message rather than as a shape error deep
@@ -9,14 +11,14 @@ inside a collective.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import typing
 from typing import Any, Literal
 
 from tsp_trainer.config.model import ModelConfig
-from tsp_trainer.config.schema import ParallelSection, Scheme, TrainConfig
+from tsp_trainer.config.schema import ModelSection, ParallelSection, Scheme, TrainConfig, ZeroSection
+from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, list_of_sections
 
 SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
 
@@ -31,51 +33,11 @@ _SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size", "vocab_size")
 _SCHEME_AXES = {"tsp": (True, 2), "tp": (True, 0), "tp_sp": (True, 1), "sp": (False, 2),
                 "tp_x_sp": (True, 2)}
 
-# key -> smallest allowed integer; None is allowed where the schema says `int | None`.
-_INT_MIN = {
-    "model.seed": 0, "parallel.tsp_degree": 1, "parallel.head_buckets": 1, "parallel.tp_degree": 1,
-    "parallel.sp_degree": 1, "parallel.dp_degree": 1, "data.seq_len": 1, "data.micro_batch_size": 1,
-    "data.shuffle_buffer": 1, "optim.warmup_steps": 0, "train.steps": 1, "train.grad_accum": 1,
-    "train.global_batch_size": 1, "train.eval_every": 0, "train.eval_batches": 1, "train.seed": 0,
-    "train.collective_timeout_s": 1, "train.max_consecutive_skips": 1, "checkpoint.every": 0,
-    "checkpoint.keep_last": 1, "logging.log_every": 1, "logging.rank_stats_every": 0, "data.prefetch": 0,
-    "eval.passkey_every": 0, "eval.passkey_samples": 1, "eval.passkey_digits": 1,
-    "eval.passkey_seed": 0,
-    "data.mixture_estimate_docs": 1, "data.max_example_split_dp": 1, "data.dataset_tokens": 1,
-    "data.upsample.min_tokens": 0, "data.upsample.gap_docs": 1,
-}
-_OPTIONAL_INTS = {"parallel.tp_degree", "parallel.sp_degree", "parallel.dp_degree",
-                  "train.global_batch_size", "data.dataset_tokens"}
-
-# key -> (predicate, rule) for the float fields; every one must also be finite (an `.inf` learning
-# rate would apply one update of infinities and then skip every later step).
-_FLOAT_RULES = {
-    "optim.lr": (lambda v: v > 0, "must be > 0"),
-    "optim.min_lr": (lambda v: v >= 0, "must be >= 0"),
-    "optim.weight_decay": (lambda v: v >= 0, "must be >= 0"),
-    "optim.beta1": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "optim.beta2": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "optim.eps": (lambda v: v > 0, "must be > 0"),
-    "optim.max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
-    "train.max_runtime_min": (lambda v: v >= 0, "must be >= 0 minutes (0 = no limit)"),
-    "data.max_epochs_warning": (lambda v: 0 < v < math.inf, "must be a finite number > 0"),
-    "data.upsample.factor": (lambda v: 1 <= v < math.inf, "must be a finite number >= 1 "
-                                                          "(1 = no upsampling)"),
-}
-# The resolved model's floats (a size's defaults or an override; ModelSection's are optional).
-_MODEL_FLOAT_RULES = {
-    "rope_theta": (lambda v: v > 0, "must be > 0"),
-    "norm_eps": (lambda v: v > 0, "must be > 0"),
-    "init_std": (lambda v: v > 0, "must be > 0"),
-}
-# Signals a preemption may arrive with; SIGKILL and SIGSTOP cannot be caught, SIGINT stays Ctrl-C.
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
-
 
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Raise ValueError on the first broken rule. `world_size` adds the mesh rules when known."""
     _check_choices(cfg)
-    _check_numbers(cfg)
+    _check_bounds(cfg, "")
     _check_zero(cfg.zero.stage)
     check_precision(zero_stage=cfg.zero.stage, bf16=cfg.train.dtype == "bf16")
     if cfg.zero.stage == 0 and cfg.train.nonfinite == "skip":
@@ -172,32 +134,53 @@ def _check_choices(cfg: TrainConfig) -> None:
                                  f"{', '.join(map(repr, choices))}; pick one of them")
 
 
-def _check_numbers(cfg: TrainConfig) -> None:
-    for key, minimum in _INT_MIN.items():
-        value = _get(cfg, key)
-        if not (value is None and key in _OPTIONAL_INTS):
-            _require_int(key, value, minimum)
-    for key, (ok, rule) in _FLOAT_RULES.items():
-        _require_float(key, _get(cfg, key), ok, rule)
-    peak = cfg.logging.peak_tflops
-    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
-                             or not math.isfinite(peak) or peak <= 0):
-        raise ValueError(f"logging.peak_tflops={peak!r} must be a finite number > 0 (one device's "
-                         "peak TFLOP/s, for MFU), or null to detect it on a known GPU")
+def _check_bounds(section: Any, prefix: str) -> None:
+    """Every key of `section` with a bound in its setting (schema.py), its sub-sections and lists
+    of sections included (`data.sources[0].weight`); null passes where the type allows it."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        key, value, kind = prefix + f.name, getattr(section, f.name), hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            _check_bounds(value, key + ".")
+        elif list_of_sections(kind):
+            for i, item in enumerate(value):
+                _check_bounds(item, f"{key}[{i}].")
+        elif bound_of(f) is not None and not (value is None and _optional(kind)):
+            _require_bound(key, value, bound_of(f), integer=_number_kind(kind) is int)
 
 
-def _require_float(key: str, value: Any, ok, rule: str) -> None:
+def _optional(kind: Any) -> bool:
+    return type(None) in typing.get_args(kind)
+
+
+def _number_kind(kind: Any) -> type:
+    """int or float: the number type of `int`, `float` or `X | None`."""
+    return next(a for a in (kind, *typing.get_args(kind)) if a in (int, float))
+
+
+def _require_bound(key: str, value: Any, bound: Bound, *, integer: bool) -> None:
+    if integer:
+        if isinstance(value, bool) or not isinstance(value, int) or not bound.allows(value):
+            raise ValueError(f"{key}={value!r} must be an integer {bound.text()}")
+        return
+    # Every bounded float must also be finite: an `.inf` learning rate would apply one update of
+    # infinities and then skip every later step.
+    rule = f"must be {bound.text()}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key}={value!r} must be a number; it {rule}")
-    if not math.isfinite(value) and "finite" not in rule:      # (a rule may say it already)
+    if not math.isfinite(value):
         raise ValueError(f"{key}={value!r} must be a finite number; it {rule}")
-    if not ok(value):
+    if not bound.allows(value):
         raise ValueError(f"{key}={value!r} {rule}")
 
 
 def _check_model_floats(model: ModelConfig) -> None:
-    for name, (ok, rule) in _MODEL_FLOAT_RULES.items():
-        _require_float(f"model.{name}", getattr(model, name), ok, rule)
+    """The bounded model keys on the resolved model (a size's or folder's value, or the override)."""
+    hints = typing.get_type_hints(ModelSection)
+    for f in dataclasses.fields(ModelSection):
+        if bound_of(f) is not None and hasattr(model, f.name):
+            _require_bound(f"model.{f.name}", getattr(model, f.name), bound_of(f),
+                           integer=_number_kind(hints[f.name]) is int)
 
 
 def hang_dump_after_s(train) -> float:
@@ -208,26 +191,25 @@ def hang_dump_after_s(train) -> float:
 
 def _check_lifecycle(cfg: TrainConfig) -> None:
     t = cfg.train
-    if t.hang_dump_s is not None:
-        _require_float("train.hang_dump_s", t.hang_dump_s, lambda v: v >= 0,
-                       "must be >= 0 seconds (0 = no hang dumps, null = half the collective timeout)")
     if t.hang_dump_s and t.hang_dump_s >= t.collective_timeout_s:
         raise ValueError(f"train.hang_dump_s={t.hang_dump_s:g} must be below train.collective_timeout_s="
                          f"{t.collective_timeout_s} (the dump has to come before the timeout ends the "
                          "job); lower it or set it to 0 to turn hang dumps off")
-    signals = t.preempt_signals
-    if not isinstance(signals, (list, tuple)) or any(s not in PREEMPT_SIGNALS for s in signals):
+    signals, known = t.preempt_signals, choices_of(field_of(type(t), "preempt_signals"))
+    if not isinstance(signals, (list, tuple)) or any(s not in known for s in signals):
         raise ValueError(f"train.preempt_signals={list(signals) if isinstance(signals, (list, tuple)) else signals!r} "
-                         f"must name signals among {', '.join(PREEMPT_SIGNALS)} (SIGKILL and SIGSTOP "
+                         f"must name signals among {', '.join(known)} (SIGKILL and SIGSTOP "
                          "cannot be caught; SIGINT stays Ctrl-C); use [] to disable")
 
 
 def _check_zero(stage: Any) -> None:
+    stages = choices_of(field_of(ZeroSection, "stage"))
+    named = ", ".join(map(str, stages[:-1])) + f" or {stages[-1]}"        # "0, 1 or 2"
     if stage == 3 and not isinstance(stage, bool):
         raise ValueError("zero.stage=3 is not yet proven with TSP: no parity test covers ZeRO-3 with "
-                         "sharded weights (DESIGN.md section 7); use zero.stage 0, 1 or 2")
-    if stage not in (0, 1, 2) or isinstance(stage, bool):
-        raise ValueError(f"zero.stage={stage!r} must be 0, 1 or 2 (DeepSpeed ZeRO stage over the DP axis)")
+                         f"sharded weights; use zero.stage {named}")
+    if stage not in stages or isinstance(stage, bool):
+        raise ValueError(f"zero.stage={stage!r} must be {named} (DeepSpeed ZeRO stage over the DP axis)")
 
 
 def check_precision(*, zero_stage: int, bf16: bool) -> None:
@@ -240,8 +222,15 @@ def check_precision(*, zero_stage: int, bf16: bool) -> None:
 
 
 def _require_int(key: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key}={value!r} must be an integer >= {minimum}")
+    _require_bound(key, value, Bound(minimum), integer=True)
+
+
+def _require_setting(dotted: str, value: Any, *, key: str | None = None) -> None:
+    """`value` keeps the bound of the schema key `dotted` (e.g. "parallel.tsp_degree"); the message
+    names `key` (default `dotted`): a function argument checked like the key it stands for."""
+    section, name = dotted.split(".")
+    cls = typing.get_type_hints(TrainConfig)[section]
+    _require_bound(key or dotted, value, bound_of(field_of(cls, name)), integer=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,10 +241,10 @@ def _check_scheme_args(scheme: str, degree: int, seq_len: int | None, head_bucke
                        tp_degree: int | None, sp_degree: int | None, seq_key: str) -> None:
     if scheme not in SCHEMES:
         raise ValueError(f"parallel.scheme={scheme!r} is not one of {', '.join(map(repr, SCHEMES))}")
-    _require_int("parallel.tsp_degree", degree, 1)
-    _require_int("parallel.head_buckets", head_buckets, 1)
+    _require_setting("parallel.tsp_degree", degree)
+    _require_setting("parallel.head_buckets", head_buckets)
     if seq_len is not None:
-        _require_int(seq_key, seq_len, 1)
+        _require_setting("data.seq_len", seq_len, key=seq_key)
     if scheme != "tsp" and head_buckets != 1:
         raise ValueError(f"parallel.head_buckets={head_buckets} is only used by parallel.scheme='tsp' "
                          f"(got {scheme!r}); set parallel.head_buckets=1")
@@ -273,8 +262,8 @@ def _check_two_axes(degree: int, tp_degree: int | None, sp_degree: int | None) -
     if tp_degree is None or sp_degree is None:
         raise ValueError(f"parallel.scheme='tp_x_sp' needs parallel.tp_degree and parallel.sp_degree "
                          f"(got {tp_degree} and {sp_degree}) with T x S = parallel.tsp_degree={degree}")
-    _require_int("parallel.tp_degree", tp_degree, 1)
-    _require_int("parallel.sp_degree", sp_degree, 1)
+    _require_setting("parallel.tp_degree", tp_degree)
+    _require_setting("parallel.sp_degree", sp_degree)
     if tp_degree * sp_degree != degree:
         pairs = ", ".join(f"{t} x {degree // t}" for t in _divisors(degree))
         raise ValueError(f"parallel.tp_degree x parallel.sp_degree = {tp_degree} x {sp_degree} = "
@@ -413,10 +402,12 @@ def _check_eval(cfg: TrainConfig, model: ModelConfig) -> None:
                              "(0 = needle at the start of the haystack, 1 = at its end)")
     for i, length in enumerate(passkey_lengths(cfg) if e.passkey_every else e.passkey_lengths):
         key = f"eval.passkey_lengths[{i}]" if e.passkey_lengths else "data.seq_len"
-        _require_int(key, length, 1)
+        _require_setting("data.seq_len", length, key=key)
         check_eval_length(model, cfg.parallel, length, key=key)
+
+
 def _check_data_sources(cfg: TrainConfig) -> None:
-    """Exactly one of data.source / data.sources; mixture weights positive; formats known."""
+    """Exactly one of data.source / data.sources; formats known (weights: _check_bounds)."""
     d = cfg.data
     if d.sources and d.source is not None:
         raise ValueError(f"data.source={d.source!r} and data.sources (a mixture of "
@@ -428,9 +419,6 @@ def _check_data_sources(cfg: TrainConfig) -> None:
     names = []
     for i, src in enumerate(d.sources):
         key = f"data.sources[{i}]"
-        w = src.weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 < w < math.inf:
-            raise ValueError(f"{key}.weight={w!r} must be a finite number > 0 (a share of tokens)")
         if src.format not in formats:
             raise ValueError(f"{key}.format={src.format!r} is not one of "
                              f"{', '.join(map(repr, formats))}")
@@ -463,10 +451,7 @@ def _check_length_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
         raise ValueError(f"data.seq_len_schedule start_step values {starts} must begin at 0 and "
                          "increase")
     for i, st in enumerate(stages):
-        key = f"data.seq_len_schedule[{i}]"
-        _require_int(f"{key}.seq_len", st.seq_len, 1)
-        if st.micro_batch_size is not None:
-            _require_int(f"{key}.micro_batch_size", st.micro_batch_size, 1)
+        key = f"data.seq_len_schedule[{i}]"     # (its seq_len and micro_batch_size: _check_bounds)
         if st.start_step >= cfg.train.steps:
             raise ValueError(f"{key}.start_step={st.start_step} is not before train.steps="
                              f"{cfg.train.steps}; the stage would never run")
@@ -493,10 +478,6 @@ def _check_paths(cfg: TrainConfig) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
-
-
-def _get(cfg: TrainConfig, dotted: str) -> Any:
-    return functools.reduce(getattr, dotted.split("."), cfg)
 
 
 def _divisors(n: int) -> list[int]:

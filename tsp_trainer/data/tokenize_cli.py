@@ -27,11 +27,13 @@ import os
 import shutil
 import sys
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tsp_trainer.config.schema import DataFormat
 from tsp_trainer.data.pretokenized import write_metadata
 from tsp_trainer.data.streaming import (BUILDER_BY_FORMAT, check_column, folder_split_files,
                                         is_single_file_source, load_streaming, resolve_local_files)
@@ -39,6 +41,8 @@ from tsp_trainer.data.tokenfile import TOKEN_FIELD, write_token_arrays
 from tsp_trainer.data.tokenize import TextTokenizer, load_tokenizer
 
 _TOKENIZERS: dict[str, Any] = {}     # one per worker process of datasets.map
+# data.format's values that hold text ("tokens" is already tokenized)
+_TEXT_FORMATS = tuple(f for f in typing.get_args(DataFormat) if f != "tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "file or glob)")
     p.add_argument("--text-field", default="text", help="column holding the text (default text)")
     p.add_argument("--data-format", default="auto",
-                   choices=("auto", "jsonl", "parquet", "text", "arrow", "hub"),
+                   choices=_TEXT_FORMATS,
                    help="the format of SRC, as data.format (default: from the extensions)")
     p.add_argument("--row-group-tokens", type=int, default=1 << 20,
                    help="parquet row-group size in tokens (default 1Mi)")

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from tsp_trainer.config import EvalSection, ParallelSection, resolve_dp_degree
+from tsp_trainer.config.schema import DType, Scheme
 from tsp_trainer.config.validate import check_eval_length
 from tsp_trainer.data import check_tokenizer_fits, iterate_eval_batches
 from tsp_trainer.eval.evaluator import FILLER_MARGIN, read_filler
@@ -76,14 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="CHECKPOINT_OR_HF_FOLDER",
                    help="a step_* folder, a run or checkpoints folder (its latest), or a Hugging Face folder")
-    p.add_argument("--scheme", default="tsp", choices=["tsp", "tp", "tp_sp", "sp", "tp_x_sp"])
+    p.add_argument("--scheme", default="tsp", choices=typing.get_args(Scheme))
     p.add_argument("--tsp-degree", type=int, default=None,
                    help="model-parallel group size D (default: every launched process)")
     p.add_argument("--tp-degree", type=int, default=None, help="tp_x_sp only: T (T x S = D)")
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp only: S")
     p.add_argument("--head-buckets", type=int, default=1, help="TSP K/V all-gathers per shard")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per forward (default 1)")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+    p.add_argument("--dtype", choices=typing.get_args(DType), default="auto",
                    help="auto = bf16 on GPUs, fp32 on CPU")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer (default: the checkpoint's data.tokenizer or the folder's own)")

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from dataclasses import asdict
 
+from tsp_trainer.config.model import MODEL_SIZES
+from tsp_trainer.config.schema import TspRecompute
 from tsp_trainer.plan.layout import SCHEMES
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions
@@ -28,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tsp-plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="7b",
-                   help="named size (tiny, 125m, 1b, 7b, 7b_ffn4x, llama3_8b, qwen2_5_7b, mistral_7b; "
-                        "default 7b) or a Hugging Face model folder / config.json (shape only)")
+                   help=f"named size ({', '.join(MODEL_SIZES)}; default 7b) or a Hugging Face model "
+                        "folder / config.json (shape only)")
     p.add_argument("--seq-len", type=int, default=131072, help="tokens per sequence (default 131072)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (required unless --dry-run)")
@@ -54,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report the longest sequence each scheme fits (without and with activation "
                         "offload to host memory; --global-batch defaults to 1) instead of ranking "
                         "layouts at --seq-len")
-    p.add_argument("--tsp-recompute", choices=("full", "selective", "none"), default="full",
+    p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecompute), default="full",
                    help="TSP's parallel.tsp_recompute: full (default; backward recomputes projections, "
                         "attention and the MLP's gate/up from X_p), selective (keeps q, k/v and "
                         "attention outputs, ~5 X_p more per layer) or none (also keeps gate/up, "

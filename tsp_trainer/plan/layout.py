@@ -5,10 +5,13 @@ the trainer refuses, so no layout the planner offers is one the trainer would no
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass
 
-SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
-TSP_RECOMPUTE = ("full", "selective", "none")   # parallel.tsp_recompute (parallel/tsp/)
+from tsp_trainer.config.schema import Scheme, TspRecompute
+
+SCHEMES = typing.get_args(Scheme)                # parallel.scheme
+TSP_RECOMPUTE = typing.get_args(TspRecompute)   # parallel.tsp_recompute (parallel/tsp/)
 
 # the short marker of a tsp_recompute other than full in layout labels and tables
 RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}

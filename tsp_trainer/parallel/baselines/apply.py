@@ -1,4 +1,4 @@
-"""Apply a baseline scheme to the plain model and wrap it as a `Parallelized` (schemes.py).
+"""Apply a baseline scheme to the plain model and wrap it as a `Parallelized` (parallelized.py).
 
 `apply_baseline(model, groups)` shards the weights with the same Megatron 1-D plan table as TSP
 (TSP_PLAN: heads / intermediate block / vocabulary rows), but over the tp sub-axis only, and swaps
@@ -27,7 +27,7 @@ from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, Pa
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.mesh import Mesh, axis_view, build_tp_sp_comms
-from tsp_trainer.parallel.schemes import Parallelized
+from tsp_trainer.parallel.parallelized import Parallelized
 
 # The Megatron 1-D weight split is the one TSP uses for its resting shards (parallel/apply.py).
 BASELINE_PLAN = TSP_PLAN
@@ -67,7 +67,7 @@ def _norm(norm, local: LocalShards, prefix: str, groups: Groups) -> ParallelRMSN
 
 
 # ---------------------------------------------------------------------------------------------
-# Scheme builders (registered in schemes.SCHEMES by baselines/__init__.py)
+# Scheme builders (entries of the table parallel/schemes.py SCHEMES)
 
 
 def build_tp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:

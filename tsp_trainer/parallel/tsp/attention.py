@@ -49,10 +49,12 @@ ranks is not rounded to bf16 on the way).
 from __future__ import annotations
 
 import contextlib
+import typing
 
 import torch
 import torch.nn as nn
 
+from tsp_trainer.config.schema import TspRecompute
 from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
 from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
@@ -60,7 +62,7 @@ from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, add_matmul, unpack
 
-RECOMPUTE_MODES = ("full", "selective", "none")   # parallel.tsp_recompute (module docstring)
+RECOMPUTE_MODES = typing.get_args(TspRecompute)   # parallel.tsp_recompute (module docstring)
 
 
 class TSPAttention(nn.Module):
