@@ -5,7 +5,7 @@ token that predicts (position t predicts token t + 1) into powers of two:
 
 A model that uses its context has a loss that falls with position; one that does not use what lies
 beyond some distance shows a flat tail from that bucket on. Every rank buckets the tokens it holds,
-in its own layout (zigzag chunks under TSP and SP, all tokens under TP), by their global positions;
+in its own layout (zigzag chunks under TSP and SP, all tokens under TP), by their positions (below);
 the [2, buckets] sums are then added over the groups that split a replica's tokens and over dp
 (one all-reduce each, through Comm), so every token of the global eval batch counts once.
 
