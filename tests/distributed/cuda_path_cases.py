@@ -83,3 +83,37 @@ def bf16_step_ledger(rank, world, scheme, options, biases=False):
     return {"dtypes": {tag: sorted(d) for tag, d in mesh.ledger.dtypes_by_tag().items()},
             "ledger": {f"{op}/{tag}": v for (op, tag), v in ledger_totals(mesh.ledger.records).items()},
             "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()}), "cfg": cfg}
+
+
+def evaluate_with_host_default_elsewhere(rank, world, batches):
+    """The Trainer's Evaluator (loss by position with document masking, then the passkey, whose
+    per-cell counts are all-reduced over dp), once plainly and once while factories in the
+    compute packages and tsp_trainer/eval that name no device create meta tensors."""
+    from tsp_trainer.config import ModelConfig, load_config
+    from tsp_trainer.data import load_tokenizer
+    from tsp_trainer.eval import HaystackBuilder, PasskeyTask
+    from tsp_trainer.eval.evaluator import EVAL_LOSS, PASSKEY_ACCURACY, Evaluator
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.parallel.mesh import build_mesh
+    from tsp_trainer.parallel.schemes import parallelize
+
+    cfg = ModelConfig(vocab_size=1024, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      intermediate_size=64, max_seq_len=256)
+    seq_len = batches[0]["input_ids"].shape[1]
+    train_cfg = config(["train.eval_every=1", "eval.passkey_every=1", "data.document_masking=true",
+                        "data.reset_positions=true", f"data.seq_len={seq_len}"])
+    mesh = build_mesh(1)                                 # dp 2: the passkey counts cross ranks
+    model = Transformer(cfg)
+    model.init_weights(0)
+    par = parallelize(model, "tsp", mesh, seq_len=seq_len)
+    builder = HaystackBuilder(load_tokenizer("data/tokenizer"), list(range(100, 900)), digits=3)
+    task = PasskeyTask((96, 128), (0.0, 1.0), 2, builder)
+    mine = [{k: v[mesh.dp_rank::2] for k, v in b.items()} for b in batches]
+    evaluator = Evaluator(train_cfg, par=par, mesh=mesh, device=torch.device("cpu"),
+                          eval_batches=mine, passkey=task)
+    plain = evaluator.run(1)
+    with HostDefaultElsewhere() as mode:
+        guarded = evaluator.run(1)
+    return {"redirected": mode.redirected,
+            "plain": (plain[EVAL_LOSS], plain[PASSKEY_ACCURACY]),
+            "guarded": (guarded[EVAL_LOSS], guarded[PASSKEY_ACCURACY])}

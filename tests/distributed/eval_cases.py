@@ -75,3 +75,59 @@ def eval_rank(rank, world, cfg, scheme, options, ids, labels, task: PasskeyTask,
     passkey = run_passkey(par, task, dp=mesh.dp, micro_batch_size=2)
     return {"loss": stats.loss, "argmax": stats.argmax, "positions": positions.tensor(),
             "dp_rank": mesh.dp_rank, "buckets": buckets, "passkey": passkey, "shapes": shapes.shapes}
+
+
+def masked_eval_rank(rank, world, cfg, scheme, batches, reset_positions, task: PasskeyTask, dp_degree=1):
+    """The Trainer's Evaluator with data.document_masking on this rank's share of `batches`
+    (host dicts with input_ids, labels, document_ids; DP replica r takes rows r, r + dp, ...):
+    its loss by position, the passkey result under the same masking, and the documents every
+    local_batch call of the passkey received."""
+    from tsp_trainer.config import DataSection, TrainConfig
+    from tsp_trainer.eval.evaluator import Evaluator
+
+    mesh = build_mesh(world // dp_degree)
+    model = Transformer(cfg)
+    init_model(model, SEED)
+    seq_len = batches[0]["input_ids"].shape[1]
+    par = parallelize(model, scheme, mesh, seq_len=seq_len)
+    train_cfg = TrainConfig(data=DataSection(seq_len=seq_len, document_masking=True,
+                                             reset_positions=reset_positions))
+    rows = slice(mesh.dp_rank, None, dp_degree)
+    mine = [{k: v[rows] for k, v in b.items()} for b in batches]
+    evaluator = Evaluator(train_cfg, par=par, mesh=mesh, device=torch.device("cpu"),
+                          eval_batches=mine, passkey=task)
+    buckets = evaluator.loss_by_position()
+    seen, local_batch = [], par.local_batch
+    par.local_batch = lambda ids, labels, documents=None: (seen.append(documents),
+                                                            local_batch(ids, labels, documents))[1]
+    passkey = run_passkey(par, task, dp=mesh.dp, micro_batch_size=2, masking=evaluator.masking)
+    return {"buckets": buckets, "passkey": passkey, "documents": seen}
+
+
+def per_document_buckets(cfg, ids, labels, lengths, *, reset_positions: bool, seq_len: int):
+    """One process, each document alone (the plain model, at positions 0.. of the document under
+    reset_positions, else at its positions in the row): per bucket (loss sum, valid tokens), the
+    bucket being the document position under reset_positions, else the row position."""
+    from tsp_trainer.eval import bucket_edges
+    from tsp_trainer.model.rope import PositionRuns
+
+    model = Transformer(cfg)
+    init_model(model, SEED)
+    edges = bucket_edges(seq_len)
+    sums, tokens = [0.0] * (len(edges) - 1), [0] * (len(edges) - 1)
+    with torch.no_grad():
+        for row, row_lengths in enumerate(lengths):
+            start = 0
+            for n in row_lengths:
+                first = 0 if reset_positions else start
+                doc_labels = labels[row:row + 1, start:start + n]
+                stats = model.token_stats(ids[row:row + 1, start:start + n], doc_labels,
+                                          PositionRuns.contiguous(n, first=first))
+                for t in range(n):
+                    if int(doc_labels[0, t]) == IGNORE_INDEX:
+                        continue
+                    b = next(i for i in range(len(edges) - 1) if edges[i] <= first + t < edges[i + 1])
+                    sums[b] += float(stats.loss[0, t])
+                    tokens[b] += 1
+                start += n
+    return sums, tokens

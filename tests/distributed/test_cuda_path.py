@@ -18,6 +18,7 @@ import pytest
 
 import tsp_trainer
 from tests.distributed.cuda_path_cases import (bf16_step_ledger, count_host_syncs,
+                                               evaluate_with_host_default_elsewhere,
                                                train_and_describe_precision,
                                                train_steps_with_host_default_elsewhere)
 from tests.helpers.dist import run_on_ranks
@@ -44,6 +45,28 @@ def test_training_step_keeps_every_tensor_on_the_compute_device():
         assert o["redirected"] == []                 # no factory in the step relied on the default
         assert o["flag_device"] == o["device"] == "cpu"
         assert len(o["losses"]) == 2 and all(loss == loss for loss in o["losses"])
+
+
+def test_evaluation_keeps_every_tensor_on_the_compute_device():
+    """The Trainer's evaluations (loss by position with document masking, passkey over dp 2)
+    under a process group serving CPU tensors only, with host-default tensors of the compute
+    packages and tsp_trainer/eval redirected to the meta device: every tensor a collective gets
+    names its device (a host tensor, e.g. passkey counts built without one, fails the Comm device
+    guard on a GPU run: "WrongDeviceError ... is on cpu"), and the results equal the plain run's."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 1024, (4, 65), generator=gen)
+    doc_ids = torch.tensor([[0] * 20 + [1] * 44, [0] * 64, [0] * 7 + [1] * 50 + [2] * 7, [0] * 64],
+                           dtype=torch.int32)
+    batches = [{"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
+                "document_ids": doc_ids}]
+    outs = run_on_ranks(evaluate_with_host_default_elsewhere, 2, batches, backend="cpu:gloo")
+    for o in outs:
+        assert o["redirected"] == []
+        assert o["guarded"] == o["plain"]
+        assert o["plain"][0] > 5.0                        # a random model: about ln(1024) = 6.9
+    assert outs[0]["plain"] == outs[1]["plain"]           # dp-reduced: the same on every rank
 
 
 def test_host_syncs_per_micro_step_are_a_small_constant():

@@ -79,10 +79,12 @@ def test_imported_model_loss_by_position_equals_transformers(tmp_path, model_typ
         assert list(got.tokens) == tokens
         torch.testing.assert_close(torch.tensor(got.loss_sums, dtype=torch.float64),
                                    torch.tensor(sums, dtype=torch.float64), rtol=1e-5, atol=1e-5)
-    record = json.loads((tmp_path / "out" / "loss_by_position.json").read_text())
+    results = tmp_path / "out" / model_type                  # --out/<the folder's name>
+    record = json.loads((results / "loss_by_position.json").read_text())
     assert record["kind"] == "hf" and record["layout"]["tsp_degree"] == degree
+    assert record["trained_layout"] is None and record["document_masking"] is None
     assert [b["tokens"] for b in record["buckets"]] == tokens
-    assert (tmp_path / "out" / "loss_by_position.png").stat().st_size > 10_000
+    assert (results / "loss_by_position.png").stat().st_size > 10_000
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +110,15 @@ def test_passkey_on_a_checkpoint_is_the_same_on_one_process_and_tsp2(tmp_path, c
     for result in two:
         assert result.predictions == one.predictions
     assert {**dp[0].predictions, **dp[1].predictions} == one.predictions
-    record = json.loads((tmp_path / "two" / "passkey.json").read_text())
+    results = tmp_path / "two" / checkpoint.name / "step_00000002"     # --out/<run>/<step>
+    record = json.loads((results / "passkey.json").read_text())
     assert record["kind"] == "checkpoint" and record["model"].endswith("step_00000002")
+    assert record["trained_layout"] == {"scheme": "tsp", "tsp_degree": 2, "dp_degree": 2,
+                                        "world_size": 4, "zero_stage": record["trained_layout"]["zero_stage"]}
+    assert record["layout"]["tsp_degree"] == 2 and record["layout"]["dp_degree"] == 1
     assert record["text"]["source"].endswith("data/corpus") and record["text"]["split"] == "validation"
     assert [(c["length"], c["depth"]) for c in record["cells"]] == [(128, 0.0), (128, 1.0), (192, 0.0), (192, 1.0)]
-    assert (tmp_path / "two" / "passkey.png").stat().st_size > 10_000
+    assert (results / "passkey.png").stat().st_size > 10_000
 
 
 def _same_cells(got, want):
@@ -138,18 +144,23 @@ def test_cli_as_a_user_runs_it(tmp_path, checkpoint):
                          "--depths", "0,0.5,1", "--samples", "2", "--out", str(out)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "mean accuracy" in ok.stdout and f"wrote {out / 'passkey.json'}" in ok.stdout
+    assert "tsp-eval passkey: 100%" in ok.stderr and "6/6" in ok.stderr    # the progress bar
+    results = out / checkpoint.name / "step_00000002"
+    assert "mean accuracy" in ok.stdout and f"wrote {results / 'passkey.json'}" in ok.stdout
     lines = ok.stdout.splitlines()
-    assert lines[2].split() == ["length", "depth", "accuracy", "token", "acc", "key", "nll"]
+    assert lines[1] == "trained at seq_len 64 under tsp D=2 x dp 2"
+    assert lines[2] == f"evaluated under tsp D=1 x dp 1 on 1 process(es), fp32; text {CORPUS} [validation]"
+    assert lines[3].split() == ["length", "depth", "accuracy", "token", "acc", "key", "nll"]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           "--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", "-m",
                           "tsp_trainer", "eval", "passkey", str(checkpoint), "--lengths", "128",
                           "--depths", "0,0.5,1", "--samples", "2", "--out", str(tmp_path / "tr")],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "layout tsp D=2 x dp 1 on 2 process(es)" in run.stdout
-    same = json.loads((out / "passkey.json").read_text())["cells"]
-    for a, b in zip(json.loads((tmp_path / "tr" / "passkey.json").read_text())["cells"], same, strict=True):
+    assert "evaluated under tsp D=2 x dp 1 on 2 process(es)" in run.stdout
+    same = json.loads((results / "passkey.json").read_text())["cells"]
+    torchrun = tmp_path / "tr" / checkpoint.name / "step_00000002" / "passkey.json"
+    for a, b in zip(json.loads(torchrun.read_text())["cells"], same, strict=True):
         assert a == {**b, "key_nll": pytest.approx(b["key_nll"], rel=1e-5)}
     bad = subprocess.run([str(BIN / "tsp-eval"), "passkey", str(checkpoint), "--lengths", "129"],
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
@@ -194,3 +205,54 @@ def test_a_missing_or_foreign_folder_is_named(tmp_path, capsys):
         with pytest.raises(SystemExit):
             eval_main(["passkey", str(path), "--lengths", "128"])
         assert message in capsys.readouterr().err
+
+
+def test_an_earlier_result_is_refused_unless_overwrite(tmp_path, checkpoint, capsys):
+    """An earlier passkey.json in the model's folder: one line naming it, exit 2, before any
+    process group; --overwrite goes on (prepare passes)."""
+    from tsp_trainer.cli import eval_main
+
+    results = tmp_path / checkpoint.name / "step_00000002"
+    results.mkdir(parents=True)
+    (results / "passkey.json").write_text("{}")
+    argv = ["passkey", str(checkpoint), "--lengths", "128", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_:
+        eval_main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"tsp-eval: error: {results / 'passkey.json'} exists (an earlier tsp-eval passkey of this "
+        "model); pass --overwrite to replace it, or another --out\n")
+    job = eval_cli.prepare(eval_cli.build_parser().parse_args(argv + ["--overwrite"]), world_size=1, rank=0)
+    assert job.out == results
+    loss = eval_cli.prepare(eval_cli.build_parser().parse_args(["loss", *argv[1:2], "--out", str(tmp_path)]),
+                            world_size=1, rank=0)
+    assert loss.out == results                        # another command's files are not in the way
+
+
+def test_longer_than_max_seq_len_warns_once_naming_both(tmp_path, checkpoint, capfd):
+    """The tiny model's max_seq_len is 1024: --seq-len 2048 runs (RoPE is computed for any
+    position) and rank 0 prints one warning line naming both numbers; 1024 prints none."""
+    argv = ["loss", str(checkpoint), "--seq-len", "2048", "--batches", "1", "--out", str(tmp_path)]
+    run_on_ranks(_cli_rank, 2, argv + ["--tsp-degree", "2"])
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "tsp-eval: warning" in line]
+    assert warnings == ["tsp-eval: warning: --seq-len 2048 is longer than the model's max_seq_len "
+                        "1024: positions from 1024 on run (RoPE is computed for any position) but "
+                        "the model was set up for fewer; this measures extrapolation"]
+    job = eval_cli.prepare(eval_cli.build_parser().parse_args(
+        ["loss", str(checkpoint), "--seq-len", "1024", "--out", str(tmp_path / "b")]), world_size=1, rank=0)
+    assert job.warnings == []
+
+
+def test_hf_folder_without_tokenizer_names_the_flag(tmp_path, capsys):
+    from tests.helpers.hf_models import tiny_hf
+    from tsp_trainer.cli import eval_main
+
+    tiny_hf(tmp_path / "llama", "llama", vocab_size=1024, max_position_embeddings=128)
+    capsys.readouterr()                               # transformers' own output while saving
+    with pytest.raises(SystemExit) as exit_:
+        eval_main(["loss", str(tmp_path / "llama"), "--seq-len", "128"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tsp-eval: error: Hugging Face folder {tmp_path / 'llama'} holds no tokenizer")
+    assert err.endswith("pass --tokenizer with the tokenizer this model was trained with\n")
+    assert "data.tokenizer" not in err and len(err.splitlines()) == 1

@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-COMPUTE_PACKAGES = ("tsp_trainer.trainer", "tsp_trainer.parallel", "tsp_trainer.model")
+COMPUTE_PACKAGES = ("tsp_trainer.trainer", "tsp_trainer.parallel", "tsp_trainer.model", "tsp_trainer.eval")
 
 
 class HostDefaultElsewhere(TorchFunctionMode):

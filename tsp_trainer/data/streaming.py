@@ -91,12 +91,20 @@ def split_by_dp_rank(dataset: "IterableDataset", *, dp_rank: int, dp_degree: int
     if mode == "train":
         refuse_example_split(num_shards=dataset.num_shards, dp_degree=dp_degree, source=source,
                              max_example_split_dp=max_example_split_dp)
-        warnings.warn(
+        warn_once_per_job(
             f"dataset {source!r} has num_shards={dataset.num_shards}, not a multiple of "
             f"dp_degree={dp_degree}, and fewer shards than DP ranks: every DP rank will stream "
             f"all of it and keep 1 example in {dp_degree}; split it into a multiple of "
-            f"{dp_degree} files to read each file once", stacklevel=3)
+            f"{dp_degree} files to read each file once")
     return split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_degree, strategy="examples")
+
+
+def warn_once_per_job(message: str) -> None:
+    """A UserWarning from the job's first process only: every rank opens the same source and
+    would print the same line (RANK, as torchrun, accelerate launch and tsp_trainer/cli.py set
+    it for SLURM too; a process without it is a job of its own)."""
+    if os.environ.get("RANK", "0") == "0":
+        warnings.warn(message, stacklevel=4)     # the caller of open_text_stream
 
 
 def reshard_for(dataset: "IterableDataset", dp_degree: int) -> "IterableDataset":

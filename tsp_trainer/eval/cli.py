@@ -9,9 +9,11 @@ Hugging Face model folder. One process, or any launcher (torchrun, accelerate la
 model-parallel group is --tsp-degree ranks (default: all of them) under --scheme, the rest is data
 parallel (haystacks and batches are split over it).
 
-`prepare` checks everything (model, tokenizer, lengths against the layout, the text source) before
-any process group exists; `run` needs the group that tsp_trainer/cli.py starts, evaluates, and on
-rank 0 prints the table and writes JSON + PNG into --out.
+`prepare` checks everything (model, tokenizer, lengths against the layout, the text source, an
+earlier result in the way) before any process group exists; `run` needs the group that
+tsp_trainer/cli.py starts, evaluates (a progress bar on rank 0), and on rank 0 prints the table
+and writes JSON + PNG into --out/<model name>/ (e.g. eval_results/tiny_passkey/step_00001500/).
+A checkpoint trained with data.document_masking is evaluated with it (eval/documents.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,10 +32,11 @@ from tsp_trainer.config import EvalSection, ParallelSection, resolve_dp_degree
 from tsp_trainer.config.schema import DType, Scheme
 from tsp_trainer.config.validate import check_eval_length
 from tsp_trainer.data import check_tokenizer_fits, iterate_eval_batches
-from tsp_trainer.eval.evaluator import FILLER_MARGIN, read_filler
+from tsp_trainer.eval.documents import DocumentMasking
+from tsp_trainer.eval.evaluator import FILLER_MARGIN, position_loss, read_filler
 from tsp_trainer.eval.haystack import HaystackBuilder
-from tsp_trainer.eval.passkey import PasskeyResult, PasskeyTask, run_passkey
-from tsp_trainer.eval.position_loss import PositionLoss, PositionLossAccumulator
+from tsp_trainer.eval.passkey import PasskeyResult, PasskeyTask, replica_haystacks, run_passkey
+from tsp_trainer.eval.position_loss import PositionLoss
 from tsp_trainer.eval.source import EvalModel, Filler, bundled_corpus, load_weights, resolve_eval_model
 from tsp_trainer.eval.synthetic import write_retrieval_corpus
 from tsp_trainer.model import Transformer
@@ -40,6 +44,9 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The files each command writes into its model's folder (an earlier one is refused unless --overwrite).
+RESULTS = {"passkey": ("passkey.json", "passkey.png"),
+           "loss": ("loss_by_position.json", "loss_by_position.png")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +100,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "(default: the checkpoint's data.source, or the bundled corpus for a HF folder)")
     p.add_argument("--split", default=None, help="its split (default: the run's eval split / validation)")
     p.add_argument("--text-field", default=None, help="its text column (default text)")
-    p.add_argument("--out", default="eval_results", help="folder for the JSON and PNG (default eval_results)")
+    p.add_argument("--out", default="eval_results",
+                   help="results go into OUT/<model name>/ (default eval_results), e.g. "
+                        "eval_results/tiny_passkey/step_00001500/passkey.png")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier result of this command for this model")
 
 
 def _ints(text: str) -> list[int]:
@@ -121,9 +132,11 @@ class EvalJob:
     text: Filler
     micro_batch_size: int
     dtype: str
-    out: Path
+    out: Path                         # this model's results folder: --out/<model name>
     task: PasskeyTask | None = None
     batches: int = 0
+    masking: DocumentMasking | None = None    # the run's data.document_masking (None: off / HF)
+    warnings: list[str] = field(default_factory=list)     # printed once, by rank 0
 
 
 def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool = False) -> EvalJob:
@@ -137,15 +150,38 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
     _positive(args.micro_batch_size, "--micro-batch-size")
     text = _text(args, model.filler if args.command == "passkey" else model.held_out)
     dtype = args.dtype if args.dtype != "auto" else ("bf16" if cuda else "fp32")
-    job = EvalJob(args.command, model, parallel, [], text, args.micro_batch_size, dtype, Path(args.out))
+    out = Path(args.out) / model.name
+    _refuse_earlier_result(out, args.command, overwrite=args.overwrite)
+    job = EvalJob(args.command, model, parallel, [], text, args.micro_batch_size, dtype, out)
+    if model.train_config is not None:
+        job.masking = DocumentMasking.of(model.train_config.data, model.tokenizer.eos_id)
     if args.command == "passkey":
         _prepare_passkey(job, args)
     else:
         _prepare_loss(job, args)
+    key = "--lengths" if args.command == "passkey" else "--seq-len"
     for length in job.lengths:
-        check_eval_length(model.cfg, parallel, length,
-                          key="--lengths" if args.command == "passkey" else "--seq-len")
+        check_eval_length(model.cfg, parallel, length, key=key)
+    job.warnings += _beyond_max_seq_len(model.cfg.max_seq_len, max(job.lengths), key=key)
     return job
+
+
+def _refuse_earlier_result(out: Path, command: str, *, overwrite: bool) -> None:
+    there = [out / name for name in RESULTS[command] if (out / name).exists()]
+    if there and not overwrite:
+        raise ValueError(f"{there[0]} exists (an earlier tsp-eval {command} of this model); pass "
+                         "--overwrite to replace it, or another --out")
+
+
+def _beyond_max_seq_len(max_seq_len: int, length: int, *, key: str) -> list[str]:
+    """A warning when the evaluation is longer than the model's max_seq_len. Not refused: RoPE
+    has no table that ends there (model/rope.py builds cos/sin for whatever positions a batch
+    holds, with or without rope_scaling), so longer sequences run; they measure extrapolation."""
+    if length <= max_seq_len:
+        return []
+    return [f"{key} {length} is longer than the model's max_seq_len {max_seq_len}: positions from "
+            f"{max_seq_len} on run (RoPE is computed for any position) but the model was set up "
+            "for fewer; this measures extrapolation"]
 
 
 def _text(args, default: Filler | None) -> Filler:
@@ -199,6 +235,9 @@ def _positive(value: int, flag: str) -> None:
 # -- running (inside the process group) ---------------------------------------------------------------
 def run(job: EvalJob, *, rank: int, device: torch.device | str = "cpu") -> PasskeyResult | PositionLoss:
     """Build the sharded model on this rank, load its slices, evaluate; rank 0 reports."""
+    if rank == 0:
+        for line in job.warnings:
+            print(f"tsp-eval: warning: {line}", file=sys.stderr, flush=True)
     p = job.parallel
     mesh = build_mesh(p.tsp_degree)
     with torch.device("meta"):                       # no rank ever holds the full model
@@ -208,26 +247,33 @@ def run(job: EvalJob, *, rank: int, device: torch.device | str = "cpu") -> Passk
     load_weights(par, job.model)
     par.model.to(device=device, dtype=DTYPES[job.dtype])
     if job.command == "passkey":
-        result = run_passkey(par, job.task, dp=mesh.dp, micro_batch_size=job.micro_batch_size,
-                             device=device)
+        total = replica_haystacks(job.task, dp_rank=mesh.dp_rank, dp_size=mesh.dims.dp)
+        with _progress(total, "passkey", "haystack", rank=rank) as bar:
+            result = run_passkey(par, job.task, dp=mesh.dp, micro_batch_size=job.micro_batch_size,
+                                 device=device, masking=job.masking, progress=bar)
     else:
-        result = _loss(par, mesh, job, device)
+        with _progress(job.batches, "loss", "batch", rank=rank) as bar:
+            result = _loss(par, mesh, job, device, bar)
     if rank == 0:
         _report(job, result, mesh.dims)
     return result
 
 
-@torch.no_grad()
-def _loss(par, mesh, job: EvalJob, device) -> PositionLoss:
-    seq_len = job.lengths[0]
-    acc = PositionLossAccumulator(seq_len, device)
-    for batch in iterate_eval_batches(job.text.source, tokenizer=job.model.tokenizer, seq_len=seq_len,
-                                      micro_batch_size=job.micro_batch_size, num_batches=job.batches,
-                                      split=job.text.split, text_field=job.text.text_field,
-                                      dp_rank=mesh.dp_rank, dp_degree=mesh.dims.dp):
-        ids, labels, positions = par.local_batch(batch["input_ids"].to(device), batch["labels"].to(device))
-        acc.add(par.token_stats(ids, labels, positions), labels, positions)
-    return acc.reduce(par.token_comms + [mesh.dp])
+def _progress(total: int, what: str, unit: str, *, rank: int):
+    """A tqdm bar on stderr for rank 0's share of the work (the others' bars would interleave)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"tsp-eval {what}", unit=unit, disable=rank != 0, leave=False,
+                dynamic_ncols=True)
+
+
+def _loss(par, mesh, job: EvalJob, device, progress=None) -> PositionLoss:
+    batches = iterate_eval_batches(job.text.source, tokenizer=job.model.tokenizer, seq_len=job.lengths[0],
+                                   micro_batch_size=job.micro_batch_size, num_batches=job.batches,
+                                   split=job.text.split, text_field=job.text.text_field,
+                                   dp_rank=mesh.dp_rank, dp_degree=mesh.dims.dp)
+    return position_loss(par, batches, seq_len=job.lengths[0], comms=par.token_comms + [mesh.dp],
+                         device=device, masking=job.masking, progress=progress)
 
 
 def _report(job: EvalJob, result, dims) -> None:
@@ -237,12 +283,17 @@ def _report(job: EvalJob, result, dims) -> None:
     layout = {"scheme": p.scheme, "tsp_degree": p.tsp_degree, "dp_degree": dims.dp,
               "world_size": dims.world_size, "tp_degree": p.tp_degree, "sp_degree": p.sp_degree,
               "dtype": job.dtype}
-    title = f"{_model_name(job.model)} ({p.scheme} D={p.tsp_degree} x dp {dims.dp}, {job.dtype})"
+    evaluated = (f"{p.scheme} D={p.tsp_degree} x dp {dims.dp} on {dims.world_size} process(es), "
+                 f"{job.dtype}" + (f", {job.masking.describe()}" if job.masking else ""))
+    trained = _trained(job.model)
+    title = [job.model.name + (f", {trained}" if trained else ""), f"evaluated under {evaluated}"]
     head = {"model": str(job.model.folder), "kind": job.model.kind, "layout": layout,
-            "text": asdict(job.text)}
+            "trained_layout": job.model.trained_layout, "text": asdict(job.text),
+            "document_masking": asdict(job.masking) if job.masking else None}
     print(f"tsp-eval {job.command}: {job.model.describe()}")
-    print(f"layout {p.scheme} D={p.tsp_degree} x dp {dims.dp} on {dims.world_size} process(es), "
-          f"{job.dtype}; text {job.text.source} [{job.text.split}]")
+    if trained:
+        print(trained)
+    print(f"evaluated under {evaluated}; text {job.text.source} [{job.text.split}]")
     job.out.mkdir(parents=True, exist_ok=True)
     if job.command == "passkey":
         t = job.task
@@ -271,12 +322,16 @@ def _report(job: EvalJob, result, dims) -> None:
     print("wrote " + ", ".join(str(f) for f in files))
 
 
-def _model_name(model) -> str:
-    """'tiny_passkey/step_00001500, trained at seq_len 128' for a checkpoint; the folder name for HF."""
+def _trained(model) -> str | None:
+    """'trained at seq_len 128 under tsp D=2 x dp 2' for a checkpoint (its meta.json layout);
+    None for a HF folder (its training is unknown)."""
     if model.train_config is None:
-        return model.folder.name
-    run = model.folder.parent.parent.name                 # <run>/checkpoints/step_*
-    return f"{run}/{model.folder.name}, trained at seq_len {model.train_config.data.seq_len}"
+        return None
+    line = f"trained at seq_len {model.train_config.data.seq_len}"
+    t = model.trained_layout
+    if t:
+        line += f" under {t['scheme']} D={t['tsp_degree']} x dp {t['dp_degree']}"
+    return line
 
 
 def _write_json(path: Path, record: dict) -> Path:

@@ -4,6 +4,10 @@
   DP rank, and (`eval.loss_by_position`) the same loss per position bucket;
 * every `eval.passkey_every` steps: passkey retrieval over eval.passkey_lengths x passkey_depths.
 
+Both attend as training does: with `data.document_masking` every batch goes to `local_batch` with
+its documents (documents.py; `data.reset_positions` restarts RoPE per document), and the loss by
+position then buckets by the position inside the document under reset_positions.
+
 `Evaluator.run(step)` returns the metrics due at that step ({} otherwise) for the Trainer's sinks:
 scalars, and MetricTables that metrics.jsonl and W&B render (observability/tables.py). The passkey
 task (tokenizer, filler text, lengths) is built by `build_passkey_task` before any process group
@@ -20,6 +24,7 @@ from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.validate import passkey_lengths
 from tsp_trainer.data import TextTokenizer, open_text_stream
 from tsp_trainer.data.build import eval_source
+from tsp_trainer.eval.documents import DocumentMasking, batch_documents
 from tsp_trainer.eval.haystack import HaystackBuilder, filler_tokens
 from tsp_trainer.eval.passkey import PasskeyResult, PasskeyTask, run_passkey
 from tsp_trainer.eval.position_loss import PositionLoss, PositionLossAccumulator
@@ -116,6 +121,9 @@ class Evaluator:
         self.cfg, self.par, self.mesh, self.device = cfg, par, mesh, device
         self.eval_batches, self.passkey, self.log = eval_batches, passkey, log
         self._comms = par.token_comms + [mesh.dp]        # each token of the global batch once
+        # held-out batches carry the loader's document_ids; haystacks are cut at the tokenizer's EOS
+        eos_id = passkey.builder.tokenizer.eos_id if passkey is not None else None
+        self.masking = DocumentMasking.of(cfg.data, eos_id)
 
     def run(self, step: int) -> dict:
         metrics = {}
@@ -127,12 +135,11 @@ class Evaluator:
 
     @torch.no_grad()
     def loss_by_position(self) -> PositionLoss:
-        acc = PositionLossAccumulator(self.cfg.data.seq_len, self.device)
-        for batch in self.eval_batches:
-            ids, labels, positions = self.par.local_batch(batch["input_ids"].to(self.device),
-                                                          batch["labels"].to(self.device))
-            acc.add(self.par.token_stats(ids, labels, positions), labels, positions)
-        return acc.reduce(self._comms)
+        """eval/loss and eval/loss_by_position: the held-out tokens' loss per position bucket, a
+        token's position being the one RoPE sees (inside its document under data.reset_positions,
+        else inside its row)."""
+        return position_loss(self.par, self.eval_batches, seq_len=self.cfg.data.seq_len,
+                             comms=self._comms, device=self.device, masking=self.masking)
 
     def loss_metrics(self, step: int) -> dict:
         result = self.loss_by_position()
@@ -144,13 +151,32 @@ class Evaluator:
 
     def passkey_metrics(self, step: int) -> dict:
         result = run_passkey(self.par, self.passkey, dp=self.mesh.dp,
-                             micro_batch_size=self.cfg.data.micro_batch_size, device=self.device)
+                             micro_batch_size=self.cfg.data.micro_batch_size, device=self.device,
+                             masking=self.masking)
         self._info(f"passkey at step {step}: {describe_passkey(result)}")
         return {PASSKEY_ACCURACY: result.accuracy, PASSKEY: passkey_table(result)}
 
     def _info(self, line: str) -> None:
         if self.log is not None:
             self.log.info(line)
+
+
+@torch.no_grad()
+def position_loss(par: Parallelized, batches: Iterable[dict], *, seq_len: int, comms: list,
+                  device: torch.device | str, masking: DocumentMasking | None = None,
+                  progress=None) -> PositionLoss:
+    """The loss by position of `batches` (host tensors, this DP rank's), each run through
+    `local_batch` with its documents as in training, reduced over `comms`; `progress.update(1)`
+    after each batch when given. Collective: every rank of `comms` calls it."""
+    acc = PositionLossAccumulator(seq_len, device)
+    for batch in batches:
+        ids, labels, positions = par.local_batch(batch["input_ids"].to(device),
+                                                 batch["labels"].to(device),
+                                                 batch_documents(masking, batch))
+        acc.add(par.token_stats(ids, labels, positions), labels, positions)
+        if progress is not None:
+            progress.update(1)
+    return acc.reduce(comms)
 
 
 def _due(every: int, step: int) -> bool:

@@ -98,8 +98,9 @@ class HaystackBuilder:
         needle = a + key_ids + b + key_ids + c
         head = self.prefix + fill[:before]
         ids = head + needle + fill[before:] + self.question + key_ids
-        tokens = torch.tensor(ids, dtype=torch.long)
-        labels = torch.full((length,), IGNORE_INDEX, dtype=torch.long)
+        # host tensors, as a loader's batch: the caller moves them to the compute device
+        tokens = torch.tensor(ids, dtype=torch.long, device="cpu")
+        labels = torch.full((length,), IGNORE_INDEX, dtype=torch.long, device="cpu")
         labels[length - len(key_ids):] = tokens[length + 1 - len(key_ids):]
         return Sample(tokens[:-1], labels, key, tuple(key_ids), len(head))
 

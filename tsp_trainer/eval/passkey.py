@@ -10,7 +10,10 @@ No rank holds full-vocabulary logits of all tokens: the LM head reduces the voca
 (Parallelized.token_stats). Each rank then holds the argmax and loss of its own tokens (zigzag
 under TSP and SP); the few positions of the key are put together over the groups that split a
 replica's tokens (all-reduce max of the predictions, sum of the losses), and the per-cell counts
-are summed over dp at the end. Sample s of every cell runs on DP replica s mod dp.
+are summed over dp at the end (one all-reduce, on the compute device: NCCL serves no host
+tensor). Sample s of every cell runs on DP replica s mod dp. With document masking a haystack goes
+to `local_batch` with its documents as a training batch does (documents.py: one document, as it
+holds no EOS).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tsp_trainer.eval.documents import DocumentMasking, batch_documents
 from tsp_trainer.eval.haystack import HaystackBuilder, Sample
 from tsp_trainer.model.rope import PositionRuns
 from tsp_trainer.model.transformer import IGNORE_INDEX
@@ -92,27 +96,42 @@ class PasskeyResult:
                 for c in self.cells]
 
 
+def replica_jobs(task: PasskeyTask, length: int, *, dp_rank: int, dp_size: int) -> list[tuple[int, float, int]]:
+    """(cell index, depth, sample) of the haystacks of `length` that DP replica `dp_rank` runs."""
+    return [(i, depth, s) for i, (n, depth) in enumerate(task.cells()) if n == length
+            for s in range(task.samples) if s % dp_size == dp_rank]
+
+
+def replica_haystacks(task: PasskeyTask, *, dp_rank: int, dp_size: int) -> int:
+    """How many haystacks DP replica `dp_rank` runs (a progress bar's total)."""
+    return sum(len(replica_jobs(task, n, dp_rank=dp_rank, dp_size=dp_size)) for n in task.lengths)
+
+
 @torch.no_grad()
 def run_passkey(par: Parallelized, task: PasskeyTask, *, dp: Comm, micro_batch_size: int = 1,
-                device: torch.device | str = "cpu") -> PasskeyResult:
-    """Score every cell on this replica's share of the samples, then sum over `dp`. Collective
-    over the model-parallel groups (every forward) and dp (once at the end): every rank calls it."""
+                device: torch.device | str = "cpu", masking: DocumentMasking | None = None,
+                progress=None) -> PasskeyResult:
+    """Score every cell on this replica's share of the samples, then sum over `dp`. `device`: the
+    model's; `progress.update(n)` after each forward of n haystacks when given. Collective over
+    the model-parallel groups (every forward) and dp (once at the end): every rank calls it."""
     cells = task.cells()
-    counts = torch.zeros(len(cells), 5, dtype=torch.float64)   # samples, exact, right, tokens, nll
+    counts = [[0.0] * 5 for _ in cells]             # per cell: samples, exact, right, tokens, nll
     predictions = {}
     for length in task.lengths:
-        jobs = [(i, depth, s) for i, (n, depth) in enumerate(cells) if n == length
-                for s in range(task.samples) if s % dp.size == dp.rank]
+        jobs = replica_jobs(task, length, dp_rank=dp.rank, dp_size=dp.size)
         for start in range(0, len(jobs), micro_batch_size):
             batch = jobs[start:start + micro_batch_size]
             samples = [task.builder.build(length, depth, s) for _, depth, s in batch]
-            preds, scores = _score(par, samples, device)
+            preds, scores = _score(par, samples, device, masking)
             for (i, depth, s), pred, score in zip(batch, preds, scores):
-                counts[i] += torch.tensor([1.0, *score])
+                counts[i] = [a + b for a, b in zip(counts[i], (1.0, *score))]
                 predictions[(length, depth, s)] = pred
-    dp.all_reduce(counts, tag="eval.passkey")
+            if progress is not None:
+                progress.update(len(batch))
+    total = torch.tensor(counts, dtype=torch.float64, device=device)    # [cells, 5], for NCCL
+    dp.all_reduce(total, tag="eval.passkey")
     return PasskeyResult([PasskeyCell(n, depth, int(c[0]), int(c[1]), int(c[2]), int(c[3]), float(c[4]))
-                          for (n, depth), c in zip(cells, counts.tolist())], predictions)
+                          for (n, depth), c in zip(cells, total.tolist())], predictions)
 
 
 def _window(runs: PositionRuns | torch.Tensor, start: int, stop: int) -> tuple[list[int], list[int]]:
@@ -127,12 +146,14 @@ def _window(runs: PositionRuns | torch.Tensor, start: int, stop: int) -> tuple[l
     return local, cols
 
 
-def _score(par: Parallelized, samples: list[Sample], device) -> tuple[list[list[int]], list[tuple]]:
+def _score(par: Parallelized, samples: list[Sample], device,
+           masking: DocumentMasking | None = None) -> tuple[list[list[int]], list[tuple]]:
     """One forward of equal-length haystacks [b, L]: (predicted key tokens, (exact, right, key
     tokens, nll sum)) per sample."""
-    ids = torch.stack([s.input_ids for s in samples]).to(device)
-    labels = torch.stack([s.labels for s in samples]).to(device)
-    local_ids, local_labels, runs = par.local_batch(ids, labels)
+    host = {"input_ids": torch.stack([s.input_ids for s in samples]),
+            "labels": torch.stack([s.labels for s in samples])}
+    ids, labels = host["input_ids"].to(device), host["labels"].to(device)
+    local_ids, local_labels, runs = par.local_batch(ids, labels, batch_documents(masking, host))
     stats = par.token_stats(local_ids, local_labels, runs)
     # The key's positions are the last k of every haystack; put them together from whichever
     # ranks hold them (zigzag: the end of the sequence lives on tsp rank 0).

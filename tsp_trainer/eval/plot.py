@@ -1,9 +1,13 @@
 """Pictures of the evaluation results (matplotlib, Agg backend, written by rank 0 only): the passkey
-accuracy heatmap (context length x needle depth) and the eval loss by position."""
+accuracy heatmap (context length x needle depth) and the eval loss by position. A title is lines
+(e.g. the model and how it was trained, then the layout it was evaluated under), each wrapped to
+the figure's width so that nothing is cut at the edges."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
+from typing import Sequence
 
 import matplotlib
 
@@ -14,14 +18,25 @@ from tsp_trainer.eval.passkey import PasskeyResult  # noqa: E402
 from tsp_trainer.eval.position_loss import PositionLoss  # noqa: E402
 
 
-def passkey_heatmap(result: PasskeyResult, path: str | Path, *, title: str) -> Path:
+TITLE_FONTSIZE = 9
+CHAR_WIDTH = 0.55           # a character's mean width in DejaVu Sans, in units of the font size
+LINE_HEIGHT = 0.17          # inches per title line at TITLE_FONTSIZE
+
+
+def passkey_heatmap(result: PasskeyResult, path: str | Path, *, title: str | Sequence[str]) -> Path:
     """Accuracy per cell: columns = haystack length, rows = needle depth (0% at the top, as the
     needle-in-a-haystack plots draw it), red = missed, green = retrieved; each cell says its
     accuracy and its key loss (nats/token)."""
     lengths = sorted({c.length for c in result.cells})
     depths = sorted({c.depth for c in result.cells})
     grid = [[result.cell(n, d).accuracy for n in lengths] for d in depths]
-    fig, ax = plt.subplots(figsize=(1.4 + 1.1 * len(lengths), 1.2 + 0.6 * len(depths)))
+    samples = result.cells[0].samples
+    width = max(5.0, 1.4 + 1.1 * len(lengths))
+    title = _wrap([*_lines(title), f"passkey accuracy ({samples} haystacks per cell; "
+                                   f"mean {result.accuracy:.2f})"], width)
+    # the grid's rows, plus the title's lines and the axis labels (the colorbar needs the height)
+    height = max(2.4, 1.0 + 0.6 * len(depths)) + LINE_HEIGHT * title.count("\n")
+    fig, ax = plt.subplots(figsize=(width, height))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     for i, d in enumerate(depths):
         for j, n in enumerate(lengths):
@@ -33,14 +48,12 @@ def passkey_heatmap(result: PasskeyResult, path: str | Path, *, title: str) -> P
     ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
     ax.set_xlabel("haystack length (tokens)")
     ax.set_ylabel("needle depth")
-    samples = result.cells[0].samples
-    ax.set_title(f"{title}\npasskey accuracy ({samples} haystacks per cell; mean {result.accuracy:.2f})",
-                 fontsize=9)
-    fig.colorbar(image, ax=ax, label="accuracy (every key token the argmax)")
+    fig.suptitle(title, fontsize=TITLE_FONTSIZE)
+    fig.colorbar(image, ax=ax, label="accuracy (exact key)")
     return _save(fig, path)
 
 
-def loss_by_position_plot(result: PositionLoss, path: str | Path, *, title: str) -> Path:
+def loss_by_position_plot(result: PositionLoss, path: str | Path, *, title: str | Sequence[str]) -> Path:
     """Mean loss per power-of-two position bucket, on a log2 position axis."""
     rows = [r for r in result.rows() if r[2] is not None]
     x = [(a + b) / 2 if a != b else max(a, 0.5) for a, b, _, _ in rows]   # bucket middle
@@ -56,10 +69,23 @@ def loss_by_position_plot(result: PositionLoss, path: str | Path, *, title: str)
     ax.minorticks_off()
     ax.set_xlabel("token position (bucket)")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"{title}\neval loss by position (mean {result.mean_loss:.4f}, "
-                 f"{int(sum(result.tokens))} tokens)", fontsize=9)
+    fig.suptitle(_wrap([*_lines(title), f"eval loss by position (mean {result.mean_loss:.4f}, "
+                                        f"{int(sum(result.tokens))} tokens)"], fig.get_figwidth()),
+                 fontsize=TITLE_FONTSIZE)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def _lines(title: str | Sequence[str]) -> list[str]:
+    return [title] if isinstance(title, str) else list(title)
+
+
+def _wrap(lines: list[str], fig_width: float) -> str:
+    """A figure title (suptitle: centred on the figure, not on the axes that a colorbar pushes
+    aside): each line wrapped at 90% of the figure's width (inches) in characters; tight_layout
+    then makes room above the axes for however many lines that gives."""
+    width = int(0.9 * fig_width * 72 / (TITLE_FONTSIZE * CHAR_WIDTH))
+    return "\n".join(textwrap.fill(line, width) for line in lines)
 
 
 def _tokens(n: int) -> str:

@@ -1,17 +1,17 @@
-"""Eval loss by position: the per-token losses of the eval batches, bucketed by the global position
-of the token that predicts (position t predicts token t + 1) into powers of two:
+"""Eval loss by position: the per-token losses of the eval batches, bucketed by the position of the
+token that predicts (position t predicts token t + 1) into powers of two:
 
     [0], [1], [2, 3], [4, 7], ..., [2^k, seq_len - 1]      (edges 0, 1, 2, 4, ..., seq_len)
 
 A model that uses its context has a loss that falls with position; one that does not use what lies
 beyond some distance shows a flat tail from that bucket on. Every rank buckets the tokens it holds,
-in its own layout (zigzag chunks under TSP and SP, all tokens under TP), by their global positions;
+in its own layout (zigzag chunks under TSP and SP, all tokens under TP), by their positions (below);
 the [2, buckets] sums are then added over the groups that split a replica's tokens and over dp
 (one all-reduce each, through Comm), so every token of the global eval batch counts once.
 
-Document masking (issue 11, `data.document_masking`) is not here yet: when batches carry document
-boundaries, the position to bucket by is the position inside the document, which the caller
-passes as `positions` instead of the layout's.
+The position is the one RoPE sees: with document masking and `data.reset_positions` the position
+inside the token's document (the positions carry the documents: `PositionRuns.documents`), else
+the position inside the packed row.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tsp_trainer.model.documents import rope_positions
 from tsp_trainer.model.rope import PositionRuns
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.comm import Comm
@@ -66,10 +67,12 @@ class PositionLossAccumulator:
     def add(self, stats: TokenStats, labels: torch.Tensor,
             positions: PositionRuns | torch.Tensor) -> None:
         """stats.loss, labels [B, T] in this rank's layout; positions: the layout's PositionRuns
-        (host ints: checked without a device read), or a tensor [T] or [B, T] of global positions."""
+        (host ints: checked without a device read), or a tensor [T] or [B, T] of positions.
+        Runs that carry documents with reset_positions bucket each token by its position inside
+        its document [B, T]; otherwise by its position in the row [T]."""
         if isinstance(positions, PositionRuns):
-            last = max(first + n - 1 for first, n in positions.runs)
-            positions = positions.tensor(self._inner.device)
+            last = max(first + n - 1 for first, n in positions.runs)   # bounds in-document ones too
+            positions = _bucket_positions(positions, self._inner.device)
         else:
             last = int(positions.max())
         if last >= self.edges[-1]:
@@ -88,3 +91,12 @@ class PositionLossAccumulator:
             comm.all_reduce(total, tag="eval.position_loss")
         sums, tokens = total.cpu().tolist()
         return PositionLoss(tuple(self.edges), tuple(sums), tuple(tokens))
+
+
+def _bucket_positions(runs: PositionRuns, device) -> torch.Tensor:
+    """The positions RoPE sees for these runs: [B, T] restarted per document under
+    reset_positions, else the row positions [T]."""
+    docs = runs.documents
+    if docs is not None and docs.reset_positions:
+        return rope_positions(runs.runs, docs, device=device)
+    return runs.tensor(device)

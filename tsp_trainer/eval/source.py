@@ -21,6 +21,7 @@ from tsp_trainer.checkpoint.hf import load_hf_state_dict, resolve_checkpoint
 from tsp_trainer.checkpoint.disk_format import MANIFEST, META, sha256_file
 from tsp_trainer.checkpoint.shards import read_local_state_dict
 from tsp_trainer.config import ModelConfig, ModelSection, TrainConfig, load_config
+from tsp_trainer.config.model_source import TOKENIZER_FILES, folder_tokenizer
 from tsp_trainer.data import TextTokenizer, load_run_tokenizer, load_tokenizer
 from tsp_trainer.data.build import eval_source
 from tsp_trainer.eval.evaluator import filler_source
@@ -49,6 +50,17 @@ class EvalModel:
     held_out: Filler | None
     filler: Filler | None
     train_config: TrainConfig | None = None
+    # the layout the checkpoint was trained under (meta.json "layout": scheme, tsp_degree,
+    # dp_degree, world_size), None for a HF folder: shown beside, never as, the eval layout
+    trained_layout: dict | None = None
+
+    @property
+    def name(self) -> str:
+        """'tiny_passkey/step_00001500' for a checkpoint (<run>/checkpoints/step_*), the folder
+        name for a HF folder: also the results' subfolder."""
+        if self.kind == "hf":
+            return self.folder.name
+        return f"{self.folder.parent.parent.name}/{self.folder.name}"
 
     def describe(self) -> str:
         c = self.cfg
@@ -82,6 +94,9 @@ def resolve_eval_model(path: str, *, tokenizer: str | None = None, rank: int = 0
 def _from_hf_folder(folder: Path, tokenizer: str | None) -> EvalModel:
     section = ModelSection(init_from=str(folder))
     cfg = section.to_model_config()                       # refuses what it cannot represent
+    if tokenizer is None and folder_tokenizer(str(folder)) is None:
+        raise ValueError(f"Hugging Face folder {folder} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, "
+                         "...); pass --tokenizer with the tokenizer this model was trained with")
     tok = load_tokenizer(tokenizer) if tokenizer else load_run_tokenizer(None, section)
     bundled = Filler(bundled_corpus(), "validation")
     return EvalModel("hf", folder, cfg, tok, bundled, bundled)
@@ -97,7 +112,8 @@ def _from_checkpoint(folder: Path, tokenizer: str | None, rank: int, world_size:
     train_cfg = _resolved_config(meta, folder)
     tok = load_tokenizer(tokenizer) if tokenizer else load_run_tokenizer(train_cfg.data.tokenizer,
                                                                          train_cfg.model)
-    return EvalModel("checkpoint", folder, cfg, tok, *_run_texts(train_cfg), train_cfg)
+    return EvalModel("checkpoint", folder, cfg, tok, *_run_texts(train_cfg), train_cfg,
+                     meta.get("layout"))
 
 
 def _run_texts(cfg: TrainConfig) -> tuple[Filler | None, Filler | None]:

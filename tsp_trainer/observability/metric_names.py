@@ -45,7 +45,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("eval/loss", "nats/token", "min", "eval",
               "mean cross-entropy on train.eval_batches held-out micro-batches per dp rank", "eval {:.4f}"),
     MetricDef("eval/loss_by_position", "nats/token", "last", "eval",
-              "table: eval/loss per position bucket [0], [1], [2, 3], ... up to data.seq_len "
+              "table: eval/loss per position bucket [0], [1], [2, 3], ... up to data.seq_len; a "
+              "token's position inside its document with data.document_masking and "
+              "data.reset_positions, inside its row otherwise "
               "(eval.loss_by_position; W&B also draws it as a line chart, <name>_chart)"),
     MetricDef("eval/passkey_accuracy", "fraction", "max", "eval",
               "passkey retrieval: share of haystacks whose every key token is the argmax, mean over "
