@@ -8,6 +8,9 @@ import json
 import pytest
 
 from tsp_trainer.bench import cli
+from tsp_trainer.config import model_config
+from tsp_trainer.model import Transformer
+from tsp_trainer.plan.analytic import Layout, param_count
 
 pytestmark = pytest.mark.distributed
 
@@ -23,8 +26,13 @@ def test_bench_end_to_end(tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     rows = {r["scheme"]: r for r in doc["schemes"]}
     assert set(rows) == {"tsp", "tp_sp"}
-    for row in rows.values():
-        assert row["param_bytes"] > 0 and row["optim_bytes"] >= 2 * row["param_bytes"]
+    cfg = model_config("tiny")
+    n_tensors = len(list(Transformer(cfg).parameters()))
+    for scheme, row in rows.items():
+        # fp32: this rank's 1/D of every matrix (the planner's count); AdamW's two moments per
+        # weight and one step count per tensor
+        assert row["param_bytes"] == 4 * param_count(cfg, Layout(scheme, 2))        # 410,880
+        assert row["optim_bytes"] == 2 * row["param_bytes"] + 4 * n_tensors
         assert row["peak_act_bytes"] > 0 and row["step_time"] > 0 and row["comm_bytes"] > 0
     assert rows["tp_sp"]["comm_formula_match"] is True and rows["tsp"]["comm_formula_match"] is True
     # TSP and TP+SP hold 1/D of every weight matrix: the same parameter bytes.

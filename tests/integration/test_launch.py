@@ -1,12 +1,16 @@
 """The README's main job, end to end: `accelerate launch` with the shipped CPU config runs
 recipes/tiny_cpu.yaml (4 processes, DP=2 x TSP=2) and the loss falls; `launch/torchrun.sh` runs
-a short variant. Subprocesses, like a user would run them."""
+a short variant. Subprocesses, like a user would run them. The launch scripts' command lines
+(torchrun.sh on one CPU node and on 128 GPU nodes, the SLURM batch script and its USR1 requeue)
+run against stand-ins for python, srun, scontrol and accelerate that record their argv."""
 
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,143 @@ def test_torchrun_script_and_bad_recipe_message(tmp_path):
     assert not (REPO / "runs" / "default").exists()
 
 
-@pytest.mark.parametrize("path", ["launch/slurm_7b_128k_1024gpu.sbatch", "launch/torchrun.sh"])
-def test_launch_scripts_parse(path):
-    assert subprocess.run(["bash", "-n", path], cwd=REPO).returncode == 0
+# ---- the launch scripts' command lines, with stand-ins that record their argv -----------------
+
+# A stand-in for python / accelerate / srun / scontrol: appends {"prog", "argv", "env"} to
+# $STANDIN_LOG. As python it answers the CUDA probe (`python -c ...`) with $STANDIN_CUDA (0: yes);
+# as srun it runs its command (the arguments after srun's own --options) as node 0 of 128 and
+# forwards SIGTERM to it; as scontrol it prints two host names; as accelerate it waits for a
+# signal when $STANDIN_WAIT is set.
+_STANDIN = """#!{python}
+import json, os, signal, subprocess, sys, time
+prog, argv = os.path.basename(sys.argv[0]), sys.argv[1:]
+if not (prog == "python" and argv[:1] == ["-c"]):
+    env = {{k: os.environ.get(k) for k in ("DS_ACCELERATOR", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                        "MASTER_ADDR", "MASTER_PORT")}}
+    with open(os.environ["STANDIN_LOG"], "a") as log:
+        log.write(json.dumps({{"prog": prog, "argv": argv, "env": env}}) + "\\n")
+if prog == "python" and argv[:1] == ["-c"]:
+    sys.exit(int(os.environ["STANDIN_CUDA"]))
+if prog == "srun":
+    command = [a for a in argv if not a.startswith("--")]
+    task = subprocess.Popen(command, env=dict(os.environ, SLURM_NNODES="128", SLURM_NODEID="0"))
+    signal.signal(signal.SIGTERM, lambda *_: task.terminate())     # srun forwards it to its tasks
+    sys.exit(task.wait())
+if prog == "scontrol" and argv[:2] == ["show", "hostnames"]:
+    sys.stdout.write("gpu-node-001\\ngpu-node-002\\n")     # one write, which `head -n 1` reads
+if prog == "accelerate" and os.environ.get("STANDIN_WAIT"):
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    time.sleep(60)
+"""
+
+
+def _standins(tmp_path: Path, *progs: str) -> Path:
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    for prog in progs:
+        path = folder / prog
+        path.write_text(_STANDIN.format(python=sys.executable))
+        path.chmod(0o755)
+    return folder
+
+
+def _calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _script_env(tmp_path: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DS_ACCELERATOR", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC",
+                        "RDZV_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "RECIPE", "REPO")}
+    return dict(env, STANDIN_LOG=str(tmp_path / "calls.jsonl"), **extra)
+
+
+def _torchrun_line(nnodes, node_rank, nproc, endpoint, *rest):
+    return ["-m", "torch.distributed.run", "--nnodes", nnodes, "--node_rank", node_rank,
+            "--nproc_per_node", nproc, "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+            "--rdzv_id", "tsp_trainer", "-m", "tsp_trainer", "train", *rest]
+
+
+@pytest.mark.parametrize("extra,cuda,line,accelerator", [
+    ({}, "1", _torchrun_line("1", "0", "4", "127.0.0.1:0", "recipes/tiny_cpu.yaml", "train.steps=10"),
+     "cpu"),
+    ({"NNODES": "128", "NODE_RANK": "5", "MASTER_ADDR": "host0", "NPROC": "8"}, "0",
+     _torchrun_line("128", "5", "8", "host0:29500", "recipes/tiny_cpu.yaml", "train.steps=10"), None),
+], ids=["one-cpu-node", "128-gpu-nodes"])
+def test_torchrun_script_command_line(tmp_path, extra, cuda, line, accelerator):
+    """launch/torchrun.sh: 4 processes on one node with a free port by default, the given node
+    count, rank, endpoint and processes otherwise; DeepSpeed on CPU only where CUDA is absent;
+    the recipe and the overrides passed through."""
+    python = _standins(tmp_path, "python") / "python"
+    env = _script_env(tmp_path, PYTHON=str(python), STANDIN_CUDA=cuda, **extra)
+    proc = subprocess.run(["bash", "launch/torchrun.sh", "recipes/tiny_cpu.yaml", "train.steps=10"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    [call] = _calls(tmp_path / "calls.jsonl")
+    assert (call["prog"], call["argv"]) == ("python", line)
+    assert call["env"]["DS_ACCELERATOR"] == accelerator
+    assert (REPO / "recipes/tiny_cpu.yaml").exists()
+
+
+def test_torchrun_script_without_recipe_prints_usage(tmp_path):
+    proc = subprocess.run(["bash", "launch/torchrun.sh"], cwd=REPO, env=_script_env(tmp_path),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "usage: launch/torchrun.sh RECIPE [key=value ...]" in proc.stderr
+    assert _calls(tmp_path / "calls.jsonl") == []
+
+
+SBATCH = "launch/slurm_7b_128k_1024gpu.sbatch"
+
+
+def _sbatch_env(tmp_path: Path, **extra: str) -> dict:
+    """srun and scontrol stand-ins on PATH; REPO a scratch folder whose .venv/bin/accelerate is the
+    accelerate stand-in (the script runs `$REPO/.venv/bin/accelerate` and writes logs/ there)."""
+    bin_dir = _standins(tmp_path, "srun", "scontrol", "accelerate")
+    repo = tmp_path / "repo"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / ".venv" / "bin" / "accelerate").symlink_to(bin_dir / "accelerate")
+    return _script_env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}", REPO=str(repo),
+                       SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-node-[001-128]", **extra)
+
+
+SBATCH_ACCELERATE = ["launch", "--config_file", "launch/accelerate/gpu_multinode.yaml",
+                     "--num_machines", "128", "--num_processes", "1024", "--machine_rank", "0",
+                     "--main_process_ip", "gpu-node-001", "--main_process_port", "29500",
+                     "-m", "tsp_trainer", "train", "recipes/7b_128k_1024gpu.yaml", "train.resume=auto"]
+
+
+def test_sbatch_command_line(tmp_path):
+    """One srun launcher per node; each runs accelerate with the multinode config for 8 processes
+    of 1,024, the first host as the rendezvous, and the 7B recipe resuming from its newest
+    checkpoint; the launcher's shutdown grace (240 s) fits inside SLURM's 300 s signal lead."""
+    proc = subprocess.run(["bash", SBATCH], cwd=REPO, env=_sbatch_env(tmp_path), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = _calls(tmp_path / "calls.jsonl")
+    assert [(c["prog"], c["argv"][:2]) for c in calls] == [
+        ("scontrol", ["show", "hostnames"]), ("srun", ["--kill-on-bad-exit=1", "bash"]),
+        ("accelerate", SBATCH_ACCELERATE[:2])]
+    accelerate = calls[2]
+    assert accelerate["argv"] == SBATCH_ACCELERATE
+    assert accelerate["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "240"
+    assert "#SBATCH --signal=B:USR1@300" in (REPO / SBATCH).read_text()
+    for path in ("launch/accelerate/gpu_multinode.yaml", "recipes/7b_128k_1024gpu.yaml"):
+        assert (REPO / path).exists(), path
+
+
+def test_sbatch_usr1_stops_the_launcher_and_requeues(tmp_path):
+    """SLURM's USR1 before the time limit: the batch shell forwards SIGTERM to srun (here: the
+    launcher stand-in's process), waits for it, requeues the job and exits 0."""
+    log = tmp_path / "calls.jsonl"
+    proc = subprocess.Popen(["bash", SBATCH], cwd=REPO, env=_sbatch_env(tmp_path, STANDIN_WAIT="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not any(c["prog"] == "accelerate" for c in _calls(log)) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "caught USR1: asking the trainer to checkpoint and stop (job 4242)" in out
+    assert "requeueing job 4242" in out
+    assert [c["argv"] for c in _calls(log) if c["prog"] == "scontrol"][-1] == ["requeue", "4242"]

@@ -61,8 +61,8 @@ def test_analytic_model_matches_the_code_on_fake_tensors(case, dtype, ac):
     assert comm == res.comm
     act = activation_memory(CFG, layout, SEQ, prec, device="cpu")
     assert act.stored == pytest.approx(res.stored_bytes, rel=0.01)
-    # the model describes rank 0, whose second zigzag chunk sees the whole prefix (the largest
-    # attention masks); the other ranks need at most that
+    # the model describes rank 0; the other ranks' peaks are within a few percent of it
+    # (test_every_rank_saves_and_sends_what_rank_zero_does)
     assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
 
 
@@ -110,9 +110,20 @@ def test_recompute_none_mlp_backward_peak(degree, dtype):
     assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
 
 
-def test_rank_zero_has_the_largest_attention_masks():
-    peaks = [run_step(CFG, "sp", world_size=2, degree=2, seq_len=SEQ, rank=r).peak_bytes for r in (0, 1)]
-    assert peaks[0] >= peaks[1]
+@pytest.mark.parametrize("scheme,kw", [("sp", {}), ("tsp", {"head_buckets": 1})], ids=["sp", "tsp"])
+def test_every_rank_saves_and_sends_what_rank_zero_does(scheme, kw):
+    """The plan describes rank 0 for all ranks: under zigzag every rank holds two chunks, saves the
+    same activations and issues the same communication, byte for byte; the peaks differ by a few
+    percent (measured 1.72 to 1.77 MB for sp at D 4), each within the model's 10% of rank 0."""
+    degree = 4
+    runs = [run_step(CFG, scheme, world_size=degree, degree=degree, seq_len=SEQ, rank=r, **kw)
+            for r in range(degree)]
+    assert [r.comm for r in runs] == [runs[0].comm] * degree
+    assert [r.stored_bytes for r in runs] == [runs[0].stored_bytes] * degree
+    peaks = [r.peak_bytes for r in runs]
+    assert max(peaks) <= 1.05 * min(peaks), peaks
+    act = activation_memory(CFG, _layout(scheme, degree, kw), SEQ, BF16, device="cpu")
+    assert peaks == [pytest.approx(act.peak, rel=0.10)] * degree
 
 
 def test_extrapolation_from_two_layers_equals_a_full_depth_run():

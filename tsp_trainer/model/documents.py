@@ -60,11 +60,6 @@ class Documents:
             rows.append(tuple(starts))
         return cls(tuple(rows), reset_positions)
 
-    def document_start(self, row: int, position: int) -> int:
-        """First position of the document holding `position` in batch row `row`."""
-        starts = self.starts[row]
-        return starts[bisect.bisect_right(starts, position) - 1]
-
 
 class Segment(NamedTuple):
     """Queries q_start..q_stop-1 (token indices in hand) at positions k_stop - n .. k_stop - 1

@@ -107,14 +107,6 @@ def comm_metric_name(axis: str, op: str) -> str:
     return f"comm/{axis}/{op}_bytes"
 
 
-def panel_of(name: str) -> str:
-    return metric_def(name).panel
-
-
-def metrics_in_panel(panel: str) -> list[MetricDef]:
-    return [m for m in METRICS if m.panel == panel]
-
-
 def console_metrics() -> list[MetricDef]:
     """Rows shown on the console line, in table order."""
     return [m for m in METRICS if m.console]

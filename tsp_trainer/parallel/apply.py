@@ -34,13 +34,6 @@ class ShardSpec:
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         return full if self.dim is None else full.chunk(self.degree, dim=self.dim)[rank].clone()
 
-    def local_shape(self, full_shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.dim is None:
-            return tuple(full_shape)
-        shape = list(full_shape)
-        shape[self.dim] //= self.degree
-        return tuple(shape)
-
 
 # FQN pattern -> split dim, for TSP (and TP, which shards weights the same way: Megatron 1-D).
 # Biases follow their outputs: q/k/v and gate/up biases are split with their rows (they travel with
