@@ -4,7 +4,7 @@ tsp-dashboard, tsp-report, tsp-tokenize, tsp-eval, and `python -m tsp_trainer ch
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
 rank leaves through destroy_process_group + os._exit (DeepSpeed + gloo can abort in interpreter
-finalisation otherwise; ENV_NOTES.md section 3).
+finalisation otherwise, after the job's work is done).
 
 tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
 found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
@@ -98,7 +98,7 @@ def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bo
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)        # oversubscribed ranks run ~3x slower (ENV_NOTES.md 8)
+            torch.set_num_threads(1)        # ranks oversubscribing the cores run ~3x slower
     return cuda
 
 
