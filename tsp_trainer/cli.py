@@ -1,15 +1,20 @@
-"""Command-line entry points: tsp-train, tsp-bench, tsp-plan, tsp-export, tsp-dashboard,
-tsp-report, tsp-tokenize, tsp-eval.
+"""Command-line entry points: tsp-train, tsp-launch, tsp-bench, tsp-plan, tsp-export,
+tsp-dashboard, tsp-report, tsp-tokenize, tsp-eval, and `python -m tsp_trainer check`.
 
 This is the one place that reads the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and
 the one owner of process-group start-up: the Trainer's Accelerator initialises it once, and every
 rank leaves through destroy_process_group + os._exit (DeepSpeed + gloo can abort in interpreter
-finalisation otherwise).
+finalisation otherwise, after the job's work is done).
 
 tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
 found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
 exit silently); 75 stopped early at a checkpoint by a preemption signal or train.max_runtime_min
 (continue with train.resume=auto); 1 anything else (a traceback).
+
+tsp-launch runs the same checks once, in its own process, before Accelerate's launcher starts any
+rank (bad input: one line, exit 2, no launcher report); then the launcher, whose exit code is the
+first failed rank's (engine/launch.py). `check` runs the checks alone, for other launchers
+(launch/torchrun.sh).
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bo
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)        # oversubscribed ranks run ~3x slower
+            torch.set_num_threads(1)        # ranks oversubscribing the cores run ~3x slower
     return cuda
 
 
@@ -134,7 +139,7 @@ def train_main(argv: list[str] | None = None) -> None:
     if args.recipe is None:
         parser.error("the following arguments are required: recipe")
     world, rank, local_rank = _launcher_env()
-    cfg, inputs = _check_inputs_or_exit(args, world=world, rank=rank)
+    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
     from tsp_trainer.trainer import Trainer
 
@@ -156,7 +161,8 @@ def train_main(argv: list[str] | None = None) -> None:
     _exit(code)
 
 
-def _check_inputs_or_exit(args, *, world: int, rank: int):
+def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank: int,
+                          prog: str = "tsp-train"):
     """(config, checked inputs), or exit 2 with one line from rank 0 (the other ranks exit silently).
     Runs before any process group: the config first (standard library + OmegaConf, no torch), then
     tokenizer, data, resume path and output folder (run/inputs.py).
@@ -168,18 +174,48 @@ def _check_inputs_or_exit(args, *, world: int, rank: int):
 
     with _sigterm_held(rank == 0) as held:
         try:
-            cfg = load_config(args.recipe, args.overrides)
+            cfg = load_config(recipe, overrides)
             validate_config(cfg, world)
             from tsp_trainer.run import check_inputs
 
             inputs = check_inputs(cfg, world_size=world)
         except ValueError as err:
             if rank == 0:                              # one line per job, not one per rank
-                print(f"tsp-train: error: {err}", file=sys.stderr, flush=True)
+                print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_BAD_INPUT)
     if held:                                           # the launcher is tearing the job down
         sys.exit(128 + signal.SIGTERM)
     return cfg, inputs
+
+
+def launch_main(argv: list[str] | None = None) -> None:
+    """tsp-launch [accelerate launch options] RECIPE [key=value ...]: the checks of tsp-train in
+    this process at the launcher's world size, then Accelerate's launcher on `-m tsp_trainer train`."""
+    _quiet_known_warnings()
+    from tsp_trainer.engine.launch import launch_world_size, parse_launch_args, run_launcher
+
+    args = parse_launch_args(argv)
+    world = launch_world_size(args)
+    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=0, prog="tsp-launch")
+    sys.stdout.flush()
+    sys.exit(run_launcher(args))
+
+
+def check_main(argv: list[str] | None = None) -> None:
+    """python -m tsp_trainer check --world-size N RECIPE [key=value ...]: tsp-train's input checks
+    alone (exit 0 with one line, or 2 with the error), before a launcher that has no such step."""
+    parser = argparse.ArgumentParser(prog="tsp-check", description="Check a recipe and its inputs "
+                                     "(config, tokenizer, data, resume path, output folder) for a "
+                                     "run of --world-size processes, without starting it.")
+    parser.add_argument("--world-size", type=int, default=1, help="processes of the run (default 1)")
+    parser.add_argument("recipe", help="recipes/*.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
+    args = parser.parse_args(argv)
+    cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=args.world_size, rank=0,
+                                   prog="tsp-check")
+    tsp = cfg.parallel.tsp_degree
+    print(f"tsp-check: ok: {args.recipe} on {args.world_size} processes (dp {args.world_size // tsp} "
+          f"x tsp {tsp}), output {cfg.train.output_dir}")
 
 
 @contextlib.contextmanager
@@ -291,8 +327,8 @@ def tokenize_main(argv: list[str] | None = None) -> None:
     raise SystemExit(main(argv))
 
 
-COMMANDS = {"train": train_main, "bench": bench_main, "plan": plan_main,
-            "export": export_main, "dashboard": dashboard_main, "report": report_main,
+COMMANDS = {"train": train_main, "launch": launch_main, "check": check_main, "bench": bench_main,
+            "plan": plan_main, "export": export_main, "dashboard": dashboard_main, "report": report_main,
             "tokenize": tokenize_main, "eval": eval_main}
 
 

@@ -161,3 +161,37 @@ def test_family_folder_imports_trains_and_exports(tmp_path, case):
     test_ids = torch.randint(0, 1024, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(back(test_ids).logits, ours(test_ids), rtol=1e-5, atol=1e-6)
+
+
+def test_export_of_an_init_from_run_carries_its_tokenizer(tmp_path, capsys):
+    """A `model.init_from` run (tokenizer from the folder) exported without --tokenizer: the folder
+    holds the run's tokenizer, AutoTokenizer encodes text to the ids the run's tokenizer gives,
+    and AutoModelForCausalLM generates from them."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers.hf_models import tiny_hf
+
+    folder = tmp_path / "hf"
+    # llama: transformers 5 loads a qwen2 folder's tokenizer as Qwen2Tokenizer, which re-splits
+    # text its own way (other ids than this tokenizer.json gives): fine for Qwen's own tokenizer only
+    tiny_hf(folder, "llama", vocab_size=1024, max_position_embeddings=64)
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, folder / f.name)
+    run_on_ranks(train_rank, 1, ["model.size=null", "data.tokenizer=null", f"model.init_from={folder}",
+                                 "train.steps=2", "parallel.tsp_degree=1",
+                                 f"train.output_dir={tmp_path / 'run'}"], False)
+    out = tmp_path / "out"
+    export_main([str(tmp_path / "run"), str(out)])
+    assert f"; tokenizer from {folder}\n" in capsys.readouterr().out
+
+    text = "def add(a, b):\n    return a + b\n"
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 5 and ids == load_tokenizer(TOKENIZER).encode(text)
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    generated = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
+                               pad_token_id=tok.pad_token_id or 0)
+    assert generated.shape == (1, len(ids) + 4) and generated[0, :len(ids)].tolist() == ids
+    assert tok.decode(ids) == text

@@ -26,11 +26,11 @@ def _env():
 
 
 def test_accelerate_launch_tiny_cpu_recipe(tmp_path):
-    """The launch line of recipes/tiny_cpu.yaml's comment (the README's main job), as written."""
+    """The plain `accelerate launch` line of recipes/tiny_cpu.yaml's comment, as written."""
     from tests.integration.test_lifecycle_launch import recipe_launch_line
 
     out = tmp_path / "tiny"
-    written = shlex.split(recipe_launch_line("tiny_cpu.yaml"))
+    written = shlex.split(recipe_launch_line("tiny_cpu.yaml", ("accelerate launch",)))
     cmd = [str(BIN / "accelerate")] + written[1:] + [f"train.output_dir={out}", "logging.progress_bar=false"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -29,17 +29,18 @@ def _env(**extra):
     return env
 
 
-def recipe_launch_line(recipe: str) -> str:
-    """The launch command written in a recipe's header comment."""
+def recipe_launch_line(recipe: str, launchers=("tsp-launch", "sbatch ")) -> str:
+    """The first launch command written in a recipe's header comment that starts with one of
+    `launchers`."""
     for line in (REPO / "recipes" / recipe).read_text().splitlines():
         text = line.lstrip("# ").strip()
-        if text.startswith(("accelerate launch", "sbatch ")):
+        if text.startswith(launchers):
             return text.split("  (")[0].strip()
-    raise AssertionError(f"recipes/{recipe} has no launch line in its comments")
+    raise AssertionError(f"recipes/{recipe} has no {' / '.join(launchers)} line in its comments")
 
 
 def _accelerate(recipe_args: list[str]) -> list[str]:
-    cmd = shlex.split(recipe_launch_line("tiny_cpu.yaml"))
+    cmd = shlex.split(recipe_launch_line("tiny_cpu.yaml", ("accelerate launch",)))
     return [str(BIN / "accelerate")] + cmd[1:] + recipe_args
 
 
@@ -55,7 +56,7 @@ def test_recipe_launch_lines_name_a_launcher_config_for_their_world(recipe, tmp_
         assert f"recipes/{recipe}" in script
         return
     args = shlex.split(line)
-    assert args[args.index("-m") + 1:args.index("-m") + 4] == ["tsp_trainer", "train", f"recipes/{recipe}"]
+    assert args[0] == "tsp-launch" and args[-1] == f"recipes/{recipe}", args
     config = yaml.safe_load((REPO / args[args.index("--config_file") + 1]).read_text())
     from tsp_trainer.config import load_config, validate_config
 
@@ -68,9 +69,13 @@ def test_recipe_launch_lines_name_a_launcher_config_for_their_world(recipe, tmp_
     validate_config(cfg, config["num_processes"])
 
 
-def test_readme_main_job_is_the_recipe_launch_line():
+def test_readme_main_job_is_a_recipe_launch_line():
+    """The README's main job is written as in recipes/tiny_cpu.yaml: its tsp-launch line, or the
+    plain `accelerate launch` line the recipe gives beside it."""
     readme = (REPO / "README.md").read_text()
-    assert recipe_launch_line("tiny_cpu.yaml") in readme
+    lines = [recipe_launch_line("tiny_cpu.yaml", (launcher,)) for launcher in ("tsp-launch",
+                                                                                "accelerate launch")]
+    assert any(line in readme for line in lines), lines
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues(tmp_path):

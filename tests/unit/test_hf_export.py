@@ -3,6 +3,8 @@ process group): the Hugging Face folder it writes, and the bad inputs it refuses
 anything to OUT. Real training runs are exported in tests/distributed/test_hf_interop.py."""
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,9 @@ TINY = model_config("tiny")
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer"
 
 
-def fake_checkpoint(folder, cfg=TINY, degree=2, seed=0):
-    """A checkpoint folder as dp_rank 0 of each of `degree` TSP ranks would write its model part."""
+def fake_checkpoint(folder, cfg=TINY, degree=2, seed=0, config_yaml=None):
+    """A checkpoint folder as dp_rank 0 of each of `degree` TSP ranks would write its model part
+    (meta.json's resolved config: `config_yaml`, none if None)."""
     model = Transformer(cfg)
     model.init_weights(seed)
     specs, state = tsp_specs(model, degree), model.state_dict()
@@ -29,7 +32,10 @@ def fake_checkpoint(folder, cfg=TINY, degree=2, seed=0):
     for r in range(degree):
         write_shard(folder / "model" / shard_file_name(r, degree),
                     {n: specs[n].local(t, r) for n, t in state.items()}, specs, {"tsp": r})
-    (folder / "meta.json").write_text(json.dumps({"step": 1, "model": cfg.__dict__}))
+    meta = {"step": 1, "model": cfg.__dict__}
+    if config_yaml is not None:
+        meta["config_yaml"] = config_yaml
+    (folder / "meta.json").write_text(json.dumps(meta))
     (folder / "manifest.json").write_text(json.dumps(build_manifest(folder)))
     return state
 
@@ -134,3 +140,29 @@ def test_cli(tmp_path, capsys):
         export_main([str(tmp_path / "hf"), str(tmp_path / "hf2")])      # an HF folder, not a checkpoint
     assert exit_info.value.code == 2
     assert "tsp-export: error:" in capsys.readouterr().err and _nothing_written(tmp_path / "hf2")
+
+
+def test_cli_copies_the_runs_tokenizer_with_the_checkpoints_file_modes(tmp_path, capsys):
+    """No --tokenizer: the one the run trained with (its resolved data.tokenizer), copied; folder
+    755 and files 644 under umask 022, as a checkpoint's (not mkdtemp's 700 / safetensors' 600)."""
+    fake_checkpoint(tmp_path / "ckpt", config_yaml=f"data:\n  tokenizer: {TOKENIZER}\nmodel: {{}}\n")
+    previous = os.umask(0o022)
+    try:
+        export_main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size", "100KB"])
+    finally:
+        os.umask(previous)
+    out = tmp_path / "hf"
+    assert f"; tokenizer from {TOKENIZER}" in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == (TOKENIZER / "tokenizer.json").read_bytes()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert len(modes) > 4 and set(modes.values()) == {0o644}, modes
+
+
+def test_cli_says_in_one_line_when_no_tokenizer_is_found(tmp_path, capsys):
+    fake_checkpoint(tmp_path / "ckpt")                      # meta.json without a resolved config
+    export_main([str(tmp_path / "ckpt"), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert err == (f"tsp-export: no tokenizer written: checkpoint {tmp_path / 'ckpt'}: its meta.json "
+                   "holds no resolved config (config_yaml); pass --tokenizer DIR to add one\n")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]

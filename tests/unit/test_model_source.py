@@ -100,6 +100,24 @@ def test_context_keys_override_the_folder(tmp_path):
     assert _cfg(f"model.config_from={scaled}", "model.rope_scaling.rope_type=default").model.to_model_config().rope_scaling is None
 
 
+def test_the_log_line_names_only_what_the_recipe_changed(tmp_path):
+    """describe_source runs on the resolved config, which spells out the folder's max_seq_len,
+    rope_theta and init_std: those are no override; a value other than the folder's is."""
+    from tsp_trainer.config import resolve_config
+    from tsp_trainer.config.model_source import describe_source
+
+    folder = _folder(tmp_path / "qwen")
+    plain = resolve_config(_cfg(f"model.init_from={folder}"), world_size=1, cuda=False)
+    assert plain.model.max_seq_len == 256 and plain.model.rope_theta == 1e6    # filled in
+    assert describe_source(plain.model) == f"model.init_from={folder}"
+    changed = resolve_config(_cfg(f"model.init_from={folder}", "model.rope_theta=2e6",
+                                  "model.max_seq_len=256", "model.rope_scaling.rope_type=linear",
+                                  "model.rope_scaling.factor=2"), world_size=1, cuda=False)
+    assert describe_source(changed.model) == (f"model.init_from={folder} (recipe overrides "
+                                              "rope_scaling, rope_theta)")
+    assert describe_source(_cfg().model) == "model.size=tiny"
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["model.rope_scaling.factor=4"], "model.rope_scaling.factor is set but model.rope_scaling.rope_type is not"),
     (["model.rope_scaling.rope_type=default", "model.rope_scaling.factor=2"],

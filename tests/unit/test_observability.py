@@ -276,3 +276,21 @@ def test_null_sink_takes_every_sink_call_and_writes_nothing(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
     assert capsys.readouterr() == ("", "")
     assert caplog.records == []
+
+
+def test_dashboard_json_needs_no_entity_or_project(tmp_path, capsys):
+    """--json PATH writes the view offline: --entity / --project are optional there (the spec then
+    names none); saving to W&B without them is refused by argparse, naming both."""
+    from tsp_trainer.observability.dashboard import main as dashboard_main
+
+    out = tmp_path / "view.json"
+    assert dashboard_main(["--json", str(out)]) == 0
+    spec = json.loads(out.read_text())
+    assert "entity" not in spec and "project" not in spec
+    assert [s["name"] for s in spec["spec"]["section"]["panelBankConfig"]["sections"]][:3] == [
+        "train", "eval", "perf"]
+    with pytest.raises(SystemExit) as exc:
+        dashboard_main(["--entity", "team"])
+    assert exc.value.code == 2
+    assert "--project needed to save the view to W&B (or write it offline with --json PATH)" in \
+        capsys.readouterr().err

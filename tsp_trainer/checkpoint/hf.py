@@ -22,14 +22,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tsp_trainer.checkpoint.disk_format import LATEST, read_verified_meta
+from tsp_trainer.checkpoint.disk_format import LATEST, META, read_verified_meta
 from tsp_trainer.checkpoint.shards import read_full_state_dict
-from tsp_trainer.config import ModelConfig
+from tsp_trainer.config import ModelConfig, ModelSection
 from tsp_trainer.config.hf_model import HF_FAMILIES, hf_config_dict, is_close, model_fields_from_hf
-from tsp_trainer.config.model_source import CONTEXT_KEYS, SHAPE_KEYS, hf_key_of
+from tsp_trainer.config.model_source import (BUNDLED_TOKENIZER, CONTEXT_KEYS, SHAPE_KEYS, hf_key_of,
+                                             resolve_tokenizer)
 from tsp_trainer.model import Transformer
 
 HF_PREFIX = "model."
@@ -39,6 +41,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REPO_ROOT = Path(__file__).resolve().parents[2]     # where the bundled tokenizer lives
 _UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
 
 def to_hf_name(name: str) -> str:
@@ -215,6 +218,34 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, *,
                           dtype=dtype, overwrite=overwrite)
 
 
+def run_tokenizer(checkpoint: str | os.PathLike) -> tuple[Path | None, str]:
+    """The tokenizer the checkpoint's run trained with, as tsp-train resolved it from the config
+    saved in meta.json (data.tokenizer, else the model.init_from / config_from folder's, else the
+    bundled one): (its local folder or tokenizer.json, "") or (None, why it is not here)."""
+    folder = resolve_checkpoint(checkpoint)
+    try:
+        saved = yaml.safe_load(json.loads((folder / META).read_text()).get("config_yaml") or "null")
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        return None, f"checkpoint {folder} has no readable {META} ({err})"
+    if not isinstance(saved, dict):
+        return None, f"checkpoint {folder}: its {META} holds no resolved config (config_yaml)"
+    data, model = saved.get("data") or {}, saved.get("model") or {}
+    section = ModelSection(init_from=model.get("init_from"), config_from=model.get("config_from"))
+    try:
+        source = resolve_tokenizer(data.get("tokenizer"), section)
+    except ValueError as err:
+        return None, str(err)
+    path = Path(source).expanduser()
+    if not path.exists() and source == BUNDLED_TOKENIZER:
+        path = REPO_ROOT / BUNDLED_TOKENIZER
+    if not path.exists():
+        return None, (f"the run's tokenizer {source!r} is not a local file or folder here (a Hub "
+                      "name, or moved)")
+    if path.is_dir() and not any((path / n).is_file() for n in TOKENIZER_FILES):
+        return None, f"the run's tokenizer folder {path} holds none of {', '.join(TOKENIZER_FILES[:3])}, ..."
+    return path, ""
+
+
 def save_hf_folder(full: dict[str, torch.Tensor], cfg: ModelConfig, out: str | os.PathLike, *,
                    max_shard_size: int | str = "5GB", tokenizer: str | os.PathLike | None = None,
                    dtype: str | None = None, overwrite: bool = False) -> Path:
@@ -245,6 +276,7 @@ def save_hf_folder(full: dict[str, torch.Tensor], cfg: ModelConfig, out: str | o
 
             GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=config.eos_token_id,
                              pad_token_id=cfg.pad_token_id).save_pretrained(str(tmp))
+        follow_umask(tmp)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -295,13 +327,28 @@ def parse_size(size: int | str) -> int:
     raise ValueError(f"--max-shard-size={size!r}: use a positive size such as 5GB, 500MB or 2GiB")
 
 
-def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
-    directory = Path(directory)
-    files = [directory / n for n in TOKENIZER_FILES if (directory / n).is_file()]
+def tokenizer_files(source: str | os.PathLike) -> list[Path]:
+    """The tokenizer files to copy: those of TOKENIZER_FILES in a folder, or one tokenizer.json."""
+    source = Path(source)
+    if source.is_file():
+        return [source]
+    files = [source / n for n in TOKENIZER_FILES if (source / n).is_file()]
     if not files:
-        raise ValueError(f"--tokenizer {directory} holds none of the tokenizer files "
+        raise ValueError(f"--tokenizer {source} holds none of the tokenizer files "
                          f"{', '.join(TOKENIZER_FILES[:3])}, ...")
     return files
+
+
+def follow_umask(folder: Path) -> None:
+    """Give `folder` and the files in it the modes of a plain mkdir / open under the umask, as the
+    checkpoints have (755 / 644 under umask 022): mkdtemp makes the folder 0700 and safetensors
+    writes its files 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def _special_token_ids(files: list[Path]) -> dict[str, int]:

@@ -129,12 +129,18 @@ def _rope_scaling(rope_section):
 
 
 def describe_source(section) -> str:
-    """One line for the log: where the model comes from and which keys the recipe overrode."""
+    """One line for the log: where the model comes from and which of the folder's context keys and
+    init_std the recipe changed. A resolved config (resolve_config) spells out the folder's own
+    values: a key equal to the folder's is no override."""
     source = model_folder(section)
     if source is None:
         return f"model.size={section.size or DEFAULT_SIZE}"
-    changed = sorted(k for k in section_overrides(section) if k in CONTEXT_KEYS + ("init_std",))
-    return f"{source[0]}={source[1]}" + (f" (recipe overrides {', '.join(changed)})" if changed else "")
+    key, path = source
+    folder_cfg = model_config_from_hf(path, key=key)
+    changed = sorted(name for name, value in section_overrides(section).items()
+                     if name in CONTEXT_KEYS + ("init_std",)
+                     and not is_close(value, getattr(folder_cfg, name)))
+    return f"{key}={path}" + (f" (recipe overrides {', '.join(changed)})" if changed else "")
 
 
 def resolve_tokenizer(data_tokenizer: str | None, section) -> str:

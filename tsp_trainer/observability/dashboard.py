@@ -3,7 +3,7 @@
 module that imports wandb_workspaces (lazily, inside the functions).
 
     tsp-dashboard --entity ENTITY --project PROJECT [--name NAME]      build and save (network)
-    tsp-dashboard --entity ENTITY --project PROJECT --json PATH        build, write the view spec
+    tsp-dashboard [--entity ENTITY --project PROJECT] --json PATH      build, write the view spec
                                                                        as JSON, no network
 
 Families (comm/<axis>/<op>_bytes) become one plot that selects its metrics by regular expression,
@@ -60,17 +60,27 @@ def workspace_spec(workspace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tsp-dashboard", description="Build the W&B workspace "
                                      "view of tsp_trainer's metrics for a project.")
-    parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
-    parser.add_argument("--project", required=True, help="W&B project (logging.wandb_project)")
+    parser.add_argument("--entity", help="W&B entity (user or team); needed to save, optional "
+                        "with --json")
+    parser.add_argument("--project", help="W&B project (logging.wandb_project); needed to save, "
+                        "optional with --json")
     parser.add_argument("--name", default="tsp_trainer", help="name of the saved view")
     parser.add_argument("--json", metavar="PATH", help="write the view spec to PATH instead of "
                         "saving it to W&B (no network, no login)")
     args = parser.parse_args(argv)
-    workspace = build_workspace(entity=args.entity, project=args.project, name=args.name)
+    missing = [f"--{key}" for key in ("entity", "project") if getattr(args, key) is None]
+    if missing and not args.json:
+        parser.error(f"{' and '.join(missing)} needed to save the view to W&B (or write it offline "
+                     "with --json PATH)")
+    workspace = build_workspace(entity=args.entity or "", project=args.project or "", name=args.name)
     if args.json:
+        spec = workspace_spec(workspace)
+        for key in ("entity", "project"):          # not given: the spec names none
+            if not spec.get(key):
+                spec.pop(key, None)
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(workspace_spec(workspace), indent=1) + "\n")
+        path.write_text(json.dumps(spec, indent=1) + "\n")
         print(f"tsp-dashboard: wrote the view spec ({len(workspace.sections)} sections, "
               f"{sum(len(s.panels) for s in workspace.sections)} panels) to {path}")
         return 0
