@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tsp_trainer.bench.launch import run_on_ranks  # noqa: E402
+from tsp_trainer.tools.launch import run_on_ranks  # noqa: E402
 from tsp_trainer.bench.run import make_batch  # noqa: E402
 from tsp_trainer.config import ModelConfig  # noqa: E402
 from tsp_trainer.model import Transformer, layers  # noqa: E402

@@ -95,7 +95,7 @@ def _per_save_stalls(calls) -> tuple[list[float], float]:
 
 
 def stall(args) -> dict:
-    from tsp_trainer.bench.launch import run_on_ranks
+    from tsp_trainer.tools.launch import run_on_ranks
 
     modes = {"sync": ["checkpoint.async_save=false"], "async": ["checkpoint.async_save=true"],
              "none": ["checkpoint.enabled=false"]}
@@ -137,7 +137,7 @@ def _bytes_run(rank, world, overrides):
 
 
 def bytes_(args) -> dict:
-    from tsp_trainer.bench.launch import run_on_ranks
+    from tsp_trainer.tools.launch import run_on_ranks
 
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         extra = [f"parallel.tsp_degree={args.tsp}", "train.steps=2", "checkpoint.every=0"] + args.set

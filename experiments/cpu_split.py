@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tsp_trainer.bench import launch  # noqa: E402
+from tsp_trainer.tools import launch  # noqa: E402
 from tsp_trainer.config.model import model_config  # noqa: E402
 
 

@@ -76,7 +76,7 @@ def _stall_rank(rank, world, timeout_s):
 
 
 def measure_stall(repeats: int, out_dir: Path) -> dict:
-    from tsp_trainer.bench.launch import run_on_ranks
+    from tsp_trainer.tools.launch import run_on_ranks
 
     results = {}
     for timeout_s in (5, 10):

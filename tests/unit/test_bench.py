@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tsp_trainer.bench import cli
-from tsp_trainer.bench.memory import LiveTensorMemory, state_bytes
 from tsp_trainer.bench.run import build_hf_llama, to_hf_state_dict
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
+from tsp_trainer.tools.memory import LiveTensorMemory, state_bytes
 
 # Degrees above the core count only warn (step times oversubscribed); not what these tests check.
 pytestmark = pytest.mark.filterwarnings("ignore:.*oversubscribed")

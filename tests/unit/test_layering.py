@@ -1,4 +1,4 @@
-"""The dependency rules of DESIGN.md section 6, checked on every module's imports (ast)."""
+"""The package's dependency rules, checked on every module's imports (ast)."""
 
 import ast
 import pathlib
@@ -77,7 +77,7 @@ def _distributed_calls(path: pathlib.Path) -> list[str]:
 def test_collectives_only_through_comm():
     """Every collective and P2P op is issued by parallel/comm.py (Comm, so the ledger sees it);
     outside it only process-group start-up and tear-down (launchers, the CLI) appear."""
-    allowed = {"cli.py": {"dist.barrier"}, "bench/launch.py": {"dist.barrier"}}
+    allowed = {"cli.py": {"dist.barrier"}, "tools/launch.py": {"dist.barrier"}}
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if rel == "parallel/comm.py":      # the one place ops are issued (and recorded)
@@ -99,7 +99,7 @@ def test_run_package_is_called_by_the_conductors_only():
 
 
 def test_data_knows_nothing_of_distribution():
-    """The data package takes dp_rank and dp_degree as integers (STYLE.md section 2): no
+    """The data package takes dp_rank and dp_degree as integers, never a process group: no
     torch.distributed, and none of parallel/, engine/, checkpoint/ or the trainer."""
     for rel, names in _modules():
         if rel.startswith("data/"):
@@ -119,3 +119,14 @@ def test_eval_package_is_used_by_the_trainer_and_cli_never_the_reverse():
             assert not any(_uses(names, f"tsp_trainer.{m}") for m in ("trainer", "engine", "cli")), rel
         elif rel not in ("trainer.py", "cli.py"):
             assert not _uses(names, "tsp_trainer.eval"), rel
+
+
+def test_tools_are_below_bench_and_plan():
+    """tools/ (launcher, memory tracker, host-sync counter) serves tsp-bench, the planner and the
+    tests: it imports neither tsp-bench nor the planner, and no module outside bench/ and the CLI
+    imports tsp-bench."""
+    for rel, names in _modules():
+        if rel.startswith("tools/"):
+            assert not _uses(names, "tsp_trainer.bench") and not _uses(names, "tsp_trainer.plan"), rel
+        elif not rel.startswith("bench/") and rel != "cli.py":
+            assert not _uses(names, "tsp_trainer.bench"), rel

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tsp_trainer.bench.memory import LiveTensorMemory, state_bytes
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.tools.memory import LiveTensorMemory, state_bytes
 
 LR = 1e-4
 

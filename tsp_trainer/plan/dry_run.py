@@ -60,9 +60,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tsp_trainer.bench.host_sync import HostSyncCounter
-from tsp_trainer.bench.memory import LiveTensorMemory
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.tools.host_sync import HostSyncCounter
+from tsp_trainer.tools.memory import LiveTensorMemory
 
 _INDEX_OPS = None   # filled lazily (torch.ops lookups)
 
