@@ -23,16 +23,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tsp_trainer.tools.launch import run_on_ranks  # noqa: E402
-from tsp_trainer.bench.run import make_batch  # noqa: E402
-from tsp_trainer.config import ModelConfig  # noqa: E402
-from tsp_trainer.model import Transformer, layers  # noqa: E402
-from tsp_trainer.model.attention_route import SdpaRoute  # noqa: E402
-from tsp_trainer.parallel.loss import global_count  # noqa: E402
-from tsp_trainer.parallel.mesh import build_mesh  # noqa: E402
-from tsp_trainer.parallel.schemes import parallelize  # noqa: E402
+from tsp_trainer.bench import make_batch
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model import Transformer, layers
+from tsp_trainer.model.attention_route import SdpaRoute
+from tsp_trainer.parallel.loss import global_count
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.tools.launch import run_on_ranks
 
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4,
              intermediate_size=688)

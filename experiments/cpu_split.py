@@ -24,12 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tsp_trainer.tools import launch  # noqa: E402
-from tsp_trainer.config.model import model_config  # noqa: E402
+from tsp_trainer.config.model import model_config
+from tsp_trainer.tools import launch
 
 
 def _model(seq_len: int):
@@ -42,7 +38,7 @@ def _runners(degree: int, seq_len: int, schemes: list[tuple[str, str]]):
     backward + AdamW step), each warmed up by one step."""
     import torch.distributed as dist
 
-    from tsp_trainer.bench.run import _build_scheme
+    from tsp_trainer.bench import build_scheme
 
     runners = []
     for scheme, recompute in schemes:
@@ -50,7 +46,7 @@ def _runners(degree: int, seq_len: int, schemes: list[tuple[str, str]]):
         job = {"scheme": scheme, "options": options, "model": _model(seq_len), "seq_len": seq_len,
                "micro_batch": 1, "seed": 0, "backend": "gloo", "dtype": "fp32",
                "activation_checkpointing": False}
-        run, _ = _build_scheme(dist.get_rank(), degree, job)
+        run, _ = build_scheme(dist.get_rank(), degree, job)
         run.step()                                          # warm-up
         runners.append(run)
     return runners

@@ -25,16 +25,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tsp_trainer.tools.launch import run_on_ranks  # noqa: E402
-from tsp_trainer.bench.run import _StepRunner, make_batch  # noqa: E402
-from tsp_trainer.config import ModelConfig  # noqa: E402
-from tsp_trainer.model import Transformer  # noqa: E402
-from tsp_trainer.model.documents import Documents  # noqa: E402
-from tsp_trainer.parallel.loss import global_count  # noqa: E402
-from tsp_trainer.parallel.mesh import build_mesh  # noqa: E402
-from tsp_trainer.parallel.schemes import parallelize  # noqa: E402
+from tsp_trainer.bench import StepRunner, make_batch
+from tsp_trainer.config import ModelConfig
+from tsp_trainer.model import Transformer
+from tsp_trainer.model.documents import Documents
+from tsp_trainer.parallel.loss import global_count
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.tools.launch import run_on_ranks
 
 MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=4,
              intermediate_size=688)
@@ -60,7 +58,7 @@ def _rank(rank: int, world: int, job: dict) -> dict:
             (loss_sum / total).backward()
             return loss_sum, total
 
-        runners[name] = _StepRunner(model, fwd_bwd, batch, torch.device("cpu"), None)
+        runners[name] = StepRunner(model, fwd_bwd, batch, torch.device("cpu"), None)
     for run in runners.values():          # each variant's first step: memory (and warm-up)
         run.memory_step()
     for _ in range(job["steps"]):

@@ -20,11 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tsp_trainer.tools import launch  # noqa: E402
+from tsp_trainer.tools import launch
 
 SEQ, HIDDEN, HEADS = 4096, 256, 4
 

@@ -33,15 +33,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tsp_trainer.bench.run import _StepRunner, make_batch, single_process  # noqa: E402
-from tsp_trainer.config.model import model_config  # noqa: E402
-from tsp_trainer.model import Transformer  # noqa: E402
-from tsp_trainer.observability.flops import flops_per_token  # noqa: E402
-from tsp_trainer.observability.metrics import detect_peak_flops  # noqa: E402
+from tsp_trainer.bench import StepRunner, make_batch, single_process
+from tsp_trainer.config.model import model_config
+from tsp_trainer.model import Transformer
+from tsp_trainer.observability.flops import flops_per_token
+from tsp_trainer.observability.metrics import detect_peak_flops
 
 KERNEL_WORDS = ("flash", "efficient", "cudnn", "scaled_dot_product", "fmha", "sdpa")
 
@@ -101,7 +97,7 @@ def tsp_rank(device: torch.device, spec: dict, steps: int, peak: float | None) -
             (loss_sum / total).backward()
             return loss_sum, total
 
-        run = _StepRunner(model, fwd_bwd, batch, device, mesh.ledger)
+        run = StepRunner(model, fwd_bwd, batch, device, mesh.ledger)
         run.memory_step()                           # CUDA: max_memory_allocated over fwd + bwd
         kernels = _sdpa_kernels(fwd_bwd, device)    # one more (untimed) step under the profiler
         run.times = [run.step() for _ in range(steps)]

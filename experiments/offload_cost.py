@@ -15,13 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from tsp_trainer.tools import launch  # noqa: E402
-from tsp_trainer.bench.run import interleaved_ranks  # noqa: E402
-from tsp_trainer.config.model import model_config  # noqa: E402
+from tsp_trainer.bench import interleaved_ranks
+from tsp_trainer.config.model import model_config
+from tsp_trainer.tools import launch
 
 
 def main(argv=None) -> int:
