@@ -8,7 +8,7 @@ Each variant's first step is a warm-up; the timed steps run round-robin (tsp_lse
 tsp_lse, ...) so that load from other processes hits all alike. Reported: the slowest rank's
 median step time per variant and the ratios TSP / TP.
 
-    .venv/bin/python bench/attention_route_ab.py --seq-len 4096 --degree 2 --steps 3
+    .venv/bin/python experiments/attention_route_ab.py --seq-len 4096 --degree 2 --steps 3
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
     ranks = run_on_ranks(_rank, args.degree, {"seq_len": args.seq_len, "steps": args.steps}, timeout=3600)
     med = {name: statistics.median(max(r[name][i] for r in ranks) for i in range(args.steps))
            for name in ranks[0]}
-    out = {"command": "bench/attention_route_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": "experiments/attention_route_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "seq_len": args.seq_len, "degree": args.degree, "step_time_s": med,
            "tsp_lse / tp": med["tsp_lse"] / med["tp"], "tsp_mask / tp": med["tsp_mask"] / med["tp"],
            "tsp_lse / tsp_mask": med["tsp_lse"] / med["tsp_mask"]}

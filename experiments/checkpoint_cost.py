@@ -1,7 +1,7 @@
 """Checkpoint cost on the training loop, measured with the real Trainer on CPU.
 
-    python bench/checkpoint_cost.py stall [--size 125m] [--rounds 2] [--set model.num_layers=4 ...]
-    python bench/checkpoint_cost.py bytes [--size 125m] [--world 4 --tsp 2] [--out docs/checkpoint_cost.json]
+    python experiments/checkpoint_cost.py stall [--size 125m] [--rounds 2] [--set model.num_layers=4 ...]
+    python experiments/checkpoint_cost.py bytes [--size 125m] [--world 4 --tsp 2] [--out docs/results/checkpoint_cost.json]
 
 stall: runs of 5 steps with a checkpoint every 2 steps (saves at steps 2 and 4; the final one at
 step 5 is reported apart, since nothing is left to overlap with it), interleaved round by round:

@@ -1,8 +1,8 @@
 """Where a scheme's step time goes on CPU: compute against communication, measured two ways in one
 command, schemes interleaved step by step (the machine's noise hits them alike).
 
-    python bench/cpu_split.py [--degree 4] [--seq-len 4096] [--steps 7]
-                              [--schemes tsp:selective,tsp:full,tp] [--out docs/cpu_split.json]
+    python experiments/cpu_split.py [--degree 4] [--seq-len 4096] [--steps 7]
+                              [--schemes tsp:selective,tsp:full,tp] [--out docs/results/cpu_split.json]
 
 1. gloo ranks: D processes (1 thread each), every scheme built by tsp-bench's builder on the same
    weights and batch, one step (forward + backward + AdamW, as tsp-bench times it) of each in turn; per rank the wall time and the process CPU time
@@ -34,7 +34,7 @@ def _model(seq_len: int):
 
 
 def _runners(degree: int, seq_len: int, schemes: list[tuple[str, str]]):
-    """One tsp-bench step runner per scheme (bench/run.py: same weights and batch, forward +
+    """One tsp-bench step runner per scheme (tsp_trainer/bench/run.py: same weights and batch, forward +
     backward + AdamW step), each warmed up by one step."""
     import torch.distributed as dist
 

@@ -1,6 +1,6 @@
 """data_wait per step at 128K tokens with a real-size tokenizer, prefetch off vs on (issue 14).
 
-    python bench/data_prefetch.py [--steps 8] [--step-time 7.55] [--procs 1] [--json docs/data_prefetch.json]
+    python experiments/data_prefetch.py [--steps 8] [--step-time 7.55] [--procs 1] [--json docs/results/data_prefetch.json]
 
 1. Trains a byte-level BPE with a 32,000-token vocabulary (Llama-2-sized) with `tokenizers` on the
    bundled corpus plus the Python standard library's sources (no download), and writes book-length

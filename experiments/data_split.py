@@ -1,6 +1,6 @@
 """Bytes each DP rank reads, by split strategy (issue 14, row 1).
 
-    python bench/data_split.py [--files 23] [--dp 8]
+    python experiments/data_split.py [--files 23] [--dp 8]
 
 Writes `--files` jsonl files of equal size (like PG19's 23 train files; 40 documents of
 `--doc-chars` random letters each, 1 MB per file by default) and one parquet file with `--files`

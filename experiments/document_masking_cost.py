@@ -11,8 +11,8 @@ Each variant's first step is tracked for memory (LiveTensorMemory, as tsp-bench)
 run round-robin (off, docs1, docsN, off, ...) so that load from other processes on a shared
 machine hits all alike; report medians and ratios.
 
-    .venv/bin/python bench/document_masking_cost.py --seq-len 16384 --degree 4 --documents 16 \
-        --steps 2 --json docs/document_masking_cost.json
+    .venv/bin/python experiments/document_masking_cost.py --seq-len 16384 --degree 4 --documents 16 \
+        --steps 2 --json docs/results/document_masking_cost.json
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     job = {"seq_len": args.seq_len, "documents": args.documents, "scheme": args.scheme, "steps": args.steps}
     ranks = run_on_ranks(_rank, args.degree, job, timeout=3600)
     docs_n = f"docs{args.documents}"
-    out = {"command": "bench/document_masking_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    out = {"command": "experiments/document_masking_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "model": MODEL, **job, "degree": args.degree, "variants": {}}
     for name in ranks[0]:
         times = [max(r[name]["step_times"][i] for r in ranks) for i in range(args.steps)]   # slowest rank

@@ -4,7 +4,7 @@ ranks, gloo's own op and the direct one side by side in one launch (interleaved 
 `Comm` itself (`direct_exchanges` switched per call), at the sizes TSP's attention moves in the
 tsp-bench model (h 256, 4 heads, fp32) at 4K tokens.
 
-    python bench/gloo_collectives.py [--degrees 2 4] [--repeats 30] [--out docs/gloo_collectives.json]
+    python experiments/gloo_collectives.py [--degrees 2 4] [--repeats 30] [--out docs/results/gloo_collectives.json]
 
 Ops: the K/V all-gather of one item (this rank's [T, 2, 64] in fp32 -> D of them), the dK/dV
 reduce-scatter (the inverse), and for reference the ops Comm leaves to gloo: an all-reduce of TP's

@@ -1,12 +1,12 @@
 """GPU acceptance run, one command, one GPU, at most ~8 minutes on an H200:
 
-    python bench/gpu_acceptance.py --out docs/gpu_acceptance.json           # on one H200 / H100
-    python bench/gpu_acceptance.py --device cpu --tiny --out /tmp/acc.json  # the CPU twin (tests)
+    python experiments/gpu_acceptance.py --out docs/results/gpu_acceptance.json           # on one H200 / H100
+    python experiments/gpu_acceptance.py --device cpu --tiny --out /tmp/acc.json  # the CPU twin (tests)
 
 It writes one JSON with four parts:
 
 (a) plain model: our single-process model against transformers' LlamaForCausalLM, same config,
-    weights and batch, steps interleaved (bench/run.py `single_process`): tokens/s and MFU, at a
+    weights and batch, steps interleaved (tsp_trainer/bench/run.py `single_process`): tokens/s and MFU, at a
     1B shape, 8K tokens, bf16 (tiny: the tiny model, 256 tokens, fp32);
 (b) one TSP rank of the 7B 128K D = 8 recipe (recipes/7b_128k_8gpu.yaml: head buckets 4,
     activation checkpointing) run for real on this GPU. The other seven ranks do not exist: the
@@ -55,7 +55,7 @@ def shapes(tiny: bool) -> dict:
 
 def plain_model(device: torch.device, name: str, cfg, seq_len: int, dtype: str, steps: int,
                 peak: float | None) -> dict:
-    """(a): ours vs transformers, interleaved steps (bench/run.py single_process)."""
+    """(a): ours vs transformers, interleaved steps (tsp_trainer/bench/run.py single_process)."""
     job = {"model": cfg, "seq_len": seq_len, "micro_batch": 1, "steps": steps, "warmup": 1, "seed": 0,
            "backend": "nccl" if device.type == "cuda" else "gloo", "dtype": dtype,
            "activation_checkpointing": False}

@@ -1,7 +1,7 @@
 """Measure the run-lifecycle figures docs/reliability.md quotes, and write them to
-docs/reliability_timings.json. Usage (from the repository root, with the project's venv):
+docs/results/reliability_timings.json. Usage (from the repository root, with the project's venv):
 
-    .venv/bin/python bench/lifecycle.py [--repeats 3] [--baseline-tree DIR]
+    .venv/bin/python experiments/lifecycle.py [--repeats 3] [--baseline-tree DIR]
 
 - stall: 4 forked ranks (one TSP group), rank 2 SIGSTOPs itself in front of the MLP weight ring;
   the seconds each other rank waits before its CommError, for collective timeouts of 5 and 10 s.
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline-tree", type=Path, default=None)
     parser.add_argument("--only", choices=("stall", "preempt", "input_error"), default=None)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "reliability_timings.json")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "reliability_timings.json")
     args = parser.parse_args(argv)
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"tsp_lifecycle_{os.getpid()}"
     result = json.loads(args.out.read_text()) if args.out.exists() else {}

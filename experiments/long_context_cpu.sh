@@ -2,16 +2,16 @@
 # The CPU runs behind docs/benchmarks.md: a small Llama-shaped model (h=256, 4 layers, 4 MHA heads,
 # I=688 ~ 2.7h, V=2048 ~ 8h: Llama-2-7B's ratios) at long context, D=2 and D=4, every scheme.
 # gloo on a 2-core machine: memory and bytes are exact; step times are indicative only.
-# Usage: bench/long_context_cpu.sh [phase ...]   (phases: sweep timed long ac hf; default all)
+# Usage: experiments/long_context_cpu.sh [phase ...]   (phases: sweep timed long ac hf; default all)
 # Wall time on the shared 2-core machine of docs/benchmarks.md: sweep 2 min, timed 14 min,
 # long 6 min, ac 2 min, hf 1 min. Phase long2 (D=2 at 16K) was not run for the docs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-OUT=bench/results
+OUT=docs/results/tsp_bench
 MODEL="--model tiny --hidden 256 --layers 4 --heads 4 --kv-heads 4 --intermediate 688 --vocab 2048"
 mkdir -p "$OUT"
-run() {   # run NAME ARGS...: one tsp-bench invocation, JSON + PNG + table into bench/results
+run() {   # run NAME ARGS...: one tsp-bench invocation, JSON + PNG + table into docs/results/tsp_bench
   local name=$1; shift
   echo "=== $name: $*"
   $PY -W ignore -m tsp_trainer.bench.cli $MODEL "$@" --json "$OUT/$name.json" --plot "$OUT/$name.png" \

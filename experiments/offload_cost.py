@@ -1,7 +1,7 @@
 """Cost of train.offload_activations on CPU: TSP with and without it in one launch of D gloo ranks,
 timed steps interleaved (tsp-bench's `interleaved_ranks`), same weights and batch.
 
-    python bench/offload_cost.py [--degree 2] [--seq-len 4096] [--steps 3] [--out docs/offload_cost.json]
+    python experiments/offload_cost.py [--degree 2] [--seq-len 4096] [--steps 3] [--out docs/results/offload_cost.json]
 
 On CPU "host memory" is the same memory: the offload copies each block's saved tensors into a
 separate buffer and back, so this measures the copies' time (and that the loss is unchanged), not

@@ -1,5 +1,5 @@
-"""Summarize tsp-bench JSON results (bench/results/*.json) into the markdown tables and the figure
-of docs/benchmarks.md. Usage: python bench/summarize.py [RESULTS_DIR] [--plot docs/benchmarks.png]
+"""Summarize tsp-bench JSON results (docs/results/tsp_bench/*.json) into the markdown tables and the figure
+of docs/benchmarks.md. Usage: python experiments/summarize.py [RESULTS_DIR] [--plot docs/results/benchmarks.png]
 
 Prints: one table per run, a sweep table (per-rank peak memory and wire bytes against sequence
 length, per scheme, for each degree), and the crossovers: the sequence length from which TSP's
@@ -162,7 +162,7 @@ def plot(docs: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("results", nargs="?", default="bench/results")
+    parser.add_argument("results", nargs="?", default="docs/results/tsp_bench")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     docs = load(args.results)

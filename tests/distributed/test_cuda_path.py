@@ -4,7 +4,7 @@ visible on gloo.
 - Device placement: a training step runs under a process group serving CPU tensors only
   ("cpu:gloo") while tensors created without a device in the compute packages land on another
   device (tests/helpers/devices.py), as host tensors do next to CUDA ones.
-- Host syncs: counted per micro-step in the whole Trainer step (bench/host_sync.py).
+- Host syncs: counted per micro-step in the whole Trainer step (tsp_trainer/tools/host_sync.py).
 - Precision: gradient reductions and accumulators are fp32 in a bf16 run (the ledger records each
   payload's dtype), DeepSpeed accumulates and reduces in fp32, and a bf16 run follows the fp32
   loss curve.

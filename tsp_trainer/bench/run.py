@@ -52,7 +52,7 @@ def interleaved_ranks(rank: int, world: int, jobs: list[dict]) -> list[dict]:
     """One rank of every scheme in `jobs` (same D ranks, one mesh each), their timed steps
     interleaved (tsp, tp, tsp, tp, ...) so that load from other processes on a shared machine hits
     every scheme alike; memory steps and warm-ups first, then with `profile` one profiled step each
-    (bench/profile.py). Returns one result per job, as scheme_rank would."""
+    (tsp_trainer/bench/profile.py). Returns one result per job, as scheme_rank would."""
     built = [build_scheme(rank, world, job) for job in jobs]
     for run, _ in built:
         run.memory_step()

@@ -13,7 +13,7 @@ library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are co
 `Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
 
 Direct exchanges on gloo: gloo's all_gather_into_tensor and reduce_scatter_tensor take more CPU and
-time than sending the same bytes point to point (4 CPU ranks, bench/gloo_collectives.py: a K/V
+time than sending the same bytes point to point (4 CPU ranks, experiments/gloo_collectives.py: a K/V
 all-gather of 512 KiB per rank 4.6 ms and 7.7 ms of CPU summed over the ranks against 2.8 and 5.8;
 a dK/dV reduce-scatter of 2 MiB 5.9 and 10.6 ms against 2.6 and 5.8; docs/benchmarks.md, issue 12
 part 3), and TSP's attention runs two of them per item. On a gloo group they are therefore run as

@@ -12,7 +12,7 @@ executed on fake tensors for one chosen rank. Out come, for that rank:
   `tsp_step_comm` exactly, and for the baselines `expected_ledger_bytes`;
 * the activation memory: bytes alive at the end of the forward (what autograd keeps for the
   backward) and the peak of live bytes over forward + backward (saved activations + transient
-  buffers), measured by `LiveTensorMemory` (bench/memory.py), a TorchDispatchMode that tracks
+  buffers), measured by `LiveTensorMemory` (tsp_trainer/tools/memory.py), a TorchDispatchMode that tracks
   the storages ops create.
 
 Two local adjustments make the real code run on fake tensors; none changes the parallel package:
@@ -41,7 +41,7 @@ needs it, no mask; each fused call allocates its output and log-sum-exp, its bac
 and is compared with device="cuda", the variant the planner predicts with. Fake CUDA tensors
 cannot stand in for this: torch's CPU build refuses autograd and SDPA on them.
 
-Host syncs: the step runs under `HostSyncCounter` (bench/host_sync.py), so the report says how
+Host syncs: the step runs under `HostSyncCounter` (tsp_trainer/tools/host_sync.py), so the report says how
 many times the real code would make the host wait for a GPU per micro-step (0 for every scheme
 since issue 13; 13,424 before, for the 7B recipe's TSP step).
 
@@ -204,7 +204,7 @@ class StepResult:
     peak_bytes: int                               # peak alive over forward + backward
     seconds: float
     info: dict = field(default_factory=dict)
-    host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (bench/host_sync.py)
+    host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (tsp_trainer/tools/host_sync.py)
 
     def comm_by_key(self) -> dict[tuple[str, str], dict[str, int]]:
         return {tuple(k.split("/", 1)): v for k, v in self.comm.items()}
