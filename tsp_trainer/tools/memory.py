@@ -11,16 +11,27 @@ checks that both report the same peak for a model step. Storages that exist befo
 parameters, preallocated gradients, the batch) must be passed to `ignore` so in-place updates of
 them are not counted. Not seen: allocations inside a backend (gloo/NCCL scratch), the caching
 allocator's rounding and fragmentation (on GPU use torch.cuda.max_memory_allocated instead).
+
+Tensors handed to a collective: gloo's Work keeps references to them, and a worker thread drops
+its own a moment after the op has completed. A storage the program had already let go of would be
+freed then, on that thread, before or after the program's next allocation as the threads happen to
+run, and the peak would change by its size from run to run. So the mode hands every gloo op
+private aliases of its tensors (the backend's references are then to those) and holds them until
+the op has completed and the program no longer holds its Work; it then waits for the backend to
+let go of the aliases and drops them, on this thread, before the next op runs. A storage is thus
+freed at the same point of the program in every run.
 """
 
 from __future__ import annotations
 
+import sys
+import time
 import weakref
 from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 
@@ -33,6 +44,7 @@ class LiveTensorMemory(TorchDispatchMode):
         self.peak = 0
         self.marks: dict[str, int] = {}       # bytes alive at named points (e.g. end of forward)
         self._seen = WeakIdKeyDictionary()    # storage -> (nbytes, weakref with free callback)
+        self._lent: list[tuple] = []          # (Work, aliases of its tensors) per c10d op in flight
 
     def ignore(self, *tensors) -> None:
         """Mark storages that already exist (parameters, grads, inputs) as not allocated here;
@@ -45,6 +57,9 @@ class LiveTensorMemory(TorchDispatchMode):
         self.marks[name] = self.live
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._take_back_lent()
+        if func.namespace == "c10d" and _on_gloo(args):
+            return self._lend(func, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -61,6 +76,56 @@ class LiveTensorMemory(TorchDispatchMode):
 
     def _free(self, nbytes: int, _ref) -> None:
         self.live -= nbytes
+
+    def _lend(self, func, args, kwargs):
+        """Run a c10d op on private aliases of its tensors and keep them with the op's Work."""
+        from torch.distributed.distributed_c10d import Work
+
+        aliases = []
+
+        def alias(x):
+            if isinstance(x, torch.Tensor):
+                aliases.append(torch.ops.aten.alias.default(x))
+                return aliases[-1]
+            return x
+
+        out = func(*tree_map(alias, args), **tree_map(alias, kwargs))
+        works = [w for w in tree_leaves(out) if isinstance(w, torch.ScriptObject)]
+        if works and aliases:
+            # unbox gives the Python Work object the caller receives too (one per C++ Work)
+            self._lent.append((Work.unbox(works[0]), aliases))
+        return out
+
+    def _take_back_lent(self, timeout_s: float = 1.0) -> None:
+        """Drop the aliases of every completed op whose Work the program no longer holds, once the
+        backend has let go of them (each alias then has one reference: ours)."""
+        pending, self._lent = self._lent, []
+        while pending:
+            work, aliases = pending.pop(0)
+            # references to the Work: `work` and getrefcount's argument; more: the program's
+            if not work.is_completed() or sys.getrefcount(work) > 2:
+                self._lent.append((work, aliases))
+                continue
+            del work
+            deadline = time.monotonic() + timeout_s
+            while any(a._use_count() > 1 for a in aliases) and time.monotonic() < deadline:
+                time.sleep(0)                   # lets the backend's worker thread finish
+            del aliases                         # frees what the program let go of, here
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._take_back_lent()
+        self._lent.clear()
+        return out
+
+
+def _on_gloo(args) -> bool:
+    """A c10d op's process group (its first ScriptObject argument) is gloo's (the fake group of
+    the planner's dry run never completes its Works and keeps no tensors)."""
+    import torch.distributed as dist
+
+    group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+    return group is not None and dist.ProcessGroup.unbox(group)._get_backend_name() == "gloo"
 
 
 def tensor_bytes(tensors) -> int:
