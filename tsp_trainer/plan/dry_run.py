@@ -206,9 +206,6 @@ class StepResult:
     info: dict = field(default_factory=dict)
     host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (tsp_trainer/tools/host_sync.py)
 
-    def comm_by_key(self) -> dict[tuple[str, str], dict[str, int]]:
-        return {tuple(k.split("/", 1)): v for k, v in self.comm.items()}
-
     def as_dict(self) -> dict:
         return asdict(self)
 
