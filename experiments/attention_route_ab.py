@@ -1,6 +1,6 @@
-"""TSP against TP with the two CPU attention routes, steps interleaved in one run (issue 12,
-lever 1): `tsp_lse` (the default: key prefix + causal diagonal merged by log-sum-exp, no mask),
-`tsp_mask` (the former route: a boolean mask per block of 512 queries) and `tp` (square causal
+"""TSP against TP with the two CPU attention routes, steps interleaved in one run: `tsp_lse` (the
+default: key prefix + causal diagonal merged by log-sum-exp, no mask), `tsp_mask` (the blocked
+route: a boolean mask per block of 512 queries) and `tp` (square causal
 attention: the same kernel under both routes). The benchmark model of docs/benchmarks.md (h 256,
 4 layers, 4 MHA heads, I 688, V 2048), fp32, gloo, 1 thread per rank, dp = 1, one sequence.
 
@@ -38,7 +38,7 @@ MODEL = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv
 
 @contextlib.contextmanager
 def blocked_mask_route():
-    """attention_core on CPU takes the former route (a bool mask per block of 512 queries)."""
+    """attention_core on CPU takes the blocked route (a bool mask per block of 512 queries)."""
     original = layers.sdpa_route
     layers.sdpa_route = lambda *a, **k: SdpaRoute("cpu_blocked_mask", query_block=512)
     try:

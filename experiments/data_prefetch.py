@@ -1,4 +1,4 @@
-"""data_wait per step at 128K tokens with a real-size tokenizer, prefetch off vs on (issue 14).
+"""data_wait per step at 128K tokens with a real-size tokenizer, prefetch off vs on.
 
     python experiments/data_prefetch.py [--steps 8] [--step-time 7.55] [--procs 1] [--json docs/results/data_prefetch.json]
 
@@ -15,8 +15,8 @@
    `encode_batch`. The default step time is tsp-plan's prediction
    for the 7B model at 128K on 1,024 H200s (TSP, D=8, DP=128, micro 1: 7.55 s per step, its
    fastest TSP layout, so the strictest 1% bound).
-   Modes, interleaved off/on/off/on: off (tokenize and pack in the loop: what the Trainer did
-   before), on (prefetch depth 2).
+   Modes, interleaved off/on/off/on: off (tokenize and pack in the training loop), on (prefetch
+   depth 2).
 3. `--procs N` runs N copies at once (the N ranks of a TSP group each read and tokenize the same
    data); each reports its own numbers.
 The first step of each mode includes opening the dataset and is reported apart. Everything runs in

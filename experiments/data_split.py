@@ -1,4 +1,4 @@
-"""Bytes each DP rank reads, by split strategy (issue 14, row 1).
+"""Bytes each DP rank reads, by split strategy.
 
     python experiments/data_split.py [--files 23] [--dp 8]
 

@@ -1,4 +1,4 @@
-"""What document masking costs (issue 11): step time of a packed batch of N documents against one
+"""What document masking costs: step time of a packed batch of N documents against one
 document, and the per-rank peak of activations + transients with masking against without, on the
 benchmark model of docs/benchmarks.md (h 256, 4 layers, 4 MHA heads, I 688, V 2048, fp32, gloo,
 1 thread per rank), one TSP group of D ranks, dp = 1.

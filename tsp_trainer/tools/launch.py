@@ -2,9 +2,10 @@
 in each (gloo with fork on CPU; nccl with spawn, one GPU per rank), run fn(rank, world_size, *args)
 and return the per-rank results. A failure on any rank raises RuntimeError with its traceback.
 
-The same pattern as tests/helpers/dist.py (package code must not import tests): fork keeps start-up
-at ~0.1 s on CPU; each rank leaves through os._exit after destroy_process_group (ENV_NOTES.md
-section 3). CUDA cannot be initialised in a forked child of a process that touched it, so nccl
+tests/helpers/dist.py runs every distributed test through it, with test-sized limits. Fork keeps
+start-up at ~0.1 s on CPU; each rank leaves through os._exit after destroy_process_group, skipping
+the interpreter's finalization, where DeepSpeed and gloo together can abort the process (SIGABRT)
+and fail a run that succeeded. CUDA cannot be initialised in a forked child of a process that touched it, so nccl
 ranks are spawned (fn and args must then be picklable: module-level functions, plain data)."""
 
 from __future__ import annotations
