@@ -27,7 +27,7 @@ def count_host_syncs(rank, world, overrides):
     import os
 
     import tsp_trainer
-    from tsp_trainer.bench.host_sync import HostSyncCounter
+    from tsp_trainer.tools.host_sync import HostSyncCounter
     from tsp_trainer.trainer import Trainer
 
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)

@@ -92,3 +92,33 @@ def test_interleaved_launch_equals_separate_launches_and_profiles(tmp_path, caps
     assert {"matmul", "comm"} <= set(prof["groups_s"]) and prof["top"]
     assert sum(prof["groups_s"].values()) == pytest.approx(prof["total_s"])
     assert "profile" not in rows["separate"]["tsp"]
+
+
+def _live_after_collectives(rank: int, world: int) -> list[int]:
+    """Bytes the tracker holds right after the next allocation, each time a tensor was summed over
+    the group and dropped: gloo's worker thread lets go of it at its own moment, the tracker frees
+    it at the program's."""
+    import torch
+    import torch.distributed as dist
+
+    from tsp_trainer.tools.memory import LiveTensorMemory
+
+    tracker, lives = LiveTensorMemory(), []
+    with tracker:
+        for _ in range(40):
+            x = torch.ones(256)                 # 1 KiB handed to gloo, then dropped
+            dist.all_reduce(x)
+            work = dist.broadcast(torch.ones(64), 0, async_op=True)
+            work.wait()
+            del x, work
+            y = torch.zeros(4)                  # 16 B: the next allocation
+            lives.append(tracker.live)
+            del y
+    return lives
+
+
+def test_memory_tracker_frees_collective_tensors_where_the_program_drops_them():
+    from tests.helpers.dist import run_on_ranks
+
+    for lives in run_on_ranks(_live_after_collectives, 2):
+        assert lives == [16] * 40

@@ -3,26 +3,19 @@ tiny sizes (so they cannot rot): experiments/gloo_collectives.py times gloo's op
 exchange side by side; experiments/cpu_split.py splits a step's CPU time into compute (fake process
 group) and the rest (gloo ranks)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.experiments import load_experiment
+
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gloo_collectives_times_both_kinds(tmp_path):
     out = tmp_path / "g.json"
-    assert _load("gloo_collectives").main(["--degrees", "2", "--repeats", "2", "--out", str(out)]) == 0
+    script = load_experiment("gloo_collectives")
+    assert script.main(["--degrees", "2", "--repeats", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]["D=2"]
     kinds = {name.rsplit("[", 1)[1].rstrip("]") for name in rows}
     assert kinds == {"gloo", "direct"}
@@ -32,8 +25,9 @@ def test_gloo_collectives_times_both_kinds(tmp_path):
 
 def test_cpu_split_reports_compute_and_communication(tmp_path):
     out = tmp_path / "c.json"
-    assert _load("cpu_split").main(["--degree", "2", "--seq-len", "64", "--steps", "1",
-                                    "--schemes", "tsp:selective,tp", "--out", str(out)]) == 0
+    script = load_experiment("cpu_split")
+    assert script.main(["--degree", "2", "--seq-len", "64", "--steps", "1",
+                        "--schemes", "tsp:selective,tp", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["scheme"], r["tsp_recompute"]) for r in rows] == [("tsp", "selective"), ("tp", None)]
     for r in rows:

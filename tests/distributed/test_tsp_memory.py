@@ -20,7 +20,7 @@ SHARDS_BOUND = {"attn": 4.0, "mlp": 4.0}   # measured 4.3 (with K/V, temporaries
 
 
 def _transient(rank, world, h, inter, seq):
-    from tsp_trainer.bench.memory import LiveTensorMemory
+    from tsp_trainer.tools.memory import LiveTensorMemory
     from tsp_trainer.config import model_config
     from tsp_trainer.model import Transformer
     from tsp_trainer.model.layers import Rotary
@@ -63,7 +63,7 @@ def test_transient_is_a_few_shards_never_a_full_layer_at_d8():
 def _saved_between_passes(rank, world, recompute, kv_heads, buckets, seq):
     """Bytes alive after one attention forward (its output excluded), before backward."""
     from tests.distributed.tsp_cases import tsp_attention_block
-    from tsp_trainer.bench.memory import LiveTensorMemory
+    from tsp_trainer.tools.memory import LiveTensorMemory
 
     _, block, rope, x = tsp_attention_block(rank, world, hidden=128, kv_heads=kv_heads, seq=seq,
                                             buckets=buckets, recompute=recompute)
@@ -96,7 +96,7 @@ def test_selective_recompute_keeps_its_activations_not_the_gathered_kv(world, kv
 
 def _mlp_saved_between_passes(rank, world, keep_gate_up, inter, seq):
     """Bytes alive after one TSP MLP forward (its output excluded), before backward."""
-    from tsp_trainer.bench.memory import LiveTensorMemory
+    from tsp_trainer.tools.memory import LiveTensorMemory
     from tsp_trainer.config import model_config
     from tsp_trainer.model import Transformer
     from tsp_trainer.parallel.mesh import build_mesh

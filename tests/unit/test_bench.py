@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tsp_trainer.bench import cli
-from tsp_trainer.bench.memory import LiveTensorMemory, state_bytes
 from tsp_trainer.bench.run import build_hf_llama, to_hf_state_dict
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
+from tsp_trainer.tools.memory import LiveTensorMemory, state_bytes
 
 # Degrees above the core count only warn (step times oversubscribed); not what these tests check.
 pytestmark = pytest.mark.filterwarnings("ignore:.*oversubscribed")
@@ -151,3 +151,20 @@ def test_hf_llama_with_our_weights_gives_our_logits(family):
     assert type(hf).__name__ == ("Qwen2" if family == "qwen2" else "Llama") + "ForCausalLM"
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,panels", [("d4_s1024_mem", 2), ("d4_s8192", 3)])
+def test_replot_draws_a_throughput_panel_only_for_timed_runs(tmp_path, name, panels):
+    """The saved JSON redraws its PNG; a memory-only run (--steps 0) has no throughput panel."""
+    import pathlib
+
+    import matplotlib.image
+
+    from tsp_trainer.bench.report import replot
+
+    saved = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "tsp_bench" / f"{name}.json"
+    out = tmp_path / "replot.png"
+    replot(str(saved), str(out))
+    height, width = matplotlib.image.imread(out).shape[:2]
+    # 5 in of width per panel at 110 dpi (legends below the axes add height, not width)
+    assert round(width / (5 * 110)) == panels, (width, height)

@@ -1,30 +1,22 @@
-"""bench/gpu_acceptance.py's CPU twin (--device cpu --tiny): the same code path as the H200 run at
-tiny sizes, so it cannot rot: (a) ours and transformers' CausalLM on the same weights and batch
+"""experiments/gpu_acceptance.py's CPU twin (--device cpu --tiny): the same code path as the H200
+run at tiny sizes, so it cannot rot: (a) ours and transformers' CausalLM on the same weights and batch
 (same first loss), (b) one TSP rank of D = 8 whose peers are the fake process group, its measured
 peak within 10% of the planner's CPU variant, (c) the SDPA ops found in a profiled step, (d) the
 fields of MFU (None on CPU: no peak FLOP/s)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_acceptance.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_acceptance", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers.experiments import load_experiment
 
 
 def test_cpu_twin_writes_every_part(tmp_path):
     out = tmp_path / "acc.json"
-    assert _load().main(["--device", "cpu", "--tiny", "--steps", "1", "--out", str(out)]) == 0
+    script = load_experiment("gpu_acceptance")
+    assert script.main(["--device", "cpu", "--tiny", "--steps", "1", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     plain, t = r["plain"], r["tsp_rank"]
     assert plain["ours"]["first_loss"] == pytest.approx(plain["hf"]["first_loss"], rel=1e-5)
@@ -41,6 +33,6 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(SystemExit) as info:
-        _load().main(["--device", "cuda"])
+        load_experiment("gpu_acceptance").main(["--device", "cuda"])
     assert info.value.code == 2
     assert "no CUDA device is visible; use --device cpu --tiny" in capsys.readouterr().err

@@ -79,7 +79,7 @@ def _distributed_calls(path: pathlib.Path) -> list[str]:
 def test_collectives_only_through_comm():
     """Every collective and P2P op is issued by parallel/comm.py (Comm, so the ledger sees it);
     outside it only process-group start-up and tear-down (launchers, the CLI) appear."""
-    allowed = {"cli.py": {"dist.barrier"}, "bench/launch.py": {"dist.barrier"}}
+    allowed = {"cli.py": {"dist.barrier"}, "tools/launch.py": {"dist.barrier"}}
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if rel == "parallel/comm.py":      # the one place ops are issued (and recorded)
@@ -206,3 +206,14 @@ def test_no_import_cycle_among_our_modules():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_tools_are_below_bench_and_plan():
+    """tools/ (launcher, memory tracker, host-sync counter) serves tsp-bench, the planner and the
+    tests: it imports neither tsp-bench nor the planner, and no module outside bench/ and the CLI
+    imports tsp-bench."""
+    for rel, names in _modules():
+        if rel.startswith("tools/"):
+            assert not _uses(names, "tsp_trainer.bench") and not _uses(names, "tsp_trainer.plan"), rel
+        elif not rel.startswith("bench/") and rel != "cli.py":
+            assert not _uses(names, "tsp_trainer.bench"), rel

@@ -19,13 +19,13 @@ import typing
 
 import torch
 
-from tsp_trainer.bench import launch
 from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_single, write_json,
                                       write_plot)
 from tsp_trainer.bench.run import scheme_rank, single_process
 from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
 from tsp_trainer.config.model import MODEL_SIZES
 from tsp_trainer.config.schema import DType, TspRecompute, resolved_dtype
+from tsp_trainer.tools import launch
 
 _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
               "kv_heads": "num_kv_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}

@@ -157,45 +157,101 @@ def write_json(path: str, spec: BenchSpec, rows: list[dict], single: dict | None
 
 
 def write_plot(path: str, spec: BenchSpec, rows: list[dict], single: dict | None) -> None:
+    """PNG: per-rank memory, communication by op kind and (when steps were timed) throughput."""
+    _draw(path, _title(spec.to_json()), rows, single)
+
+
+def replot(json_path: str, png_path: str) -> None:
+    """Redraw the PNG of a saved `tsp-bench --json` document (no run)."""
+    with open(json_path) as f:
+        doc = json.load(f)
+    _draw(png_path, _title(doc["spec"]), [r for r in doc["schemes"] if "error" not in r],
+          doc.get("single_process"))
+
+
+def _title(spec: dict) -> str:
+    m = spec["model"]
+    return (f"h={m['hidden_size']} L={m['num_layers']} heads={m['num_heads']}/{m['num_kv_heads']}, "
+            f"seq {spec['seq_len']}, D={spec['degree']}, {spec['backend']}")
+
+
+def _draw(path: str, title: str, rows: list[dict], single: dict | None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    timed = any(r.get("tokens_per_s") for r in rows)     # memory-only runs: no throughput panel
+    fig, axes = plt.subplots(1, 3 if timed else 2, figsize=(15 if timed else 10.5, 5.2))
     names = [f"{r['scheme']}\n{r['layout']}" for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    _memory_panel(axes[0], names, rows, single)
+    _comm_panel(axes[1], names, rows)
+    if timed:
+        _throughput_panel(axes[2], names, rows, single)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _legend_below(ax) -> None:
+    """Under the axes, so that it never covers a bar."""
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, frameon=False)
+
+
+def _headroom(ax, top: float) -> None:
+    ax.set_ylim(0, top * 1.08 if top > 0 else 1.0)
+
+
+def _memory_panel(ax, names, rows, single) -> None:
     state = [r["state_bytes"] / MIB for r in rows]
     act = [r["peak_act_bytes"] / MIB for r in rows]
-    axes[0].bar(names, state, label="params + grads + AdamW")
-    axes[0].bar(names, act, bottom=state, label="peak activations + transients")
+    ax.bar(names, state, label="params + grads + AdamW")
+    ax.bar(names, act, bottom=state, label="peak activations + transients")
+    tops = [s + a for s, a in zip(state, act)]
     if single:
-        axes[0].axhline(single["ours"]["peak_total_bytes"] / MIB, color="k", ls="--", lw=1, label="1 process")
-    axes[0].set_ylabel("MiB per rank")
-    axes[0].set_title("per-rank peak memory")
-    axes[0].legend(fontsize=8)
+        one = single["ours"]["peak_total_bytes"] / MIB
+        ax.axhline(one, color="k", ls="--", lw=1, label="1 process")
+        tops.append(one)
+    _headroom(ax, max(tops))
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("per-rank peak memory")
+    _legend_below(ax)
+
+
+def _comm_panel(ax, names, rows) -> None:
     bottom = [0.0] * len(rows)
     for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "recv"):
         vals = [r["comm_by_op"].get(op, 0) / MIB for r in rows]
         if any(vals):
-            axes[1].bar(names, vals, bottom=bottom, label=op)
+            ax.bar(names, vals, bottom=bottom, label=op)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    axes[1].plot(names, [r["wire_bytes"] / MIB for r in rows], "k_", markersize=28, mew=2,
-                 label="received (ring estimate)")
-    axes[1].set_ylabel("MiB per rank per step (ledger; P2P = recv)")
-    axes[1].set_title("communication by op kind")
-    axes[1].legend(fontsize=8)
+    wire = [r["wire_bytes"] / MIB for r in rows]
+    ax.plot(names, wire, "k_", markersize=28, mew=2, label="received (ring estimate)")
+    _headroom(ax, max(bottom + wire))
+    ax.set_ylabel("MiB per rank per step (ledger; P2P = recv)")
+    ax.set_title("communication by op kind")
+    _legend_below(ax)
+
+
+def _throughput_panel(ax, names, rows, single) -> None:
     tput = [r["tokens_per_s"] or 0 for r in rows]
-    axes[2].bar(names, tput, color="tab:green")
+    ax.bar(names, tput, color="tab:green")
+    tops = list(tput)
     if single and single["ours"]["tokens_per_s"]:
-        axes[2].axhline(single["ours"]["tokens_per_s"], color="k", ls="--", lw=1, label="1 process (ours)")
-        axes[2].axhline(single["hf"]["tokens_per_s"], color="tab:red", ls=":", lw=1, label="1 process (HF)")
-        axes[2].legend(fontsize=8)
-    axes[2].set_ylabel("tokens / s (group)")
-    axes[2].set_title("throughput (fwd + bwd + AdamW)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=8)
-    m = spec.model
-    fig.suptitle(f"h={m.hidden_size} L={m.num_layers} heads={m.num_heads}/{m.num_kv_heads}, seq {spec.seq_len}, "
-                 f"D={spec.degree}, {spec.backend}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.axhline(single["ours"]["tokens_per_s"], color="k", ls="--", lw=1, label="1 process (ours)")
+        ax.axhline(single["hf"]["tokens_per_s"], color="tab:red", ls=":", lw=1, label="1 process (HF)")
+        tops += [single["ours"]["tokens_per_s"], single["hf"]["tokens_per_s"]]
+        _legend_below(ax)
+    _headroom(ax, max(tops))
+    ax.set_ylabel("tokens / s (group)")
+    ax.set_title("throughput (fwd + bwd + AdamW)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m tsp_trainer.bench.report RESULT.json OUT.png  (redraw a saved run's PNG)")
+    replot(sys.argv[1], sys.argv[2])

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tsp_trainer.bench.memory import LiveTensorMemory, state_bytes
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.tools.memory import LiveTensorMemory, state_bytes
 
 LR = 1e-4
 
@@ -40,7 +40,7 @@ def _checkpoint_block(block, x, rope):
 
 def scheme_rank(rank: int, world: int, job: dict) -> dict:
     """One rank of `job["scheme"]` on a dp=1 mesh of `world` = D ranks."""
-    run, finish = _build_scheme(rank, world, job)
+    run, finish = build_scheme(rank, world, job)
     run.memory_step()
     for _ in range(job["warmup"] - 1):
         run.step()
@@ -52,8 +52,8 @@ def interleaved_ranks(rank: int, world: int, jobs: list[dict]) -> list[dict]:
     """One rank of every scheme in `jobs` (same D ranks, one mesh each), their timed steps
     interleaved (tsp, tp, tsp, tp, ...) so that load from other processes on a shared machine hits
     every scheme alike; memory steps and warm-ups first, then with `profile` one profiled step each
-    (bench/profile.py). Returns one result per job, as scheme_rank would."""
-    built = [_build_scheme(rank, world, job) for job in jobs]
+    (tsp_trainer/bench/profile.py). Returns one result per job, as scheme_rank would."""
+    built = [build_scheme(rank, world, job) for job in jobs]
     for run, _ in built:
         run.memory_step()
     for _ in range(jobs[0]["warmup"] - 1):
@@ -73,7 +73,7 @@ def interleaved_ranks(rank: int, world: int, jobs: list[dict]) -> list[dict]:
     return out
 
 
-def _build_scheme(rank: int, world: int, job: dict):
+def build_scheme(rank: int, world: int, job: dict):
     """(step runner, finish(result) -> result) of one rank of `job["scheme"]`."""
     cfg, device = job["model"], _device(job["backend"], rank)
     mesh = build_mesh(world, device=device)
@@ -103,7 +103,7 @@ def _build_scheme(rank: int, world: int, job: dict):
         out["info"] = dict(par.info)
         return out
 
-    return _StepRunner(model, fwd_bwd, batch, device, mesh.ledger), finish
+    return StepRunner(model, fwd_bwd, batch, device, mesh.ledger), finish
 
 
 def single_process(rank: int, world: int, job: dict) -> dict:
@@ -133,8 +133,8 @@ def single_process(rank: int, world: int, job: dict) -> dict:
 
     # Interleave the two models step by step, so that load from other processes on a shared
     # machine hits both alike (the ratio is what this comparison is for).
-    runs = {"ours": _StepRunner(ours, ours_step, batch, device, None),
-            "hf": _StepRunner(hf, hf_step, batch, device, None)}
+    runs = {"ours": StepRunner(ours, ours_step, batch, device, None),
+            "hf": StepRunner(hf, hf_step, batch, device, None)}
     for run in runs.values():
         run.memory_step()
     for _ in range(job["warmup"] - 1):
@@ -151,7 +151,7 @@ def single_process(rank: int, world: int, job: dict) -> dict:
     return result
 
 
-class _StepRunner:
+class StepRunner:
     """Steps of one model: the first tracked for memory (fwd + bwd), the others timed."""
 
     def __init__(self, model, fwd_bwd, batch, device: torch.device, ledger):

@@ -38,7 +38,7 @@ class BenchSpec:
     compare_hf: bool              # time the single-process model against transformers' (its family)
     seed: int
     interleave: bool = True       # all schemes in one launch, timed steps alternating between them
-    profile: bool = False         # one more step per scheme under torch.profiler (bench/profile.py)
+    profile: bool = False         # one more step per scheme under torch.profiler (tsp_trainer/bench/profile.py)
     tsp_recompute: str = "full"   # tsp: full | selective | none (parallel.tsp_recompute)
 
     def options(self, scheme: str) -> dict:

@@ -13,7 +13,7 @@ the copy is done); during backward, the first unpack of block i waits for block 
 starts block i-1's host-to-device copy on the side stream, so at most two blocks' saved tensors
 are on the GPU in backward (and one in forward, while its copy drains). On CPU both sides are host
 memory: pack copies into a separate host buffer and unpack copies back, the same code path with
-real copies (exact: tests/distributed/test_offload.py), whose cost bench/offload_cost.py
+real copies (exact: tests/distributed/test_offload.py), whose cost experiments/offload_cost.py
 measures.
 """
 

@@ -12,7 +12,7 @@ executed on fake tensors for one chosen rank. Out come, for that rank:
   `tsp_step_comm` exactly, and for the baselines `expected_ledger_bytes`;
 * the activation memory: bytes alive at the end of the forward (what autograd keeps for the
   backward) and the peak of live bytes over forward + backward (saved activations + transient
-  buffers), measured by `LiveTensorMemory` (bench/memory.py), a TorchDispatchMode that tracks
+  buffers), measured by `LiveTensorMemory` (tsp_trainer/tools/memory.py), a TorchDispatchMode that tracks
   the storages ops create.
 
 Two local adjustments make the real code run on fake tensors; none changes the parallel package:
@@ -42,8 +42,8 @@ log-sum-exp, its backward dq, dk, dv) and is compared with device="cuda", the va
 predicts with. Fake CUDA tensors cannot stand in for this: torch's CPU build refuses autograd and
 SDPA on them.
 
-Host syncs: the step runs under `HostSyncCounter` (bench/host_sync.py), so the report says how
-many times the real code would make the host wait for a GPU per micro-step (0 for every scheme).
+Host syncs: the step runs under `HostSyncCounter` (tsp_trainer/tools/host_sync.py), so the report says
+how many times the real code would make the host wait for a GPU per micro-step (0 for every scheme).
 
 Not modelled by fake tensors: allocator rounding / fragmentation, communication-library scratch
 buffers, kernel workspaces that are not tensors (e.g. FlashAttention's tiles).
@@ -60,9 +60,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tsp_trainer.bench.host_sync import HostSyncCounter
-from tsp_trainer.bench.memory import LiveTensorMemory
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.tools.host_sync import HostSyncCounter
+from tsp_trainer.tools.memory import LiveTensorMemory
 
 _INDEX_OPS = None   # filled lazily (torch.ops lookups)
 
@@ -204,7 +204,7 @@ class StepResult:
     peak_bytes: int                               # peak alive over forward + backward
     seconds: float
     info: dict = field(default_factory=dict)
-    host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (bench/host_sync.py)
+    host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (tsp_trainer/tools/host_sync.py)
 
     def as_dict(self) -> dict:
         return asdict(self)
