@@ -25,9 +25,11 @@ import os
 import signal
 import socket
 import sys
+import time
 
 EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
 EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
+_STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -162,7 +164,7 @@ def train_main(argv: list[str] | None = None) -> None:
 
 
 def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank: int,
-                          prog: str = "tsp-train"):
+                          prog: str = "tsp-train", report: bool = True):
     """(config, checked inputs), or exit 2 with one line from rank 0 (the other ranks exit silently).
     Runs before any process group: the config first (standard library + OmegaConf, no torch), then
     tokenizer, data, resume path and output folder (run/inputs.py).
@@ -185,6 +187,9 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
             sys.exit(EXIT_BAD_INPUT)
     if held:                                           # the launcher is tearing the job down
         sys.exit(128 + signal.SIGTERM)
+    if report and rank == 0:    # the first line of a start-up that is otherwise silent for seconds
+        print(f"{prog}: start-up: recipe and inputs checked (config, tokenizer, data, resume path, "
+              f"output folder) ({time.monotonic() - _STARTED:.1f} s)", flush=True)
     return cfg, inputs
 
 
@@ -212,7 +217,7 @@ def check_main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)
     cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=args.world_size, rank=0,
-                                   prog="tsp-check")
+                                   prog="tsp-check", report=False)
     tsp = cfg.parallel.tsp_degree
     print(f"tsp-check: ok: {args.recipe} on {args.world_size} processes (dp {args.world_size // tsp} "
           f"x tsp {tsp}), output {cfg.train.output_dir}")
