@@ -10,7 +10,8 @@ import pytest
 from tsp_trainer.bench import cli
 from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer
-from tsp_trainer.plan.analytic import Layout, param_count
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.state import param_count
 
 pytestmark = pytest.mark.distributed
 
@@ -78,7 +79,8 @@ def test_interleaved_launch_equals_separate_launches_and_profiles(tmp_path, caps
         assert cli.main(argv) == 0
         docs[mode] = json.loads(out.read_text())
     text = capsys.readouterr().out
-    assert "median step time / TP's (interleaved in one launch, 2 timed steps): tsp" in text
+    assert ("step time / TP's, median [min-max] over 2 timed steps (steps interleaved in one "
+            "launch): tsp ") in text
     assert "profile tsp (rank 0, one step" in text and "[matmul] aten::mm" in text
     rows = {m: {r["scheme"]: r for r in d["schemes"]} for m, d in docs.items()}
     for scheme in ("tsp", "tp"):
@@ -88,6 +90,13 @@ def test_interleaved_launch_equals_separate_launches_and_profiles(tmp_path, caps
         assert len(a["step_time"] and [a["step_time"]]) == 1 and a["step_time"] > 0
     ratios = docs["interleaved"]["step_time_over_tp"]
     assert ratios["tp"] == 1.0 and ratios["tsp"] > 0
+    by_step = docs["interleaved"]["step_time_over_tp_by_step"]     # step i of TSP against step i of TP
+    assert by_step["tp"] == {"median": 1.0, "min": 1.0, "max": 1.0, "steps": 2}
+    tsp_times, tp_times = rows["interleaved"]["tsp"]["step_times"], rows["interleaved"]["tp"]["step_times"]
+    per_step = [a / b for a, b in zip(tsp_times, tp_times)]
+    assert len(per_step) == 2 and by_step["tsp"] == {"median": sum(per_step) / 2, "min": min(per_step),
+                                                     "max": max(per_step), "steps": 2}
+    assert rows["interleaved"]["tsp"]["step_time"] == sum(tsp_times) / 2
     prof = rows["interleaved"]["tsp"]["profile"]
     assert {"matmul", "comm"} <= set(prof["groups_s"]) and prof["top"]
     assert sum(prof["groups_s"].values()) == pytest.approx(prof["total_s"])

@@ -35,7 +35,8 @@ def summarize_scheme(spec: BenchSpec, scheme: str, ranks: list[dict]) -> dict:
     row["comm_formula_match"] = (None if spec.activation_checkpointing
                                  else _formula(spec, scheme) == row["comm_by_tag"])
     steps = list(zip(*(r["step_times"] for r in ranks)))
-    row["step_time"] = statistics.median(max(s) for s in steps) if steps else None
+    row["step_times"] = [max(s) for s in steps]          # the slowest rank's time, step by step
+    row["step_time"] = statistics.median(row["step_times"]) if steps else None
     row["tokens_per_s"] = (spec.micro_batch * spec.seq_len / row["step_time"]) if row["step_time"] else None
     return row
 
@@ -112,11 +113,12 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
         out.append(f"single process: ours is {single['ours_over_hf_speed']:.2f}x the speed of "
                    f"transformers' {spec.model.family} CausalLM (same config, weights, batch; "
                    "fwd+bwd+AdamW)")
-    ratios = ratios_to_tp(rows)
-    if ratios:
-        how = "interleaved in one launch" if spec.interleave else "one launch per scheme"
-        out.append(f"median step time / TP's ({how}, {spec.steps} timed steps): "
-                   + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    spread = step_ratio_spread(rows)
+    if spread:
+        how = "steps interleaved in one launch" if spec.interleave else "one launch per scheme"
+        out.append(f"step time / TP's, median [min-max] over {spec.steps} timed steps ({how}): "
+                   + ", ".join(f"{k} {v['median']:.2f}x [{v['min']:.2f}-{v['max']:.2f}]"
+                               for k, v in spread.items()))
     bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
     if bad:
         out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")
@@ -129,6 +131,22 @@ def ratios_to_tp(rows: list[dict]) -> dict[str, float]:
     if not tp:
         return {}
     return {r["scheme"]: r["step_time"] / tp for r in rows if r.get("step_time")}
+
+
+def step_ratio_spread(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Each scheme's step time over TP's step by step (step i of a scheme against step i of TP:
+    with interleaving they ran next to each other, so drifts of the machine's speed cancel), as
+    {"median", "min", "max", "steps"}; {} without a timed TP row."""
+    tp = next((r.get("step_times") for r in rows if r["scheme"] == "tp" and r.get("step_times")), None)
+    if not tp:
+        return {}
+    out = {}
+    for r in rows:
+        ratios = [t / t_tp for t, t_tp in zip(r.get("step_times") or [], tp)]
+        if ratios:
+            out[r["scheme"]] = {"median": statistics.median(ratios), "min": min(ratios),
+                                "max": max(ratios), "steps": len(ratios)}
+    return out
 
 
 def _row(cols, r: dict) -> list[str]:
@@ -152,7 +170,8 @@ def _num(x, digits: int) -> str:
 def write_json(path: str, spec: BenchSpec, rows: list[dict], single: dict | None, env: dict) -> None:
     with open(path, "w") as f:
         json.dump({"spec": spec.to_json(), "env": env, "schemes": rows, "single_process": single,
-                   "step_time_over_tp": ratios_to_tp(rows)},
+                   "step_time_over_tp": ratios_to_tp(rows),
+                   "step_time_over_tp_by_step": step_ratio_spread(rows)},
                   f, indent=2)
 
 
