@@ -15,10 +15,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
@@ -32,10 +32,6 @@ def make_batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _checkpoint_block(block, x, rope):
-    return checkpoint(block, x, rope, use_reentrant=False)
 
 
 def scheme_rank(rank: int, world: int, job: dict) -> dict:
@@ -83,7 +79,7 @@ def build_scheme(rank: int, world: int, job: dict):
                       init_seed=job["seed"], **job["options"])
     model.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
-        model.block_wrapper = _checkpoint_block
+        model.block_wrapper = checkpointed_block
     if job.get("offload_activations"):                  # train.offload_activations (model/offload.py)
         from tsp_trainer.model.offload import ActivationOffload
 
@@ -117,7 +113,7 @@ def single_process(rank: int, world: int, job: dict) -> dict:
     hf = build_hf_llama(cfg, job["seq_len"], to_hf_state_dict(ours.state_dict()))
     ours.to(device=device, dtype=_dtype(job)), hf.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
-        ours.block_wrapper = _checkpoint_block
+        ours.block_wrapper = checkpointed_block
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def ours_step():

@@ -14,7 +14,7 @@ from tsp_trainer.config.model_source import model_from_name_or_path
 from tsp_trainer.config.validate import check_parallel_shapes, check_sliding_window
 from tsp_trainer.parallel.schemes import SCHEMES
 
-ALL_SCHEMES = ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")   # the order tables and plots use
+ALL_SCHEMES = tuple(SCHEMES)   # the order tables and plots use: the registry's
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import shutil
 import tempfile

@@ -293,7 +293,7 @@ class LoggingSection:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The root config. Only the Trainer, the checkpoint manager and observability see all of it."""
+    """The root config. Only the Trainer, checkpoints (the resolved config they carry) and observability see all of it."""
 
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)

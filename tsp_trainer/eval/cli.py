@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from tsp_trainer.config import EvalSection, ParallelSection, resolve_dp_degree
-from tsp_trainer.config.schema import DType, Scheme
+from tsp_trainer.config.schema import DType, Scheme, resolved_dtype
 from tsp_trainer.config.validate import check_eval_length
 from tsp_trainer.data import check_tokenizer_fits, iterate_eval_batches
 from tsp_trainer.eval.documents import DocumentMasking
@@ -149,7 +149,7 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
     resolve_dp_degree(parallel, world_size)
     _positive(args.micro_batch_size, "--micro-batch-size")
     text = _text(args, model.filler if args.command == "passkey" else model.held_out)
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if cuda else "fp32")
+    dtype = resolved_dtype(args.dtype, cuda)
     out = Path(args.out) / model.name
     _refuse_earlier_result(out, args.command, overwrite=args.overwrite)
     job = EvalJob(args.command, model, parallel, [], text, args.micro_batch_size, dtype, out)

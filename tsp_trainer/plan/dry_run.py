@@ -61,6 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.tools.host_sync import HostSyncCounter
 from tsp_trainer.tools.memory import LiveTensorMemory
 
@@ -259,7 +260,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
             for p in params:
                 p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does
         if activation_checkpointing:
-            model.block_wrapper = _checkpointed
+            model.block_wrapper = checkpointed_block
         batch = par.local_batch(ids, labels)      # real tensors (see the module docstring)
         mesh.ledger.reset()
         tracker = LiveTensorMemory()
@@ -287,12 +288,6 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
                       param_bytes=param_bytes, param_count=param_count,
                       comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
                       seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind))
-
-
-def _checkpointed(block, x, rope):
-    from torch.utils.checkpoint import checkpoint
-
-    return checkpoint(block, x, rope, use_reentrant=False)
 
 
 def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwargs) -> StepResult:

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from tsp_trainer.checkpoint.disk_format import META
 from tsp_trainer.checkpoint.reshard import check_layout_change
-from tsp_trainer.checkpoint.train_state import check_same_model
+from tsp_trainer.checkpoint.train_state import check_same_model, checkpoint_layout
 from tsp_trainer.config import TrainConfig, validate_config
 from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, load_run_tokenizer
 from tsp_trainer.data.tokenize import TextTokenizer
+from tsp_trainer.parallel.mesh import ParallelDims
 from tsp_trainer.run.rundir import check_output_dir, resolve_resume
 
 
@@ -66,7 +67,5 @@ def read_meta(path: Path) -> dict:
 
 
 def run_layout(cfg: TrainConfig, world_size: int) -> dict:
-    """meta.json's `layout` of a run of `cfg` on `world_size` ranks."""
-    return {"scheme": cfg.parallel.scheme, "tsp_degree": cfg.parallel.tsp_degree,
-            "dp_degree": world_size // cfg.parallel.tsp_degree, "world_size": world_size,
-            "zero_stage": cfg.zero.stage}
+    """meta.json's `layout` of a run of `cfg` on `world_size` ranks (before any mesh exists)."""
+    return checkpoint_layout(cfg, ParallelDims(world_size=world_size, tsp=cfg.parallel.tsp_degree))
