@@ -20,9 +20,9 @@ before any process group exists, naming shape and dtype:
 Which flash kernel serves "flash" is the run's train.attention_kernel (model/attention_kernel.py):
 `use_attention_kernel` activates FlashAttention-3 or -4 in torch's dispatcher for the process
 (torch.nn.attention.activate_flash_attention_impl) or keeps torch's FA2; "cudnn" makes the route
-name cuDNN attention (square causal calls only: K/V heads expanded under GQA, as the kernel is
-documented for GQA in flash and math only; the selection refuses it for bottom-right and varlen
-calls, which torch sends to flash or memory-efficient attention alone).
+name cuDNN attention for square causal calls, with K/V heads expanded under GQA (torch 2.13
+documents GQA for the flash and math kernels only). The selection refuses cuDNN for bottom-right
+and varlen calls: torch sends those to flash or memory-efficient attention alone.
 
 Document masking (model/documents.py) runs a row's segments in one varlen call on CUDA (flash's
 cu_seqlens mode for bf16/fp16, memory-efficient's for fp32; both bottom-right causal, both with
