@@ -153,3 +153,39 @@ def test_installed_kernels_on_this_cpu_build(monkeypatch):
     found = ak.installed_attention_kernels()
     assert "fa3" in found and "fa4" not in found
     assert ("fa2" in found) == torch.backends.cuda.is_flash_attention_available()
+
+
+def test_check_inputs_refuses_a_forced_kernel_on_a_cpu_run_and_accepts_auto(monkeypatch):
+    from tsp_trainer.config import load_config
+    from tsp_trainer.run import inputs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^train.attention_kernel=fa4: a CPU run has no fa4 kernel"):
+        inputs.check_inputs(load_config("recipes/tiny_cpu.yaml", ["train.attention_kernel=fa4"]), world_size=2)
+    ak.check_run_attention_kernel(*_run(load_config("recipes/tiny_cpu.yaml", [])))
+
+
+def test_check_inputs_on_a_gpu_machine_refuses_a_missing_kernel_without_touching_cuda(monkeypatch):
+    from tsp_trainer.config import load_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ak, "installed_attention_kernels", lambda: TORCH_ONLY)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: pytest.fail("CUDA touched"))
+    with pytest.raises(ValueError, match=r"^train.attention_kernel=fa3: fa3 is not installed"):
+        ak.check_run_attention_kernel(*_run(load_config("recipes/tiny_cpu.yaml", ["train.attention_kernel=fa3"])))
+    ak.check_run_attention_kernel(*_run(load_config("recipes/tiny_cpu.yaml", ["train.attention_kernel=fa2", "train.dtype=auto"])))
+
+
+def test_the_trainers_selection_reads_the_devices_capability(monkeypatch):
+    from tsp_trainer.config import load_config
+
+    monkeypatch.setattr(ak, "installed_attention_kernels", lambda: ALL)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: A100)
+    cfg, model_cfg = _run(load_config("recipes/tiny_cpu.yaml", ["train.dtype=bf16"]))
+    choice = ak.run_attention_kernel(cfg, model_cfg, device=torch.device("cuda", 0))
+    assert choice.kernel == "fa2" and "this GPU is sm80" in choice.reason
+    assert ak.run_attention_kernel(cfg, model_cfg, device=torch.device("cpu")).kernel == "cpu"
+
+
+def _run(cfg):
+    return cfg, cfg.model.to_model_config()
