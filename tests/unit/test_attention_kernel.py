@@ -147,12 +147,18 @@ def test_the_cudnn_route_expands_kv_and_refuses_a_prefix_call(restore_active_ker
         route.segment(q, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), gqa=False)
 
 
-def test_installed_kernels_on_this_cpu_build(monkeypatch):
-    """CPU torch: no FA2/cuDNN attention; FA3 / FA4 found by module name."""
-    monkeypatch.setattr(ak, "_has_module", lambda name: name == "flash_attn_interface")
+def test_installed_kernels_need_the_entry_points_torch_activates(monkeypatch, tmp_path):
+    """A module of the right name is not enough: PyPI's flash_attn_interface 0.0.1 is an empty
+    placeholder (no torch.ops.flash_attn_3), which must not count as FA3."""
+    (tmp_path / "flash_attn_interface").mkdir()
+    (tmp_path / "flash_attn_interface" / "__init__.py").write_text("name = 'placeholder'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     found = ak.installed_attention_kernels()
-    assert "fa3" in found and "fa4" not in found
+    assert "fa3" not in found and "fa4" not in found
     assert ("fa2" in found) == torch.backends.cuda.is_flash_attention_available()
+    fake_fa4 = type("Module", (), {"_flash_attn_fwd": None, "_flash_attn_bwd": None})
+    monkeypatch.setattr(ak, "_imports", lambda name: fake_fa4 if name == "flash_attn.cute.interface" else None)
+    assert "fa4" in ak.installed_attention_kernels()
 
 
 def test_check_inputs_refuses_a_forced_kernel_on_a_cpu_run_and_accepts_auto(monkeypatch):

@@ -178,9 +178,11 @@ def run_attention_kernel(cfg: TrainConfig, model_cfg: ModelConfig, *, device) ->
 
 
 def installed_attention_kernels() -> frozenset[str]:
-    """The kernels this environment has: torch's own FA2 and cuDNN attention (CUDA builds), FA3's
-    flash_attn_interface, FA4's flash_attn.cute (flash-attn-4). Looking up flash_attn.cute imports
-    its parent package flash_attn, nothing else."""
+    """The kernels this environment has: torch's own FA2 and cuDNN attention (CUDA builds); FA3
+    when `flash_attn_interface` imports and registers torch.ops.flash_attn_3.fwd / bwd, FA4 when
+    `flash_attn.cute.interface` imports with _flash_attn_fwd / _flash_attn_bwd (what torch's
+    activation needs; PyPI's flash_attn_interface 0.0.1 is an empty placeholder with neither).
+    Importing them loads their libraries, without initialising CUDA."""
     import torch
 
     found = set()
@@ -188,15 +190,21 @@ def installed_attention_kernels() -> frozenset[str]:
         found.add("fa2")
     if torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000:
         found.add("cudnn")
-    if _has_module("flash_attn_interface"):
+    if _imports("flash_attn_interface") is not None and all(
+            hasattr(torch.ops.flash_attn_3, op) for op in ("fwd", "bwd")):
         found.add("fa3")
-    if _has_module("flash_attn.cute"):
+    fa4 = _imports("flash_attn.cute.interface")
+    if fa4 is not None and all(hasattr(fa4, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
         found.add("fa4")
     return frozenset(found)
 
 
-def _has_module(name: str) -> bool:
+def _imports(name: str):
+    """Module `name`, or None when it is absent or fails to import (a broken install counts as
+    absent: a forced kernel is then refused as not installed)."""
     try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):          # a missing parent package of a dotted name
-        return False
+        if importlib.util.find_spec(name) is None:
+            return None
+        return importlib.import_module(name)
+    except Exception:              # ImportError, or whatever a compiled extension raises on load
+        return None
