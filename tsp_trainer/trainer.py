@@ -29,6 +29,8 @@ from tsp_trainer.engine.device_support import check_device_support
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.model.attention_kernel import run_attention_kernel
+from tsp_trainer.model.attention_route import use_attention_kernel
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
@@ -57,6 +59,9 @@ class Trainer:
             self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
             self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
+            self.attention = run_attention_kernel(cfg, self.model_cfg, device=self.device)
+            use_attention_kernel(self.attention)           # before check_device_support reads it
+            self.log.info(f"attention kernel: {self.attention.kernel} ({self.attention.reason})")
             check_device_support(cfg, self.model_cfg, device=self.device)   # still before any group
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
@@ -112,7 +117,8 @@ class Trainer:
                                         recompute=cfg.train.activation_checkpointing))
         facts = run_facts(cfg, world_size=world_size, device=str(self.device),
                           peak_tflops=None if peak is None else peak / 1e12)
-        self.sinks = self._build_sinks(config={**cfg.to_dict(), "run": facts})
+        self.sinks = self._build_sinks(config={**cfg.to_dict(),
+                                               "run": {**facts, "attention_kernel": self.attention.kernel}})
         self._data_epoch = 0                                  # last training-data pass logged
         for line in self.data_plan.notes + self.loader.describe():
             self.log.info(line)

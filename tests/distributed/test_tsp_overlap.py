@@ -10,7 +10,8 @@ Checked, forward and backward, full and selective recompute, 2 and 4 ranks, 1 an
 - the next item's K/V all-gather is issued before this item's attention kernel runs;
 - weight broadcasts are issued ahead: shard r+1's broadcast is issued before shard r's attention;
 - backward's dK/dV reduce-scatter of an item is waited only after matmuls of that item's query
-  side ran (issued, then compute, then wait);
+  side ran (issued, then compute, then wait) and, under full recompute, after the next item's
+  attention forward;
 - the weight-gradient reduce to owner r is waited only after compute of the next owner's shard.
 """
 
@@ -121,7 +122,7 @@ def _first_after_each(kernels, marks):
     return [next(k for k in kernels if k > m) for m in marks]
 
 
-def _check_backward(events, items, degree):
+def _check_backward(events, items, degree, recompute):
     gathers = _positions(events, "issue", "all_gather", "attn.kv")
     gather_done = _positions(events, "done", "all_gather", "attn.kv")
     kernels = _positions(events, "compute", _FLASH_BWD)
@@ -135,6 +136,12 @@ def _check_backward(events, items, degree):
     matmuls = _positions(events, "compute", "mm") + _positions(events, "compute", "addmm_")
     for issued, done in zip(scatters, scatter_done):
         assert any(issued < m < done for m in matmuls), ("dK/dV reduce-scatter not overlapped", issued, done)
+    if recompute == "full":           # item i's reduce-scatter runs under item i+1's attention
+        forward_kernels = _positions(events, "compute", _FLASH_FWD)
+        assert len(forward_kernels) >= items
+        for i, (issued, done) in enumerate(list(zip(scatters, scatter_done))[:-1]):
+            assert any(issued < k < done for k in forward_kernels), ("dK/dV wait before the next "
+                                                                     "item's attention", i)
     reduces = _positions(events, "issue", "reduce", "attn.wgrad")
     reduces_done = _positions(events, "done", "reduce", "attn.wgrad")
     assert len(reduces) == len(reduces_done) == degree
@@ -149,4 +156,4 @@ def test_transfers_are_issued_before_the_compute_they_hide_under(world, buckets,
     for events in run_on_ranks(_events, world, recompute, buckets):
         events = _comm_events(events)
         _check_forward(_phase(events, "forward"), items)
-        _check_backward(_phase(events, "backward"), items, world)
+        _check_backward(_phase(events, "backward"), items, world, recompute)

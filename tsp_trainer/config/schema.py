@@ -22,6 +22,7 @@ TspRecompute = Literal["full", "selective", "none"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub"]
 LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
+AttentionKernel = Literal["auto", "fa2", "fa3", "fa4", "cudnn"]
 NonFinite = Literal["skip", "stop"]
 WandbMode = Literal["disabled", "offline", "online"]
 WandbReplay = Literal["skip", "rewind"]
@@ -214,6 +215,9 @@ class TrainSection:
     global_batch_size: int | None = setting(None, min=1, doc="sequences per step; if set, must be "
                                                              "micro x grad_accum x dp")
     dtype: DType = setting("auto", doc="auto = bf16 on GPU, fp32 on CPU")
+    attention_kernel: AttentionKernel = setting(
+        "auto", doc="CUDA attention: auto = the first of fa3, fa4, fa2 installed that takes the run; "
+                    "CPU runs take auto only (docs/trainer.md)")
     activation_checkpointing: bool = setting(False, doc="recompute each block in backward")
     offload_activations: bool = setting(False, doc="blocks' saved tensors to host memory "
                                                    "(model/offload.py)")

@@ -6,6 +6,13 @@ runs, so binding `mpu=` onto it for the duration of `accelerator.prepare(...)` w
 one Accelerate internal we rely on; tests/distributed/test_trainer.py
 (test_accelerate_internal_the_mpu_shim_relies_on) fails if it changes.
 
+The same binding hands DeepSpeed the GPU this process uses. DeepSpeed 0.19.8's engine calls
+`set_device(args.device_rank)` when `args` has that field and `set_device(LOCAL_RANK)` otherwise
+(`DeepSpeedEngine._set_distributed_vars`); under one GPU per task (SLURM --gpus-per-task=1) every
+process sees one device, index 0, and LOCAL_RANK >= 1 is an invalid ordinal. So on CUDA
+`initialize` receives args whose device_rank is the current device (cli.py's cuda_device_index
+chose it). tests/unit/test_deepspeed_device.py fails if DeepSpeed stops reading that field.
+
 The rest of the contract with DeepSpeed: train_batch_size = micro x grad_accum x dp written
 explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
 gradient_clipping written explicitly (DeepSpeed's default is 1.0); a torch AdamW (no JIT build of
@@ -21,6 +28,7 @@ import functools
 import importlib
 import os
 import sys
+import types
 
 import torch
 
@@ -76,13 +84,20 @@ def make_accelerator(ds_cfg: dict, *, timeout_s: int, cpu: bool):
                        kwargs_handlers=[kwargs])
 
 
+def device_args(device_index: int | None):
+    """The `args` DeepSpeed's engine reads its device from: device_rank = the CUDA device index
+    this process uses; None (DeepSpeed's default, LOCAL_RANK) off CUDA."""
+    return None if device_index is None else types.SimpleNamespace(device_rank=device_index)
+
+
 @contextlib.contextmanager
-def mpu_bound_to_initialize(mpu: TSPMpu):
-    """Inside the block, deepspeed.initialize(...) receives mpu=mpu (the shim)."""
+def bound_to_initialize(mpu: TSPMpu, device_index: int | None):
+    """Inside the block, deepspeed.initialize(...) receives mpu=mpu (the shim) and args naming
+    the CUDA device `device_index` (None: no args, as off CUDA)."""
     import deepspeed
 
     original = deepspeed.initialize
-    deepspeed.initialize = functools.partial(original, mpu=mpu)
+    deepspeed.initialize = functools.partial(original, mpu=mpu, args=device_args(device_index))
     try:
         yield
     finally:
@@ -91,7 +106,8 @@ def mpu_bound_to_initialize(mpu: TSPMpu):
 
 def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mpu: TSPMpu):
     """accelerator.prepare(model, optimizer) with our mpu -> (DeepSpeedEngine, optimizer)."""
-    with mpu_bound_to_initialize(mpu):
+    device_index = torch.cuda.current_device() if accelerator.device.type == "cuda" else None
+    with bound_to_initialize(mpu, device_index):
         engine, opt = accelerator.prepare(model, optimizer)
     expected = mpu.get_data_parallel_world_size()
     if engine.dp_world_size != expected:

@@ -17,6 +17,13 @@ before any process group exists, naming shape and dtype:
   fp32 head_dim not a multiple of 4,    refused: neither fused kernel takes it
   half head_dim > 256 not a multiple of 8
 
+Which flash kernel serves "flash" is the run's train.attention_kernel (model/attention_kernel.py):
+`use_attention_kernel` activates FlashAttention-3 or -4 in torch's dispatcher for the process
+(torch.nn.attention.activate_flash_attention_impl) or keeps torch's FA2; "cudnn" makes the route
+name cuDNN attention for square causal calls, with K/V heads expanded under GQA (torch 2.13
+documents GQA for the flash and math kernels only). The selection refuses cuDNN for bottom-right
+and varlen calls: torch sends those to flash or memory-efficient attention alone.
+
 Document masking (model/documents.py) runs a row's segments in one varlen call on CUDA (flash's
 cu_seqlens mode for bf16/fp16, memory-efficient's for fp32; both bottom-right causal, both with
 autograd in torch 2.13: `torch.ops.aten._flash_attention_forward`, `_efficient_attention_forward`),
@@ -39,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from tsp_trainer.model.attention_kernel import FLASH_MAX_HEAD_DIM, Choice
 from tsp_trainer.model.attention_lse import prefix_causal_attention
 from tsp_trainer.model.documents import Segment, VarlenPlan, varlen_plan
 
@@ -47,7 +55,6 @@ from tsp_trainer.model.documents import Segment, VarlenPlan, varlen_plan
 # instead of (S / D) * S.
 CPU_MASK_QUERY_BLOCK = 512
 
-FLASH_MAX_HEAD_DIM = 256
 _CPU_KERNELS = ("cpu_lse_merge", "cpu_blocked_mask")
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -60,8 +67,9 @@ class UnsupportedAttentionError(ValueError):
 class SdpaRoute:
     """How `attention_core` calls SDPA on one device: the kernel, and the calls themselves."""
 
-    # "flash" | "efficient" (CUDA, fused, no mask) | "cpu_lse_merge" (CPU default: prefix and
-    # diagonal merged by log-sum-exp, no mask) | "cpu_blocked_mask" (CPU, a mask per query block)
+    # "flash" | "efficient" | "cudnn" (CUDA, fused, no mask; cudnn: square causal calls only) |
+    # "cpu_lse_merge" (CPU default: prefix and diagonal merged by log-sum-exp, no mask) |
+    # "cpu_blocked_mask" (CPU, a mask per query block)
     kernel: str
     expand_kv: bool = False     # repeat K/V heads to the query heads before the call
     query_block: int | None = None   # queries per call for the CPU mask path
@@ -78,7 +86,8 @@ class SdpaRoute:
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION}
         return sdpa_kernel([backend[self.kernel]])
 
     # The SDPA calls. q, k, v: [B, H, T, d] (K/V already expanded when expand_kv).
@@ -97,6 +106,10 @@ class SdpaRoute:
         causal mask: query i sees keys 0 .. n_k - n + i (a zigzag chunk's prefix, or the keys of
         one document)."""
         n, n_k = q.shape[2], k.shape[2]
+        if self.kernel == "cudnn" and n_k != n:
+            raise UnsupportedAttentionError(
+                f"train.attention_kernel=cudnn: a query block of {n} against {n_k} keys needs a "
+                "bottom-right causal call, which torch runs on flash or memory-efficient attention only")
         if self.kernel == "cpu_lse_merge":
             return prefix_causal_attention(q, k, v)
         if self.lower_right_bias:
@@ -168,11 +181,38 @@ def _efficient_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
 _VARLEN_KERNELS = {"flash": _flash_varlen, "efficient": _efficient_varlen}
 
 
-def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int) -> SdpaRoute:
-    """The kernel `attention_core` uses for these inputs (pure; see the module docstring)."""
+# The kernel of this process's CUDA runs (use_attention_kernel): fa2 | fa3 | fa4 | cudnn | efficient.
+_ACTIVE_KERNEL = "fa2"
+
+
+def use_attention_kernel(choice: Choice) -> None:
+    """Make `choice` (select_attention_kernel) this process's attention kernel: FA3 / FA4 are
+    activated in torch's dispatcher (every flash call of the process, until another kernel is
+    chosen), any other choice restores torch's FA2 there."""
+    global _ACTIVE_KERNEL
+    from torch.nn import attention
+
+    impl = {"fa3": "FA3", "fa4": "FA4"}.get(choice.kernel)
+    if impl is not None:
+        attention.activate_flash_attention_impl(impl)
+    elif attention.current_flash_attention_impl() is not None:
+        attention.restore_flash_attention_impl()
+    _ACTIVE_KERNEL = choice.kernel
+
+
+def active_attention_kernel() -> str:
+    return _ACTIVE_KERNEL
+
+
+def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int,
+               kernel: str | None = None) -> SdpaRoute:
+    """The kernel `attention_core` uses for these inputs (see the module docstring); `kernel`
+    (default: the process's, use_attention_kernel) decides only whether cuDNN replaces flash."""
     if device_type != "cuda":
         return SdpaRoute("cpu_lse_merge")
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
+        if (kernel or _ACTIVE_KERNEL) == "cudnn":
+            return SdpaRoute("cudnn", expand_kv=gqa)
         return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head_dim % alignment == 0:
@@ -185,7 +225,8 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
         f"context); change model.hidden_size / model.num_heads or train.dtype")
 
 
-def check_cuda_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> SdpaRoute:
-    """The CUDA route of a model, or UnsupportedAttentionError (the Trainer calls this before it
-    starts any process group)."""
-    return sdpa_route("cuda", dtype, gqa=num_heads != num_kv_heads, head_dim=head_dim)
+def check_cuda_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         kernel: str | None = None) -> SdpaRoute:
+    """The CUDA route of a model under attention kernel `kernel` (default: the process's), or
+    UnsupportedAttentionError (the Trainer calls this before it starts any process group)."""
+    return sdpa_route("cuda", dtype, gqa=num_heads != num_kv_heads, head_dim=head_dim, kernel=kernel)

@@ -3,7 +3,8 @@ Accelerate or DeepSpeed starts (seconds instead of the tens of seconds of start-
 
     inputs = check_inputs(cfg, world_size=world)     # ValueError: one line, the CLI exits 2
 
-In order, each cheap: the config against the world size (config/validate.py); the tokenizer loads
+In order, each cheap: the config against the world size (config/validate.py); a forced
+train.attention_kernel this machine cannot run (model/attention_kernel.py); the tokenizer loads
 and fits the model's vocabulary; the data (data/checks.py check_data_config: sources, format,
 columns, eval split and source, token budget); the resume path names a checkpoint whose model shape and layout this run accepts; the
 output folder is writable and not another run's (run/rundir.py). The cli runs it on every rank and
@@ -23,6 +24,7 @@ from tsp_trainer.checkpoint.train_state import check_same_model, checkpoint_layo
 from tsp_trainer.config import TrainConfig, validate_config
 from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, load_run_tokenizer
 from tsp_trainer.data.tokenize import TextTokenizer
+from tsp_trainer.model.attention_kernel import check_run_attention_kernel
 from tsp_trainer.parallel.mesh import ParallelDims
 from tsp_trainer.run.rundir import check_output_dir, resolve_resume
 
@@ -39,6 +41,7 @@ def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
     """Raise ValueError naming the key, the value and the rule on the first bad input."""
     validate_config(cfg, world_size)
     model_cfg = cfg.model.to_model_config()
+    check_run_attention_kernel(cfg, model_cfg)       # a forced kernel this machine cannot run
     tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size)
     data_plan = check_data_config(cfg, world_size // cfg.parallel.tsp_degree, tokenizer=tokenizer)

@@ -17,7 +17,9 @@ needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py
 - K/V: item i+1's projection is computed and its all-gather issued before item i's attention, so
   the gather runs under the attention kernel (forward and backward);
 - dK/dV: backward issues item i's reduce-scatter, then computes the query side (dW_o, dW_q, dX from
-  dQ) while it runs, and only then waits for it and finishes the key/value side;
+  dQ) and, under full recompute, item i+1's attention forward while it runs; only then it waits
+  for it and finishes item i's key/value side, before item i+1's projection and K/V gather (so at
+  most two weight shards and two gradient buffers are held, as without the deferral);
 - weight gradients: this rank's partial gradient of shard r is written straight into a packed fp32
   buffer (no per-weight gradient tensors) and reduced to owner r asynchronously while shard r+1 is
   computed; the buffer that reduce frees is the next one filled.
@@ -318,17 +320,25 @@ class _TSPAttentionFn(torch.autograd.Function):
                 return kept[i]
             return _project_item(x, shards, items[i], block, shapes, rope)
 
-        nxt = prepare(0)
+        def finish(pending: _PendingKV | None) -> None:   # an item's key/value side, then its shard
+            if pending is None:
+                return
+            pending.finish(x2, rope, dx)
+            if pending.bucket == block.head_buckets - 1:
+                shards.release(pending.owner)
+                grads.reduce(pending.owner)
+
+        item, pending = prepare(0), None
         for i, (r, b) in enumerate(items):
-            item, nxt = nxt, (prepare(i + 1) if i + 1 < len(items) else None)
             if kept is None:
-                item.attend(rope, graph=True)    # full recompute: the attention forward again
+                item.attend(rope, graph=True)    # full recompute: the attention forward again,
+            finish(pending)                      # under which item i-1's dK/dV were reduce-scattered
+            nxt = prepare(i + 1) if i + 1 < len(items) else None    # its K/V gather in flight
             weights = _Shard(shards.get(r), block, shapes).bucket(b)
             grad = _Shard(grads.buffer(r), block, shapes).bucket(b)
-            _item_backward(x2, dy2, item, weights, grad, rope, block, dx)
-            if b == block.head_buckets - 1:
-                shards.release(r)
-                grads.reduce(r)
+            pending = _item_query_side(x2, dy2, item, weights, grad, rope, block, dx, owner=r, bucket=b)
+            item = nxt
+        finish(pending)
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
         return (dx.view(x.shape).to(x.dtype), None, None, *out)
@@ -379,12 +389,29 @@ class _GradReduces:
         return self._own
 
 
-def _item_backward(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: TSPAttention,
-                   dx: torch.Tensor) -> None:
-    """Backpropagate dy through one item whose attention graph is recorded: add this rank's
-    partial weight (and q/k/v bias) gradients into `grads` (fp32 views of the packed gradient) and
-    dX_p's contribution into dx [n, h] fp32. weights, grads: (wq, wk, wv, wo, bq, bk, bv) of the
-    bucket, biases None without q/k/v biases. x2, dy2: [n, h] (n = B * T local tokens)."""
+class _PendingKV:
+    """An item whose dK/dV reduce-scatter is in flight: its key/value side (this rank's dW_k,
+    dW_v, q/k/v bias and dX contributions) runs once the scatter is waited for."""
+
+    def __init__(self, scatter: _DKVScatter, weights, grads, *, owner: int, bucket: int):
+        self.scatter, self.owner, self.bucket = scatter, owner, bucket
+        self.wk, self.wv, self.gk, self.gv, self.gbk, self.gbv = (weights[1], weights[2], grads[1],
+                                                                  grads[2], grads[5], grads[6])
+
+    def finish(self, x2: torch.Tensor, rope: Rotary, dx: torch.Tensor) -> None:
+        dk, dv = self.scatter.wait()
+        _linear_backward(x2, apply_rope_backward(dk, rope.cos, rope.sin), self.wk, self.gk, self.gbk, dx)
+        _linear_backward(x2, dv, self.wv, self.gv, self.gbv, dx)
+
+
+def _item_query_side(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: TSPAttention,
+                     dx: torch.Tensor, *, owner: int, bucket: int) -> _PendingKV:
+    """Backpropagate dy through one item whose attention graph is recorded, up to its dK/dV: add
+    this rank's partial dW_o, dW_q (and q bias) into `grads` (fp32 views of the packed gradient)
+    and dX_p's query-side contribution into dx [n, h] fp32, and issue the dK/dV reduce-scatter,
+    whose key/value side the returned _PendingKV finishes later. weights, grads: (wq, wk, wv, wo,
+    bq, bk, bv) of the bucket, biases None without q/k/v biases. x2, dy2: [n, h] (n = B * T local
+    tokens)."""
     wq, wk, wv, wo, *_ = weights
     gq, gk, gv, go, gbq, gbk, gbv = grads
     a = item.a
@@ -394,9 +421,7 @@ def _item_backward(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: TS
     del dkv
     # the query side while dK/dV are reduce-scattered
     _linear_backward(x2, apply_rope_backward(dq, rope.cos, rope.sin), wq, gq, gbq, dx)
-    dk, dv = scatter.wait()
-    _linear_backward(x2, apply_rope_backward(dk, rope.cos, rope.sin), wk, gk, gbk, dx)
-    _linear_backward(x2, dv, wv, gv, gbv, dx)
+    return _PendingKV(scatter, weights, grads, owner=owner, bucket=bucket)
 
 
 def _linear_backward(x2: torch.Tensor, dp: torch.Tensor, w: torch.Tensor, gw: torch.Tensor,
