@@ -53,8 +53,7 @@ def newest_verified_checkpoint(root: str | os.PathLike) -> ResumeChoice:
                                 (verified_line(folder, time.perf_counter() - started),))
         aside = set_aside(folder)
         warnings.append(_skipped_line(folder, problem, aside))
-    if warnings:
-        warnings.append(f"train.resume=auto: no checkpoint of {root} verifies; starting at step 0")
+    # None left: the run folder's start-up says "no checkpoint in ..., starting at step 0".
     return ResumeChoice(None, tuple(warnings))
 
 
