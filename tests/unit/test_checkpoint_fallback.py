@@ -47,8 +47,9 @@ def test_verify_names_the_file_and_what_is_wrong(tmp_path):
     shard.unlink()
     assert verify_manifest(folder) == (f"checkpoint {folder} is missing model/shard.safetensors "
                                        "(listed in manifest.json)")
-    (folder / "manifest.json").write_text("{not json")
-    assert "unreadable manifest.json" in verify_manifest(folder)
+    for broken in ("{not json", '{"files": {"meta.json": {"bytes": 3}}}', '{"files": []}'):
+        (folder / "manifest.json").write_text(broken)
+        assert verify_manifest(folder).startswith(f"checkpoint {folder} has an unreadable manifest.json")
 
 
 def test_damaged_latest_is_set_aside_and_latest_repointed(tmp_path):

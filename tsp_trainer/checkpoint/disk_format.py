@@ -112,18 +112,19 @@ def verify_manifest(folder: Path, *, workers: int | None = None) -> str | None:
     manifest_path = folder / MANIFEST
     if not manifest_path.exists():
         return f"checkpoint {folder} has no {MANIFEST}: it is incomplete or not a checkpoint"
-    try:
-        files = sorted(json.loads(manifest_path.read_text())["files"].items())
+    try:    # [(relative path, bytes, sha256)], sorted
+        files = [(rel, int(e["bytes"]), str(e["sha256"]))
+                 for rel, e in sorted(json.loads(manifest_path.read_text())["files"].items())]
     except (ValueError, KeyError, TypeError, AttributeError) as err:   # JSONDecodeError: ValueError
         return f"checkpoint {folder} has an unreadable {MANIFEST} ({err!r})"
-    for rel, entry in files:
-        if (problem := _size_problem(folder, rel, entry["bytes"])) is not None:
+    for rel, size, _ in files:
+        if (problem := _size_problem(folder, rel, size)) is not None:
             return problem
     workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         digests = list(pool.map(lambda item: sha256_file(folder / item[0]), files))
-    for (rel, entry), digest in zip(files, digests):
-        if digest != entry["sha256"]:
+    for (rel, _, sha256), digest in zip(files, digests):
+        if digest != sha256:
             return f"checkpoint file {folder / rel} fails its sha256 check (corrupted)"
     return None
 
