@@ -180,7 +180,7 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
             validate_config(cfg, world)
             from tsp_trainer.run import check_inputs
 
-            inputs = check_inputs(cfg, world_size=world)
+            inputs = check_inputs(cfg, world_size=world, rank=rank)
         except ValueError as err:
             if rank == 0:                              # one line per job, not one per rank
                 print(f"{prog}: error: {err}", file=sys.stderr, flush=True)

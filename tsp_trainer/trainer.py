@@ -51,7 +51,12 @@ class Trainer:
         self.log = get_logger(__name__, rank=global_rank)
         with self._startup("config checked and resolved"):
             # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
-            inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size)
+            inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size,
+                                                                    rank=global_rank)
+            for line in inputs.resume_warnings:        # rank 0's: which checkpoints failed, and why
+                self.log.warning(line)
+            for line in inputs.resume_notes:
+                self.log.info(line)
             cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
             self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
             self.tokenizer, self.data_plan = inputs.tokenizer, inputs.data_plan

@@ -125,7 +125,8 @@ def test_resume_of_another_model_shape_is_refused(tmp_path):
 
 def test_corrupted_checkpoint_is_refused_on_resume(tmp_path):
     """The manifest is verified before anything is loaded: a flipped byte or a missing file in the
-    checkpoint `latest` names gives an error naming the file."""
+    checkpoint train.resume names gives an error naming the file (train.resume=auto falls back
+    instead: test_checkpoint_fallback.py)."""
     common = ["parallel.tsp_degree=1", f"train.output_dir={tmp_path}", "train.steps=2"]
     run_on_ranks(train_rank, 1, common, False)
     step = tmp_path / "checkpoints" / "step_00000002"
@@ -133,8 +134,8 @@ def test_corrupted_checkpoint_is_refused_on_resume(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    message = run_on_ranks(_shape_rank, 1, common + ["train.resume=auto", "train.steps=4"])[0]
+    message = run_on_ranks(_shape_rank, 1, common + [f"train.resume={step}", "train.steps=4"])[0]
     assert "sha256" in message and shard.name in message
     (step / "meta.json").unlink()
-    message = run_on_ranks(_shape_rank, 1, common + ["train.resume=auto", "train.steps=4"])[0]
+    message = run_on_ranks(_shape_rank, 1, common + [f"train.resume={step}", "train.steps=4"])[0]
     assert "missing meta.json" in message

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.distributed.trainer_cases import config
-from tsp_trainer.checkpoint.disk_format import file_entry, find_checkpoint, latest_checkpoint
+from tsp_trainer.checkpoint.disk_format import (build_manifest, file_entry, find_checkpoint,
+                                                latest_checkpoint)
 from tsp_trainer.checkpoint.store import CheckpointStore
 from tsp_trainer.config import load_config, validate_config
 from tsp_trainer.parallel.comm import Comm, CommError, _Work
@@ -285,17 +286,22 @@ def test_input_errors_are_one_line_before_start_up(override, message):
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+def _write_meta(folder, meta):
+    """meta.json and a manifest that lists it as it now is (the checkpoint verifies)."""
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (folder / "manifest.json").write_text(json.dumps(build_manifest(folder)))
+
+
 def test_check_inputs_reads_the_resume_checkpoint_and_refuses_another_model(tmp_path):
     root = tmp_path / "checkpoints"
     folder = fake_checkpoint(root, 4)
     cfg = config([f"train.output_dir={tmp_path}", "train.resume=auto"])
     model = dict(cfg.model.to_model_config().to_dict(), hidden_size=32)
     layout = {"scheme": "tsp", "tsp_degree": 2, "dp_degree": 2, "world_size": 4, "zero_stage": 1}
-    (folder / "meta.json").write_text(json.dumps({"model": model, "layout": layout}))
+    _write_meta(folder, {"model": model, "layout": layout})
     with pytest.raises(ValueError, match="another model shape: model.hidden_size=64 here vs 32"):
         check_inputs(cfg, world_size=4)
-    (folder / "meta.json").write_text(json.dumps({"model": cfg.model.to_model_config().to_dict(),
-                                                  "layout": layout}))
+    _write_meta(folder, {"model": cfg.model.to_model_config().to_dict(), "layout": layout})
     inputs = check_inputs(cfg, world_size=4)
     assert inputs.resume_path == folder and inputs.resume_meta["layout"] == layout
     with pytest.raises(ValueError, match="dp_degree=2 but this run has dp_degree=1"):

@@ -8,6 +8,8 @@ and the atomic writes it is made of. No policy (when to save, what to keep: chec
         meta.json                         step, tokens seen, layout, model config, resolved config
         manifest.json                     every file with its size and sha256 (written last)
     <root>/latest                         name of the newest complete checkpoint
+    <root>/damaged/step_00000060          a checkpoint that failed verification, set aside
+                                          (checkpoint/fallback.py); never pruned or resumed
 
 A folder is complete when its manifest exists: the manifest is written last, so a folder without
 one is a save that did not finish (or not a checkpoint). Verifying a folder checks every listed
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -67,10 +70,7 @@ def read_verified_meta(folder: Path) -> dict:
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder} is not a folder (expected a checkpoint step_* folder)")
-    try:
-        error = verify_manifest(folder)
-    except (ValueError, KeyError, TypeError) as err:        # json.JSONDecodeError is a ValueError
-        error = f"checkpoint {folder} has an unreadable {MANIFEST} ({err!r})"
+    error = verify_manifest(folder)
     if error:
         raise ValueError(error)
     try:
@@ -103,23 +103,41 @@ def file_entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def verify_manifest(folder: Path, share: tuple[int, int] = (0, 1)) -> str | None:
-    """None if every file listed exists with its size and checksum; else what is wrong.
-    share=(i, n): check only the files at positions i, i+n, ... of the sorted list (one rank's
-    share of a distributed check); the manifest itself is read by every share."""
+def verify_manifest(folder: Path, *, workers: int | None = None) -> str | None:
+    """None if every file listed exists with its size and checksum; else one line naming the file
+    and what is wrong with it (missing, truncated or of another size, failed sha256), or the
+    manifest (absent, unreadable). Sizes are checked first (no reading); then `workers` threads
+    hash the files (hashlib releases the GIL: the files are read and hashed in parallel)."""
+    folder = Path(folder)
     manifest_path = folder / MANIFEST
     if not manifest_path.exists():
         return f"checkpoint {folder} has no {MANIFEST}: it is incomplete or not a checkpoint"
-    manifest = json.loads(manifest_path.read_text())
-    index, count = share
-    for rel, entry in sorted(manifest["files"].items())[index::count]:
-        f = folder / rel
-        if not f.exists():
-            return f"checkpoint {folder} is missing {rel} (listed in {MANIFEST})"
-        if f.stat().st_size != entry["bytes"]:
-            return f"checkpoint file {f} has {f.stat().st_size} bytes, manifest says {entry['bytes']}"
-        if sha256_file(f) != entry["sha256"]:
-            return f"checkpoint file {f} fails its sha256 check (corrupted)"
+    try:    # [(relative path, bytes, sha256)], sorted
+        files = [(rel, int(e["bytes"]), str(e["sha256"]))
+                 for rel, e in sorted(json.loads(manifest_path.read_text())["files"].items())]
+    except (ValueError, KeyError, TypeError, AttributeError) as err:   # JSONDecodeError: ValueError
+        return f"checkpoint {folder} has an unreadable {MANIFEST} ({err!r})"
+    for rel, size, _ in files:
+        if (problem := _size_problem(folder, rel, size)) is not None:
+            return problem
+    workers = workers or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = list(pool.map(lambda item: sha256_file(folder / item[0]), files))
+    for (rel, _, sha256), digest in zip(files, digests):
+        if digest != sha256:
+            return f"checkpoint file {folder / rel} fails its sha256 check (corrupted)"
+    return None
+
+
+def _size_problem(folder: Path, rel: str, expected: int) -> str | None:
+    f = folder / rel
+    if not f.is_file():
+        return f"checkpoint {folder} is missing {rel} (listed in {MANIFEST})"
+    size = f.stat().st_size
+    if size < expected:
+        return f"checkpoint file {f} is truncated: {size} bytes, {MANIFEST} says {expected}"
+    if size > expected:
+        return f"checkpoint file {f} has {size} bytes, {MANIFEST} says {expected}"
     return None
 
 

@@ -5,8 +5,9 @@ Publication: all ranks write into `.step_00000020.tmp`; when every rank has fini
 writes meta.json and the manifest (merged from the entries each rank hashed while writing, so no
 rank hashes the whole checkpoint), renames the folder to its final name, and only then moves
 `latest` (os.replace). A crash at any point leaves `latest` naming the previous complete
-checkpoint; stale temporaries are removed by the next save. Loading verifies the manifest (sizes
-and checksums) before anything is read, each rank checking a share of the files.
+checkpoint; stale temporaries are removed by the next save. Which checkpoint a resume reads, and
+its verification (sizes and checksums, once, on global rank 0 before the process groups exist), is
+checkpoint/fallback.py's; pruning never sees the damaged ones it sets aside (<root>/damaged/).
 """
 
 from __future__ import annotations
@@ -20,18 +21,17 @@ import torch
 
 from tsp_trainer.checkpoint.disk_format import (LATEST, MANIFEST, META, atomic_torch_save, atomic_write_text,
                                                 file_entry, fsync_dir, latest_checkpoint,
-                                                merged_manifest, rank_state_name, step_dir_name,
-                                                verify_manifest)
+                                                merged_manifest, rank_state_name, step_dir_name)
 from tsp_trainer.parallel.comm import Comm
 
 
 class CheckpointStore:
     """The checkpoints folder of one run, shared by every rank: temporary folders, publication,
-    keep-last-K pruning, and finding and verifying a checkpoint to resume.
+    keep-last-K pruning, and reading a checkpoint to resume.
 
     Args:
         root: the run's checkpoints folder (<output_dir>/checkpoints).
-        world: a Comm over every rank (barriers, the hash gather, the shared verification).
+        world: a Comm over every rank (barriers, the hash gather).
         keep_last: complete checkpoints kept after each publish (0: all).
     """
 
@@ -105,15 +105,9 @@ class CheckpointStore:
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
 
-    def verify(self, path: Path) -> dict:
-        """Collective: every rank checks a share of the manifest's files (file i on rank
-        i % world); all ranks get meta or the first error."""
-        errors = self.world.all_gather_object(
-            verify_manifest(path, share=(self.world.rank, self.world.size)))
-        error = next((e for e in errors if e), None)
-        if error:
-            raise ValueError(error)
-        return json.loads((path / META).read_text())
+    def read_meta(self, path: Path) -> dict:
+        """meta.json of a checkpoint rank 0 has verified (checkpoint/fallback.py, run/inputs.py)."""
+        return json.loads((Path(path) / META).read_text())
 
     def read_rank_state(self, path: Path, rank: int | None = None) -> dict:
         """This rank's state, or saved rank `rank`'s (a resume under another layout)."""

@@ -113,12 +113,16 @@ class TrainingCheckpoints:
 
     # -- load -------------------------------------------------------------------------------------
     def load(self, path: Path | None) -> TrainState:
-        """Collective: the state saved in `path`, restored into the model, optimizer, scheduler,
-        loader and RNG (under this run's layout: each rank reads the slices it now owns); a fresh
-        TrainState when `path` is None."""
-        if path is None:
+        """Collective: the state saved in rank 0's `path`, restored into the model, optimizer,
+        scheduler, loader and RNG (under this run's layout: each rank reads the slices it now
+        owns); a fresh TrainState when it is None. Rank 0 verified `path` before the process
+        groups existed (run/inputs.py), so nothing is hashed here, and the other ranks take rank
+        0's path (under train.resume=auto they have none of their own)."""
+        chosen = self.mesh.world.broadcast_object(None if path is None else str(path))
+        if chosen is None:
             return TrainState()
-        meta = self.store.verify(path)
+        path = Path(chosen)
+        meta = self.store.read_meta(path)
         saved = meta["layout"]
         same_layout = check_compatible(meta, path, model_cfg=self.par.model.cfg, layout=self.layout,
                                        on_layout_change=self.cfg.data.on_layout_change)

@@ -1,15 +1,22 @@
 """The "check inputs" phase: everything a user can get wrong, found before any process group,
 Accelerate or DeepSpeed starts (seconds instead of the tens of seconds of start-up).
 
-    inputs = check_inputs(cfg, world_size=world)     # ValueError: one line, the CLI exits 2
+    inputs = check_inputs(cfg, world_size=world, rank=rank)   # ValueError: one line, the CLI exits 2
 
 In order, each cheap: the config against the world size (config/validate.py); a forced
 train.attention_kernel this machine cannot run (model/attention_kernel.py); the tokenizer loads
 and fits the model's vocabulary; the data (data/checks.py check_data_config: sources, format,
-columns, eval split and source, token budget); the resume path names a checkpoint whose model shape and layout this run accepts; the
-output folder is writable and not another run's (run/rundir.py). The cli runs it on every rank and
-hands the result to the Trainer (the tokenizer is not loaded twice); a Trainer built directly runs
-it itself. Never imports torch.distributed, accelerate or deepspeed.
+columns, eval split and source, token budget); the resume path names a checkpoint that verifies
+and whose model shape and layout this run accepts; the output folder is writable and not another
+run's (run/rundir.py). The cli runs it on every rank and hands the result to the Trainer (the
+tokenizer is not loaded twice); a Trainer built directly runs it itself. Never imports
+torch.distributed, accelerate or deepspeed.
+
+The checkpoint is verified here, once, by global rank 0 (the only hashing of a resume: loading
+trusts it). Under train.resume=auto rank 0 also sets damaged checkpoints aside, so the other ranks
+do not look at the checkpoints folder here: their resume_path is None, and rank 0's choice reaches
+them in TrainingCheckpoints.load, after the process groups exist (which rank 0 joins only when
+this is done).
 """
 
 from __future__ import annotations
@@ -26,26 +33,31 @@ from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, 
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.model.attention_kernel import check_run_attention_kernel
 from tsp_trainer.parallel.mesh import ParallelDims
-from tsp_trainer.run.rundir import check_output_dir, resolve_resume
+from tsp_trainer.run.rundir import check_output_dir, choose_resume
 
 
 @dataclass(frozen=True)
 class CheckedInputs:
     tokenizer: TextTokenizer
     data_plan: DataPlan             # data/checks.py: shares, epochs, eval layout, notes
-    resume_path: Path | None        # the checkpoint to continue from (None: start at step 0)
-    resume_meta: dict | None        # its meta.json (read here; the manifest is verified at load)
+    resume_path: Path | None        # the checkpoint to continue from (None: start at step 0, or
+                                    # resume=auto on a rank != 0: rank 0 chooses)
+    resume_meta: dict | None        # its meta.json (read here, after rank 0 verified the manifest)
+    resume_warnings: tuple[str, ...] = ()   # rank 0: each damaged checkpoint set aside, the fallback
+    resume_notes: tuple[str, ...] = ()      # rank 0: the verification of the one chosen
 
 
-def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
-    """Raise ValueError naming the key, the value and the rule on the first bad input."""
+def check_inputs(cfg: TrainConfig, *, world_size: int, rank: int = 0) -> CheckedInputs:
+    """Raise ValueError naming the key, the value and the rule on the first bad input.
+    rank: this process's global rank (the CLI passes the launcher's; 0 for one process)."""
     validate_config(cfg, world_size)
     model_cfg = cfg.model.to_model_config()
     check_run_attention_kernel(cfg, model_cfg)       # a forced kernel this machine cannot run
     tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size)
     data_plan = check_data_config(cfg, world_size // cfg.parallel.tsp_degree, tokenizer=tokenizer)
-    resume_path = resolve_resume(cfg.train.resume, cfg.train.output_dir)
+    choice = choose_resume(cfg.train.resume, cfg.train.output_dir, rank=rank)
+    resume_path = choice.path
     meta = None
     if resume_path is not None:
         meta = read_meta(resume_path)
@@ -54,11 +66,11 @@ def check_inputs(cfg: TrainConfig, *, world_size: int) -> CheckedInputs:
                             policy=cfg.data.on_layout_change, path=resume_path)
     check_output_dir(cfg.train.output_dir, resume=cfg.train.resume, resume_path=resume_path,
                      overwrite=cfg.train.overwrite_output_dir)
-    return CheckedInputs(tokenizer, data_plan, resume_path, meta)
+    return CheckedInputs(tokenizer, data_plan, resume_path, meta, choice.warnings, choice.notes)
 
 
 def read_meta(path: Path) -> dict:
-    """meta.json of the checkpoint to resume (read only; the manifest is verified at load)."""
+    """meta.json of the checkpoint to resume (read only)."""
     meta = Path(path) / META
     if not meta.is_file():
         raise ValueError(f"train.resume: checkpoint {path} is missing {META}: it is incomplete or "

@@ -12,12 +12,17 @@ Rules (docs/reliability.md, "Output folders"):
 - A launch with train.resume=none into a folder that holds checkpoints is refused, naming the
   choices: train.resume=auto, another train.output_dir, or train.overwrite_output_dir=true.
 - train.resume accepts a step_* folder, a checkpoints folder or a run folder (its latest).
+- train.resume=auto continues from the newest checkpoint that verifies; damaged newer ones are
+  moved to checkpoints/damaged/ (checkpoint/fallback.py). An explicit path that fails verification
+  is refused.
 - After a resume from step s, metrics.jsonl holds each step <= s once (rewritten atomically), so
   the steps replayed after a crash appear once.
 
 `check_output_dir` and `resolve_resume` only read (and probe writability); they run before any
-process group exists (run/inputs.py). `claim_output_dir` mutates and runs on global rank 0 only.
-Imports nothing of ours but checkpoint.disk_format's path helpers.
+process group exists (run/inputs.py). `choose_resume` hashes and, under train.resume=auto, renames
+damaged checkpoints aside and repoints `latest`: on global rank 0 only, before the process groups.
+`claim_output_dir` mutates and runs on global rank 0 only. Imports nothing of ours but
+checkpoint.disk_format's path helpers and checkpoint.fallback.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import tempfile
 from pathlib import Path
 
 from tsp_trainer.checkpoint.disk_format import (MANIFEST, atomic_write_text, find_checkpoint,
-                                                latest_checkpoint)
+                                                latest_checkpoint, verify_manifest)
+from tsp_trainer.checkpoint.fallback import ResumeChoice, newest_verified_checkpoint
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -41,13 +47,35 @@ def checkpoints_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / CHECKPOINTS
 
 
+def choose_resume(resume: str, output_dir: str | os.PathLike, *, rank: int) -> ResumeChoice:
+    """The checkpoint this launch continues from, verified (sizes and sha256) by global rank 0.
+
+    Rank 0: 'auto' takes the newest checkpoint that verifies (setting damaged ones aside); an
+    explicit path must verify, else ValueError naming the file. Other ranks hash nothing: under
+    'auto' they return no path and take rank 0's choice once the process groups exist
+    (TrainingCheckpoints.load); an explicit path is only resolved."""
+    if resume == "none" or (resume == "auto" and rank != 0):
+        return ResumeChoice(None)
+    if resume == "auto":
+        return newest_verified_checkpoint(checkpoints_root(output_dir))
+    path = resolve_resume(resume, output_dir)
+    if rank == 0 and (problem := verify_manifest(path)) is not None:
+        raise ValueError(f"train.resume={resume!r}: {problem}; pass another checkpoint, or "
+                         "train.resume=auto to take the newest one of this run that verifies")
+    return ResumeChoice(path)
+
+
 def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint train.resume names (None for 'none', or 'auto' with nothing to resume)."""
+    """The checkpoint train.resume names, not verified (None for 'none', or 'auto' with nothing
+    to resume)."""
     if resume == "none":
         return None
     if resume == "auto":
         return latest_checkpoint(checkpoints_root(output_dir))
     found = find_checkpoint(resume)
+    if found is None and Path(resume).name.startswith("step_") and Path(resume).is_dir():
+        raise ValueError(f"train.resume={resume!r}: checkpoint {resume} has no {MANIFEST}: it is "
+                         "incomplete or damaged; pass another checkpoint or train.resume=auto")
     if found is None:
         raise ValueError(f"train.resume={resume!r} is neither a complete checkpoint (a step_* folder "
                          f"with {MANIFEST}) nor a run or checkpoints folder holding one; pass 'auto', "
