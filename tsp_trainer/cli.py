@@ -158,8 +158,8 @@ def train_main(argv: list[str] | None = None) -> None:
 
 def _check_inputs_or_exit(args, *, world: int, rank: int):
     """(config, checked inputs), or exit 2 with one line from rank 0 (the other ranks exit silently).
-    Runs before any process group: the config first (standard library + OmegaConf, no torch), then
-    tokenizer, data, resume path and output folder (run/inputs.py).
+    Runs before any process group: the config first (standard library + OmegaConf, no torch), the
+    W&B credentials of an online run, then tokenizer, data, resume path and output folder (run/inputs.py).
 
     Every rank runs the same checks, and under torchrun / accelerate launch the first rank to exit
     makes the launcher SIGTERM the others, possibly rank 0 before it printed: rank 0 holds SIGTERM
@@ -170,8 +170,10 @@ def _check_inputs_or_exit(args, *, world: int, rank: int):
         try:
             cfg = load_config(args.recipe, args.overrides)
             validate_config(cfg, world)
+            from tsp_trainer.observability.wandb_sink import check_wandb_credentials
             from tsp_trainer.run import check_inputs
 
+            check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
             inputs = check_inputs(cfg, world_size=world)
         except ValueError as err:
             if rank == 0:                              # one line per job, not one per rank

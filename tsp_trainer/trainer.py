@@ -33,6 +33,7 @@ from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks, model_and_hardware_flops_per_token)
+from tsp_trainer.observability.wandb_sink import check_wandb_credentials
 from tsp_trainer.optim import build_optimizer, build_scheduler
 from tsp_trainer.parallel.loss import global_count, reduce_loss_sum
 from tsp_trainer.parallel.mesh import build_mesh
@@ -49,6 +50,7 @@ class Trainer:
         self.log = get_logger(__name__, rank=global_rank)
         with self._startup("config checked and resolved"):
             # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
+            check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
             inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size)
             cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
             self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
