@@ -136,7 +136,7 @@ def train_main(argv: list[str] | None = None) -> None:
     world, rank, local_rank = _launcher_env()
     cfg, inputs = _check_inputs_or_exit(args, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
-    from tsp_trainer.trainer import Trainer
+    from tsp_trainer.trainer import CheckpointSaveError, Trainer
 
     code = 0
     try:
@@ -148,6 +148,10 @@ def train_main(argv: list[str] | None = None) -> None:
     except ValueError as err:                           # bad input found after start-up
         print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
         code = EXIT_BAD_INPUT
+    except CheckpointSaveError as err:                  # its cause (errno, path), once per rank that saw it
+        if err.seen_here:
+            print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
+        code = 1
     except BaseException:
         import traceback
 
