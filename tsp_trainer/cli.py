@@ -146,7 +146,8 @@ def train_main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(_summary(trainer, history), flush=True)
     except ValueError as err:                           # bad input found after start-up
-        print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
+        if rank == 0 or not getattr(err, "agreed", False):   # agreed by all ranks: say it once
+            print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
         code = EXIT_BAD_INPUT
     except CheckpointSaveError as err:                  # its cause (errno, path), once per rank that saw it
         if err.seen_here:

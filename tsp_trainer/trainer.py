@@ -41,6 +41,7 @@ from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
+from tsp_trainer.run.preemption import agree_on_batches
 from tsp_trainer.run.session import open_run_folder
 
 
@@ -183,9 +184,8 @@ class Trainer:
         skipped_before = self.engine.skipped_steps
         # Loss and token sums stay on the device until the step ends: no host sync per micro-step.
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)   # [mean loss, tokens]
-        for _ in range(c.train.grad_accum):
-            with self.metrics.waiting_for_data():
-                batch = next(self.loader)
+        # Bad data on any rank stops every rank here, before the step's first collective.
+        for batch in agree_on_batches(mesh.world, self._read_step_batches, device=self.device):
             seq_len = batch["input_ids"].shape[1]           # follows data.seq_len_schedule
             loss_sum, total = self._batch_loss(batch)
             # A non-finite loss poisons every gradient (NaN scale), so DeepSpeed's overflow check,
@@ -214,6 +214,10 @@ class Trainer:
             flops=model_and_hardware_flops_per_token(self.model_cfg, seq_len,
                                                      recompute=c.train.activation_checkpointing))
         return {**metrics, **self._data_metrics(seq_len)}
+
+    def _read_step_batches(self) -> list[dict]:
+        with self.metrics.waiting_for_data():
+            return [next(self.loader) for _ in range(self.cfg.train.grad_accum)]
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
