@@ -143,7 +143,7 @@ def train_main(argv: list[str] | None = None) -> None:
     world, rank, local_rank = _launcher_env()
     cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
-    from tsp_trainer.trainer import Trainer
+    from tsp_trainer.trainer import CheckpointSaveError, Trainer
 
     code = 0
     try:
@@ -153,8 +153,13 @@ def train_main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(_summary(trainer, history), flush=True)
     except ValueError as err:                           # bad input found after start-up
-        print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
+        if rank == 0 or not getattr(err, "agreed", False):   # agreed by all ranks: say it once
+            print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
         code = EXIT_BAD_INPUT
+    except CheckpointSaveError as err:                  # its cause (errno, path), once per rank that saw it
+        if err.seen_here:
+            print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
+        code = 1
     except BaseException:
         import traceback
 
@@ -166,8 +171,8 @@ def train_main(argv: list[str] | None = None) -> None:
 def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank: int,
                           prog: str = "tsp-train", report: bool = True):
     """(config, checked inputs), or exit 2 with one line from rank 0 (the other ranks exit silently).
-    Runs before any process group: the config first (standard library + OmegaConf, no torch), then
-    tokenizer, data, resume path and output folder (run/inputs.py).
+    Runs before any process group: the config first (standard library + OmegaConf, no torch), the
+    W&B credentials of an online run, then tokenizer, data, resume path and output folder (run/inputs.py).
 
     Every rank runs the same checks, and under torchrun / accelerate launch the first rank to exit
     makes the launcher SIGTERM the others, possibly rank 0 before it printed: rank 0 holds SIGTERM
@@ -178,8 +183,10 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
         try:
             cfg = load_config(recipe, overrides)
             validate_config(cfg, world)
+            from tsp_trainer.observability.wandb_sink import check_wandb_credentials
             from tsp_trainer.run import check_inputs
 
+            check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
             inputs = check_inputs(cfg, world_size=world, rank=rank)
         except ValueError as err:
             if rank == 0:                              # one line per job, not one per rank

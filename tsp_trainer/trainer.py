@@ -35,6 +35,7 @@ from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks, model_and_hardware_flops_per_token)
+from tsp_trainer.observability.wandb_sink import check_wandb_credentials
 from tsp_trainer.optim import build_optimizer, build_scheduler
 from tsp_trainer.parallel.loss import global_count, reduce_loss_sum
 from tsp_trainer.parallel.mesh import build_mesh
@@ -42,6 +43,7 @@ from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
+from tsp_trainer.run.preemption import agree_on_batches
 from tsp_trainer.run.session import open_run_folder
 
 
@@ -51,6 +53,7 @@ class Trainer:
         self.log = get_logger(__name__, rank=global_rank)
         with self._startup("config checked and resolved"):
             # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
+            check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
             inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size,
                                                                     rank=global_rank)
             for line in inputs.resume_warnings:        # rank 0's: which checkpoints failed, and why
@@ -192,9 +195,8 @@ class Trainer:
         skipped_before = self.engine.skipped_steps
         # Loss and token sums stay on the device until the step ends: no host sync per micro-step.
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)   # [mean loss, tokens]
-        for _ in range(c.train.grad_accum):
-            with self.metrics.waiting_for_data():
-                batch = next(self.loader)
+        # Bad data on any rank stops every rank here, before the step's first collective.
+        for batch in agree_on_batches(mesh.world, self._read_step_batches, device=self.device):
             seq_len = batch["input_ids"].shape[1]           # follows data.seq_len_schedule
             loss_sum, total = self._batch_loss(batch)
             # A non-finite loss poisons every gradient (NaN scale), so DeepSpeed's overflow check,
@@ -223,6 +225,10 @@ class Trainer:
             flops=model_and_hardware_flops_per_token(self.model_cfg, seq_len,
                                                      recompute=c.train.activation_checkpointing))
         return {**metrics, **self._data_metrics(seq_len)}
+
+    def _read_step_batches(self) -> list[dict]:
+        with self.metrics.waiting_for_data():
+            return [next(self.loader) for _ in range(self.cfg.train.grad_accum)]
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""

@@ -1,6 +1,8 @@
 """Fault injection on 4 CPU processes (DP=2 x TSP=2): a rank SIGKILLed in the middle of a step
 (inside the MLP ring) or of a checkpoint save, and a NaN loss on one rank only."""
 
+import os
+
 import pytest
 
 from tests.distributed.fault_cases import faulty_train_rank, weights_equal
@@ -74,7 +76,7 @@ def test_nan_with_stop_policy_stops_before_update_and_never_checkpoints(tmp_path
 
 
 def _disk_full_rank(rank, world, overrides):
-    import errno
+    import os
 
     import tsp_trainer.checkpoint.store as store
     from tsp_trainer.trainer import CheckpointSaveError, Trainer
@@ -83,23 +85,30 @@ def _disk_full_rank(rank, world, overrides):
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
     real = store.atomic_torch_save
 
-    def full_at_step_4(obj, path):
-        if trainer.state.step == 4:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full_at_step_4_on_rank_1(obj, path):
+        # a real ENOSPC: the file rank 1 writes is a link to /dev/full, which fails every write
+        if trainer.state.step == 4 and rank == 1:
+            os.symlink("/dev/full", path.with_name(path.name + ".tmp"))
         real(obj, path)
-    store.atomic_torch_save = full_at_step_4
+    store.atomic_torch_save = full_at_step_4_on_rank_1
     try:
         trainer.fit()
     except CheckpointSaveError as err:
-        return str(err)
-    return "no error"
+        return str(err), err.seen_here
+    return "no error", False
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_disk_full_during_save_keeps_latest(tmp_path):
-    message = run_on_ranks(_disk_full_rank, 1, ["parallel.tsp_degree=1", "train.steps=6",
-                                                "checkpoint.every=2", f"train.output_dir={tmp_path}"])[0]
-    assert "step-4 checkpoint failed" in message and "No space left on device" in message
-    assert "step_00000002" in message                       # names what is still the latest
+    out = run_on_ranks(_disk_full_rank, 2, ["parallel.tsp_degree=1", "train.steps=6",
+                                            "checkpoint.every=2", f"train.output_dir={tmp_path}"])
+    full = tmp_path / "checkpoints" / ".step_00000004.tmp" / "ranks" / "rank_00001.pt.tmp"
+    for rank, (message, seen_here) in enumerate(out):
+        assert (f"step-4 checkpoint failed on rank 1: [Errno 28] No space left on device: "
+                f"'{full}'") in message, message
+        assert "unexpected pos" not in message and "iostream" not in message
+        assert "step_00000002" in message                   # names what is still the latest
+        assert seen_here == (rank == 1)                     # the CLI prints it from rank 1 only
     ckpts = tmp_path / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]   # nothing half-written

@@ -2,8 +2,10 @@
 hashed while writing) and the CheckpointWriter's phases (snapshot, background write, publish last, at
 most one save in flight, a failed write never published)."""
 
+import errno
 import hashlib
 import json
+import os
 import threading
 import time
 
@@ -12,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from tsp_trainer.checkpoint.background import HostStaging
-from tsp_trainer.checkpoint.disk_format import verify_manifest
+from tsp_trainer.checkpoint.disk_format import atomic_torch_save, verify_manifest
 from tsp_trainer.checkpoint.store import CheckpointStore
 from tsp_trainer.checkpoint.writer import CheckpointSaveError, CheckpointWriter, Snapshot
 from tsp_trainer.checkpoint.reshard import ShardFile
@@ -212,3 +214,34 @@ def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
     staging.staged()
     staging.complete()                               # nothing pending the second time
     assert calls["synced"] == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("full_file", ["model/model-tsp000-of-001.safetensors", "ranks/rank_00000.pt.tmp"])
+def test_disk_full_is_reported_by_its_errno_and_path(tmp_path, full_file):
+    """A real ENOSPC: the file the save writes is a link to /dev/full, whose every write fails so.
+    torch.save's zip writer alone would turn it into "unexpected pos" / "iostream error"."""
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=5)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=False, device=torch.device("cpu"))
+    tmp = tmp_path / ".step_00000002.tmp"
+    make = _snapshot_fn(2.0)
+
+    def snapshot_onto_a_full_disk(host_copy):
+        (tmp / full_file).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / full_file).symlink_to("/dev/full")
+        return make(host_copy)
+    with pytest.raises(CheckpointSaveError) as info:
+        ckpt.save(2, snapshot_onto_a_full_disk)
+    assert (f"step-2 checkpoint failed on rank 0: [Errno 28] No space left on device: "
+            f"'{tmp / full_file}'") in str(info.value)
+    assert info.value.seen_here and "unexpected pos" not in str(info.value)
+    assert not tmp.exists() and not ckpt.in_flight
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_atomic_torch_save_raises_the_os_error(tmp_path):
+    (tmp_path / "state.pt.tmp").symlink_to("/dev/full")
+    with pytest.raises(OSError) as info:
+        atomic_torch_save({"pos": torch.arange(100)}, tmp_path / "state.pt")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "state.pt.tmp")
+    assert not (tmp_path / "state.pt").exists()

@@ -153,6 +153,15 @@ def test_file_errors_are_one_line(tmp_path):
     raises("must look like section.key=value", load_config, None, ["train.steps"])
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "# a recipe still to write\n# model: tiny\n"])
+def test_empty_recipe_is_refused_not_trained_on_defaults(tmp_path, text):
+    empty = write(tmp_path, "empty.yaml", text)
+    message = raises(f"config file '{empty}' is empty (or only comments)", load_config, empty)
+    assert "\n" not in message
+    named = write(tmp_path, "recipe.yaml", "base: empty.yaml\ntrain:\n  steps: 2\n")
+    raises("is empty (or only comments)", load_config, named)   # an empty base too
+
+
 def test_interpolation_resolves_and_reports_its_key():
     cfg = load_config(None, ["logging.run_name=${train.output_dir}"])
     assert cfg.logging.run_name == "runs/default"
@@ -180,7 +189,11 @@ def test_positive_ints(key, value):
     raises(f"{dotted}={value} must be an integer >= ", validate_config, valid(**{key: value}))
 
 
-@pytest.mark.parametrize("key,value,rule", [("optim__lr", 0.0, "> 0"), ("optim__beta2", 1.0, "in [0, 1)"),
+@pytest.mark.parametrize("key,value,rule", [("optim__lr", 0.0, "in (0, 1)"), ("optim__lr", 1e39, "in (0, 1)"),
+                                            ("optim__lr", 1.0, "in (0, 1)"),
+                                            ("model__init_std", 1e30, "in (0, 1)"),
+                                            ("model__init_std", 1.0, "in (0, 1)"),
+                                            ("optim__beta2", 1.0, "in [0, 1)"),
                                             ("optim__max_grad_norm", -1.0, ">= 0"),
                                             ("optim__eps", 0, "> 0")])
 def test_float_ranges(key, value, rule):

@@ -18,7 +18,9 @@ file's size and sha256.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -151,7 +153,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with naming_the_file(tmp), open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -159,9 +161,30 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_torch_save(obj, path: Path) -> None:
+    """torch.save through a memory buffer, then plain writes: torch's zip writer, writing to a file,
+    turns a full disk into "unexpected pos 64 vs 0" (or an iostream error) and loses the errno; a
+    plain write raises the OSError itself (ENOSPC, EDQUOT, EIO), here with the file's path.
+    Per-rank state is small (loader, RNG, scheduler), so the buffer costs nothing."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    with naming_the_file(tmp), open(tmp, "wb") as f:
+        f.write(buffer.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def naming_the_file(path: Path):
+    """An OSError raised inside names `path`: a failed write() or fsync() names no file, so a
+    full disk would be reported as "[Errno 28] No space left on device" without saying where."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def fsync_dir(path: Path) -> None:

@@ -30,12 +30,19 @@ from typing import Callable
 import torch
 
 from tsp_trainer.checkpoint.background import HostStaging, WriteJob
+from tsp_trainer.checkpoint.disk_format import naming_the_file
 from tsp_trainer.checkpoint.reshard import HostCopy, ShardFile
 from tsp_trainer.checkpoint.store import CheckpointStore
 
 
 class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written; the previous complete one stays `latest`."""
+    """A checkpoint could not be written; the previous complete one stays `latest`. Raised on every
+    rank; `seen_here` is true on the ranks whose own write failed (the message is then theirs), so
+    the CLI reports the cause once from each of them, not one traceback per rank."""
+
+    def __init__(self, message: str, *, seen_here: bool):
+        super().__init__(message)
+        self.seen_here = seen_here
 
 
 @dataclass
@@ -127,7 +134,8 @@ class CheckpointWriter:
         """Writer thread (or inline): this rank's files into `tmp`; their manifest entries."""
         files: dict[str, dict] = {}
         for shard in snap.files:
-            files.update(shard.write(tmp))
+            with naming_the_file(tmp / shard.rel):
+                files.update(shard.write(tmp))
         files.update(self.store.write_rank_state(tmp, snap.rank_state))
         return files
 
@@ -160,7 +168,8 @@ class CheckpointWriter:
         if self.world.rank == 0:
             self.store.abort(job.tmp)
         self.world.barrier()
-        rank = next(r for r, text in enumerate(reports) if text)
+        rank = self.world.rank if mine else next(r for r, text in enumerate(reports) if text)
         raise CheckpointSaveError(
             f"saving the step-{job.step} checkpoint failed on rank {rank}: {reports[rank]}; "
-            f"{self.store.latest()} is still the latest complete checkpoint") from job.error
+            f"{self.store.latest()} is still the latest complete checkpoint",
+            seen_here=mine is not None) from job.error

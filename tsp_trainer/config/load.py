@@ -105,6 +105,10 @@ def _read_yaml(path: Path, *, named_by: Path | None) -> dict:
         conf = None
     if not isinstance(conf, DictConfig):
         raise ValueError(f"config file '{path}' must hold a mapping of sections (model:, train:, ...)")
+    if len(conf) == 0:   # an empty file would train on the schema defaults, which no one means
+        raise ValueError(f"config file '{path}'{origin} is empty (or only comments): it must set at "
+                         "least one section (model:, data:, train:, ...) or name a recipe with "
+                         f"'{BASE_KEY}:'")
     return OmegaConf.to_container(conf, resolve=False)
 
 

@@ -82,7 +82,12 @@ class ModelSection:
     qkv_bias: bool | None = setting(None, doc="q/k/v_proj biases (Qwen2; Llama attention_bias)")
     o_bias: bool | None = setting(None, doc="o_proj bias (Llama attention_bias)")
     mlp_bias: bool | None = setting(None, doc="gate/up/down_proj biases (Llama mlp_bias)")
-    init_std: float | None = setting(None, above=0, doc="std of the normal weight init")
+    # N(0, 1) is the widest init in use (unit-variance embeddings); the LM head's logits have std
+    # ~ init_std * sqrt(hidden_size) on RMS-normalised inputs, so beyond it the softmax saturates
+    # (and 1e30 overflows to inf), and the loss stays at ln(vocab_size) with nothing to learn from.
+    init_std: float | None = setting(None, above=0, below=1, doc="std of the normal weight init",
+                                     note="wider saturates the softmax: logits' std is about "
+                                          "init_std x sqrt(hidden_size)")
     init_from: str | None = setting(None, doc="Hugging Face folder to start from: shape + weights")
     config_from: str | None = setting(None, doc="Hugging Face folder or config.json: shape only")
     seed: int = setting(0, min=0, doc="RNG seed for the weight init")
@@ -188,7 +193,10 @@ class DataSection:
 class OptimSection:
     """AdamW with linear warmup then cosine decay from lr to min_lr."""
 
-    lr: float = setting(3e-4, above=0, doc="peak learning rate")
+    # AdamW moves every weight by about lr per step whatever the gradient's scale, so a rate of
+    # 1 or more throws the weights away at the first step (1e39 overflows them to inf).
+    lr: float = setting(3e-4, above=0, below=1, doc="peak learning rate",
+                        note="AdamW moves each weight by about lr per step")
     min_lr: float = setting(3e-5, min=0, doc="learning rate at the last step")
     warmup_steps: int = setting(10, min=0, doc="optimizer steps of linear warmup")
     weight_decay: float = setting(0.1, min=0, doc="AdamW decoupled weight decay")

@@ -2,7 +2,9 @@
 
 `check_data_config(cfg, dp_degree)` opens what the run will read (DP rank 0's view, no batches)
 and raises ValueError in one line for what would otherwise fail later:
-  - a missing source, split, column or file; `data.format` contradicting the files;
+  - a missing source, split, column or file; `data.format` contradicting the files; a jsonl line
+    that is not one UTF-8 JSON object among the first and last SAMPLE_BYTES of each file (named by
+    file, line and byte offset);
   - a source with fewer shards than DP ranks above `data.max_example_split_dp` (every rank would
     read everything), or fewer documents than DP ranks;
   - evaluation (train.eval_every > 0) without held-out data: a missing eval split, a single-file
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from tsp_trainer.config.schema import TrainConfig
 from tsp_trainer.data.build import SourceSpec, eval_source, length_schedule, train_sources
 from tsp_trainer.data.pretokenized import read_metadata, resolve_token_field
+from tsp_trainer.data.read_errors import LINE_FORMATS, check_jsonl_ends
 from tsp_trainer.data.streaming import (check_column, is_single_file_source, load_streaming,
                                         refuse_example_split, reshard_for, resolve_local_files)
 from tsp_trainer.data.tokenfile import count_tokens
@@ -86,6 +89,7 @@ def check_data_config(cfg: TrainConfig, dp_degree: int, *, tokenizer: TextTokeni
 def check_train_source(spec: SourceSpec, cfg: TrainConfig, dp_degree: int,
                        tok: TextTokenizer) -> None:
     d = cfg.data
+    check_file_ends(spec.source, split=spec.split, data_format=spec.format)
     token_field = resolve_token_field(spec.source, token_field=spec.token_field,
                                       data_format=spec.format, split=spec.split, tokenizer=tok)
     column = token_field or spec.text_field
@@ -103,6 +107,14 @@ def check_train_source(spec: SourceSpec, cfg: TrainConfig, dp_degree: int,
         raise ValueError(f"data source {spec.source!r} split {spec.split!r} has {docs} non-empty "
                          f"document(s) for dp_degree={dp_degree} DP ranks: some ranks would get "
                          "no data; use more documents or fewer DP ranks")
+
+
+def check_file_ends(source: str, *, split: str, data_format: str) -> None:
+    """Every line in the first and the last SAMPLE_BYTES of each jsonl file is a JSON object (a bad
+    line elsewhere is named when training reaches it: data/read_errors.py)."""
+    local = resolve_local_files(source, split=split, data_format=data_format)
+    if local is not None and local[0] in LINE_FORMATS:
+        check_jsonl_ends(local[1], sample_bytes=SAMPLE_BYTES)
 
 
 def rows_known(dataset, source: str, *, split: str, data_format: str) -> int | None:
@@ -153,6 +165,7 @@ def check_eval_source(cfg: TrainConfig, dp_degree: int, tok: TextTokenizer, plan
     try:
         token_field = resolve_token_field(source, token_field=d.token_field, data_format=fmt,
                                           split=split, tokenizer=tok)
+        check_file_ends(source, split=split, data_format=fmt)
         dataset = load_streaming(source, split=split, data_format=fmt, dp_degree=dp_degree)
     except ValueError as err:
         raise ValueError(f"train.eval_every={cfg.train.eval_every} needs the eval split "

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 
+from tsp_trainer.data.read_errors import DataError, read_error
 from tsp_trainer.data.tokenize import TextTokenizer
 
 if TYPE_CHECKING:
@@ -48,9 +49,12 @@ class _DocumentStream:
     """Rows of one DP rank's IterableDataset, in (optionally permuted) blocks, over epochs."""
 
     def __init__(self, dataset: "IterableDataset", *, describe: str, block_size: int,
-                 shuffle: bool, seed: int, dp_rank: int):
+                 shuffle: bool, seed: int, dp_rank: int, files: tuple[str, ...] = (),
+                 data_format: str = "auto"):
         self._ds = dataset
         self._describe = describe  # "'<source>' split 'train' (dp_rank 0 of dp_degree 2)"
+        # the local files behind `dataset` and their format, to name the bad line on a read error
+        self._files, self._format = list(files), data_format
         self._block_size, self._shuffle = block_size, shuffle
         self._seed, self._dp_rank = seed, dp_rank
         # Taken before any iteration: loading it (with the epoch patched in) rewinds to the start.
@@ -116,12 +120,12 @@ class _DocumentStream:
         start_state = self._start_state if self._fresh else self._ds.state_dict()
         try:
             rows = list(itertools.islice(self._iter, size or self._block_size))
-        except UnicodeDecodeError as exc:
-            # pyarrow keeps json/parquet strings as raw bytes and fails when converting the batch,
-            # so the bad row cannot be skipped alone; txt files are decoded with replacement.
-            raise ValueError(f"dataset {self._describe} has text that is not valid UTF-8 near "
-                             f"document {self.docs_in_epoch} of epoch {self.epoch}: {exc}; "
-                             "re-encode the file as UTF-8") from exc
+        except Exception as exc:  # noqa: BLE001 - pyarrow, datasets and codecs each raise their own
+            # pyarrow fails a whole batch of json/parquet rows (invalid JSON, bytes that are not
+            # UTF-8), so the bad row cannot be skipped alone; txt files are decoded with replacement.
+            raise read_error(exc, files=self._files, data_format=self._format,
+                             describe=f"dataset {self._describe}",
+                             near=f"near document {self.docs_in_epoch} of epoch {self.epoch}") from exc
         self._fresh = self._fresh and not rows
         return start_state, rows
 
@@ -215,7 +219,7 @@ class DocumentTokenizer:
             found = "missing" if not isinstance(row, Mapping) or self.text_field not in row \
                 else f"of type {type(text).__name__}"
             columns = sorted(row) if isinstance(row, Mapping) else type(row).__name__
-            raise ValueError(f"text_field={self.text_field!r} is {found} in {where} of "
+            raise DataError(f"text_field={self.text_field!r} is {found} in {where} of "
                              f"{self.source!r} (columns: {columns}); it must be a string")
         return text
 
@@ -270,14 +274,14 @@ class TokenColumn:
         ids = row.get(self.token_field) if isinstance(row, Mapping) else None
         if ids is None or isinstance(ids, (str, bytes)):
             found = "missing" if ids is None else f"of type {type(ids).__name__}"
-            raise ValueError(f"token_field={self.token_field!r} is {found} in {where} of "
+            raise DataError(f"token_field={self.token_field!r} is {found} in {where} of "
                              f"{self.source!r}; it must be a list of token ids")
         arr = np.asarray(ids)
         if arr.size == 0:
             return []
         if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < 0 \
                 or arr.max() >= self.vocab_size:
-            raise ValueError(f"token_field={self.token_field!r} in {where} of {self.source!r} "
+            raise DataError(f"token_field={self.token_field!r} in {where} of {self.source!r} "
                              f"holds {arr.dtype} values in [{arr.min()}, {arr.max()}]; token ids "
                              f"must be integers in [0, {self.vocab_size}) (the model's vocabulary)")
         return arr.tolist()

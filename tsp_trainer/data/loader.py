@@ -31,7 +31,7 @@ from tsp_trainer.data.documents import (UNSHUFFLED_BLOCK_DOCS, DocumentTokenizer
                                         TokenDocuments, _DocumentStream)
 from tsp_trainer.data.packing import TokenPacker, windows_to_batch
 from tsp_trainer.data.schedule import LengthSchedule
-from tsp_trainer.data.streaming import check_column, check_dp_layout, open_text_stream
+from tsp_trainer.data.streaming import check_column, check_dp_layout, open_text_stream, resolve_local_files
 from tsp_trainer.data.tokenize import TextTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -230,18 +230,30 @@ def upgrade_state(state: Mapping[str, Any]) -> dict[str, Any]:
 def token_documents(dataset: "IterableDataset", *, tokenizer: TextTokenizer, source: str,
                     split: str, dp_rank: int, dp_degree: int, text_field: str = "text",
                     token_field: str | None = None, shuffle: bool = False, seed: int = 0,
-                    shuffle_buffer: int = 1024, name: str | None = None) -> TokenDocuments:
+                    shuffle_buffer: int = 1024, name: str | None = None,
+                    data_format: str = "auto") -> TokenDocuments:
     """One source's documents for one DP rank: a text column tokenized, or a token-id column."""
     describe = f"{source!r} split {split!r} (dp_rank {dp_rank} of dp_degree {dp_degree})"
+    fmt, files = _files_behind(source, split=split, data_format=data_format)
     stream = _DocumentStream(dataset, describe=describe, seed=seed, dp_rank=dp_rank,
                              block_size=shuffle_buffer if shuffle else UNSHUFFLED_BLOCK_DOCS,
-                             shuffle=shuffle)
+                             shuffle=shuffle, files=tuple(files), data_format=fmt)
     if token_field is not None:
         reader = TokenColumn(token_field=token_field, vocab_size=tokenizer.vocab_size,
                              source=source)
     else:
         reader = DocumentTokenizer(tokenizer, text_field=text_field, source=source)
     return TokenDocuments(stream, reader, name=name or source)
+
+
+def _files_behind(source: str, *, split: str, data_format: str) -> tuple[str, list[str]]:
+    """(format, local files) of a source, to name a bad line on a read error; ("hub", []) for a
+    Hub name or a dataset handed in without a path."""
+    try:
+        local = resolve_local_files(source, split=split, data_format=data_format)
+    except ValueError:
+        local = None
+    return local if local is not None else ("hub", [])
 
 
 def open_documents(source: str, *, tokenizer: TextTokenizer, split: str = "train",
@@ -265,7 +277,7 @@ def open_documents(source: str, *, tokenizer: TextTokenizer, split: str = "train
     return token_documents(dataset, tokenizer=tokenizer, source=str(source), split=split,
                            dp_rank=dp_rank, dp_degree=dp_degree, text_field=text_field,
                            token_field=token_field, shuffle=shuffle, seed=seed,
-                           shuffle_buffer=shuffle_buffer, name=name)
+                           shuffle_buffer=shuffle_buffer, name=name, data_format=data_format)
 
 
 def build_loader(source: str, *, tokenizer: TextTokenizer | str, seq_len: int,

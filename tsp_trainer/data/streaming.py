@@ -18,6 +18,7 @@ example and keep 1 in dp ("examples"): dp times the reading, so it is refused ab
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -153,6 +154,10 @@ def load_streaming(source: str, *, split: str, config_name: str | None = None,
     if fmt == "text":
         # A stray non-UTF-8 byte should not stop a long run: decode it as U+FFFD instead.
         load_kwargs.setdefault("encoding_errors", "replace")
+    if fmt == "jsonl":
+        # The json builder logs every parse error (without its line) on every rank; the DataError
+        # of read_errors.py names the file and the line instead, once.
+        logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(BUILDER_BY_FORMAT[fmt], data_files={split: files}, split=split,
                                      streaming=True, **load_kwargs)

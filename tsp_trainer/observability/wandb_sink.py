@@ -1,6 +1,7 @@
 """Weights & Biases sink: the only module that imports wandb (lazily, inside WandbSink), built on
-global rank 0 only (see sinks.make_sinks). No collectives, no environment reads: the mode comes from
-the typed config (logging.wandb_mode).
+global rank 0 only (see sinks.make_sinks). No collectives; the mode comes from the typed config
+(logging.wandb_mode). The one environment read is `check_wandb_credentials`, the start-up check
+that an online run has credentials, before any process group or file exists.
 
 Modes: "online" (needs network and a login), "offline" (writes <dir>/wandb/offline-run-*, upload
 later with `wandb sync`), "disabled" (no files, no child process). Offline runs start a wandb-core
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from tsp_trainer.observability.tables import MetricTable
 from tsp_trainer.observability.metric_names import METRICS
@@ -50,6 +51,34 @@ def _table(key: str, table: MetricTable, wandb) -> dict[str, Any]:
         chart = wandb.Table(columns=[table.line.x, table.line.y], data=points)
         out[key + "_chart"] = wandb.plot.line(chart, table.line.x, table.line.y, title=table.line.title)
     return out
+
+
+DEFAULT_HOST = "https://api.wandb.ai"
+
+
+def check_wandb_credentials(mode: str, environ: Mapping[str, str] = os.environ) -> None:
+    """logging.wandb_mode='online' needs credentials W&B finds without asking, looked for the way
+    wandb.init does, without the network: WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE in the
+    environment, else a netrc entry ($NETRC, else ~/.netrc) for the host (WANDB_BASE_URL, else
+    api.wandb.ai). A start-up check: without it the run would fail on rank 0 after start-up, with
+    the run folder already written."""
+    if mode != "online" or environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    from wandb.errors import AuthenticationError
+    from wandb.sdk.lib.wbauth import read_netrc_auth
+
+    host = environ.get("WANDB_BASE_URL") or DEFAULT_HOST
+    netrc = environ.get("NETRC") or "~/.netrc"
+    try:
+        found = read_netrc_auth(host=host)
+    except AuthenticationError as err:
+        raise ValueError(f"logging.wandb_mode='online': the W&B API key for {host} in {netrc} is "
+                         f"not valid ({err}); run `wandb login --relogin`") from None
+    if not found:
+        raise ValueError(f"logging.wandb_mode='online' needs W&B credentials and none were found: "
+                         f"no WANDB_API_KEY in the environment and no entry for {host} in {netrc}; "
+                         "run `wandb login`, export WANDB_API_KEY, or use logging.wandb_mode=offline "
+                         "(upload later with `wandb sync`)")
 
 
 def _refuse_off_rank0() -> None:

@@ -12,6 +12,10 @@ Trainer then writes a checkpoint and the process exits with EXIT_PREEMPTED.
             reason = stopper.agree(step_s=..., save_s=...)    # collective
             if reason: save(); break
 
+Bad training data found mid-run by one rank's loader (a DataError: file and line) is agreed the
+same way, at the start of the step that would read it (`agree_on_batches`): every rank raises it,
+rank 0 prints it, every rank exits 2 without a checkpoint of the step (the latest one is kept).
+
 train.max_runtime_min counts from the start of this process (its age is read from /proc on
 Linux, so start-up counts as it does for the allocation) and fires when the time left is less than
 the slowest step so far plus the slowest save so far, so the final checkpoint still fits.
@@ -30,8 +34,11 @@ import signal
 import threading
 import time
 
+from typing import Callable
+
 import torch
 
+from tsp_trainer.data.read_errors import DataError
 from tsp_trainer.parallel.comm import Comm
 
 # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry": the run stopped at a
@@ -99,6 +106,31 @@ class StopAgreement:
             return (f"train.max_runtime_min={self.max_runtime_s / 60:g} reached (the next step and "
                     "the final save would not fit)")
         return f"signal {signal.Signals(code).name}"
+
+
+class AgreedDataError(DataError):
+    """Bad training data, found by one rank's loader and known to every rank (`agreed`): each
+    raises it, the CLI prints it from rank 0 only and every rank exits 2."""
+
+    agreed = True
+
+
+def agree_on_batches(world: Comm, read: Callable[[], list], *, device: torch.device) -> list:
+    """Collective (world), at the start of a step, before its first collective: this rank's
+    micro-batches from `read()`, or, when any rank's read met bad data (a DataError: one DP
+    replica's file, the others' fine), that rank's message raised on every rank. Without it the
+    failing rank would leave while its peers wait in the step's collectives: CommError tracebacks
+    and mixed exit codes. One small MAX all-reduce per step; the messages are gathered only then."""
+    try:
+        batches, error = read(), None
+    except DataError as err:
+        batches, error = [], err
+    flag = torch.tensor([float(error is not None)], device=device)
+    world.all_reduce(flag, tag="lifecycle.data", op=torch.distributed.ReduceOp.MAX)
+    if not flag.item():
+        return batches
+    reports = world.all_gather_object(None if error is None else str(error))
+    raise AgreedDataError(next(text for text in reports if text)) from error
 
 
 def process_age_s() -> float:
