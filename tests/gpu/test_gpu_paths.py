@@ -4,7 +4,7 @@
   expanded under GQA for fp32, restricted so a fall to the math kernel is an error), plain causal,
   zigzag chunks with the bottom-right prefix alignment, and document masking's varlen call, forward
   and backward, against the CPU log-sum-exp route;
-* pinned host staging of async checkpoints (checkpoint/async_writer.py HostStaging);
+* pinned host staging of async checkpoints (checkpoint/background.py HostStaging);
 * activation offload to pinned host memory on a side stream (model/offload.py) against the same
   model without offload;
 * the CUDA allocator's peak memory (observability/metrics.py peak_memory_bytes).
@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from tests.distributed.tsp_cases import init_model, make_batch
-from tsp_trainer.checkpoint.async_writer import HostStaging
+from tsp_trainer.checkpoint.background import HostStaging
 from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer, attention_core
 from tsp_trainer.model.attention_route import sdpa_route
