@@ -13,7 +13,7 @@ exit silently); 75 stopped early at a checkpoint by a preemption signal or train
 died (it stops within a second, without saving: _stop_with_launcher).
 
 One job per output folder: global rank 0 takes the folder's lease (run/lease.py) right after the
-config is read; a folder another live job holds is a bad input (exit 2, one line naming it).
+config is checked; a folder another live job holds is a bad input (exit 2, one line naming it).
 
 tsp-launch runs the same checks once, in its own process, before Accelerate's launcher starts any
 rank (bad input: one line, exit 2, no launcher report); then the launcher, whose exit code is the
