@@ -9,7 +9,11 @@ finalisation otherwise, after the job's work is done).
 tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
 found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
 exit silently); 75 stopped early at a checkpoint by a preemption signal or train.max_runtime_min
-(continue with train.resume=auto); 1 anything else (a traceback).
+(continue with train.resume=auto); 1 anything else (a traceback), and a worker whose launcher
+died (it stops within a second, without saving: _stop_with_launcher).
+
+One job per output folder: global rank 0 takes the folder's lease (run/lease.py) right after the
+config is checked; a folder another live job holds is a bad input (exit 2, one line naming it).
 
 tsp-launch runs the same checks once, in its own process, before Accelerate's launcher starts any
 rank (bad input: one line, exit 2, no launcher report); then the launcher, whose exit code is the
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
@@ -113,6 +119,7 @@ def _exit(code: int) -> None:
         if code in (0, EXIT_PREEMPTED):          # every rank leaves together (they agreed to)
             dist.barrier()
         dist.destroy_process_group()
+    _release_run_lease()
     os._exit(code)
 
 
@@ -140,6 +147,7 @@ def train_main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     if args.recipe is None:
         parser.error("the following arguments are required: recipe")
+    _stop_with_launcher()
     world, rank, local_rank = _launcher_env()
     cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
@@ -169,14 +177,18 @@ def train_main(argv: list[str] | None = None) -> None:
 
 
 def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank: int,
-                          prog: str = "tsp-train", report: bool = True):
+                          prog: str = "tsp-train", report: bool = True, take_lease: bool = True):
     """(config, checked inputs), or exit 2 with one line from rank 0 (the other ranks exit silently).
     Runs before any process group: the config first (standard library + OmegaConf, no torch), the
-    W&B credentials of an online run, then tokenizer, data, resume path and output folder (run/inputs.py).
+    W&B credentials of an online run, the run folder's lease (rank 0 takes it: run/lease.py), then
+    tokenizer, data, resume path and output folder (run/inputs.py).
 
     Every rank runs the same checks, and under torchrun / accelerate launch the first rank to exit
     makes the launcher SIGTERM the others, possibly rank 0 before it printed: rank 0 holds SIGTERM
-    back until its own check is done, then leaves."""
+    back until its own check is done, then leaves.
+
+    take_lease=False (the checks of tsp-launch and `check`, which train nothing): the output folder
+    must not be held by a live job, but this process does not take it."""
     from tsp_trainer.config import load_config, validate_config
 
     with _sigterm_held(rank == 0) as held:
@@ -186,7 +198,8 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
             from tsp_trainer.observability.wandb_sink import check_wandb_credentials
             from tsp_trainer.run import check_inputs
 
-            check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
+            check_wandb_credentials(cfg.logging.wandb_mode)   # before the lease makes the run folder
+            _take_run_lease(cfg.train.output_dir, rank, take=take_lease)
             inputs = check_inputs(cfg, world_size=world, rank=rank)
         except ValueError as err:
             if rank == 0:                              # one line per job, not one per rank
@@ -208,7 +221,8 @@ def launch_main(argv: list[str] | None = None) -> None:
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
-    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=0, prog="tsp-launch")
+    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=0, prog="tsp-launch",
+                          take_lease=False)
     sys.stdout.flush()
     sys.exit(run_launcher(args))
 
@@ -224,10 +238,72 @@ def check_main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)
     cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=args.world_size, rank=0,
-                                   prog="tsp-check", report=False)
+                                   prog="tsp-check", report=False, take_lease=False)
     tsp = cfg.parallel.tsp_degree
     print(f"tsp-check: ok: {args.recipe} on {args.world_size} processes (dp {args.world_size // tsp} "
           f"x tsp {tsp}), output {cfg.train.output_dir}")
+def _take_run_lease(output_dir: str, rank: int, *, take: bool) -> None:
+    """Rank 0 takes the run folder's lease for the job (released by _exit, or at interpreter exit);
+    the other ranks refuse a folder held by another job's live process on their host; a check
+    that trains nothing (take=False) refuses a folder a live job holds. LeaseHeld is a
+    ValueError: the caller's one line and exit 2."""
+    from tsp_trainer.run.lease import RunLease, check_free, check_not_held_by_another_job
+
+    if not take:
+        check_free(output_dir)
+    elif rank == 0:
+        RunLease.acquire(output_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
+    else:
+        check_not_held_by_another_job(output_dir)
+
+
+def _release_run_lease() -> None:
+    lease = sys.modules.get("tsp_trainer.run.lease")       # imported only if one was taken
+    if lease is not None:
+        lease.release_held()
+
+
+# Sent to a worker by the kernel when its launcher dies (PR_SET_PDEATHSIG). Not SIGTERM: that is a
+# preemption signal, whose handler checkpoints; a real-time signal no recipe can name.
+_LAUNCHER_GONE_SIGNAL = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
+_PR_SET_PDEATHSIG = 1               # linux/prctl.h
+_PARENT_POLL_S = 0.5
+
+
+def _stop_with_launcher() -> None:
+    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set), stop this worker when its
+    launcher dies (SIGKILL, the OOM killer), instead of training on as an orphan that writes and
+    prunes checkpoints a requeue needs. Linux: the kernel signals the worker when the launcher
+    (the thread that started it) exits; everywhere: a daemon thread sees os.getppid() change
+    within _PARENT_POLL_S. Either way _launcher_gone ends the process at once: a checkpoint whose
+    publication has not happened is not published (the next save removes its temporary folder)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return                      # a plain tsp-train outlives its shell (nohup) as it should
+    launcher = os.getppid()
+    if sys.platform.startswith("linux") and _LAUNCHER_GONE_SIGNAL is not None:
+        signal.signal(_LAUNCHER_GONE_SIGNAL, lambda signum, frame: _launcher_gone(launcher))
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(_LAUNCHER_GONE_SIGNAL), 0, 0, 0)
+    threading.Thread(target=_watch_parent, args=(launcher,), name="tsp-launcher-watch",
+                     daemon=True).start()
+
+
+def _watch_parent(launcher: int) -> None:
+    while os.getppid() == launcher:
+        threading.Event().wait(_PARENT_POLL_S)
+    _launcher_gone(launcher)
+
+
+_gone_lock = threading.Lock()
+
+
+def _launcher_gone(launcher: int) -> None:
+    if os.getppid() == launcher:    # PDEATHSIG after a thread of a live launcher exited
+        return
+    if not _gone_lock.acquire(blocking=False):
+        return                      # the signal handler and the watcher thread both saw it
+    print(f"tsp-train: the launcher (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
+    _release_run_lease()
+    os._exit(1)
 
 
 @contextlib.contextmanager

@@ -7,8 +7,11 @@ files that must agree with the checkpoint a run continues from.
         metrics.jsonl     one line per logged step, each step once (cut back to the resumed step)
         checkpoints/      step_* folders and `latest` (checkpoint/disk_format.py)
         hang_dumps/       rank_XXXXX.txt, written by the hang watchdog (run/watchdog.py)
+        .lease.lock       flock-ed by the job that holds the folder (run/lease.py)
+        lease.json        that job's host, pid, job id and start; touched as its heartbeat
 
 Rules (docs/reliability.md, "Output folders"):
+- One job at a time: a folder whose lease another live job holds is refused (run/lease.py).
 - A launch with train.resume=none into a folder that holds checkpoints is refused, naming the
   choices: train.resume=auto, another train.output_dir, or train.overwrite_output_dir=true.
 - train.resume accepts a step_* folder, a checkpoints folder or a run folder (its latest).
@@ -100,10 +103,10 @@ def check_output_dir(output_dir: str, *, resume: str, resume_path: Path | None, 
                          f"{existing.name}) and {what}; continue that run with train.resume=auto, "
                          "write to another train.output_dir, or set train.overwrite_output_dir=true "
                          "to delete them and start over")
-    _probe_writable(output_dir)
+    probe_writable(output_dir)
 
 
-def _probe_writable(output_dir: str) -> None:
+def probe_writable(output_dir: str) -> None:
     try:
         os.makedirs(output_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write_probe.", dir=output_dir)
