@@ -123,15 +123,19 @@ def _torchrun_line(nnodes, node_rank, nproc, endpoint, *rest):
      _torchrun_line("128", "5", "8", "host0:29500", "recipes/tiny_cpu.yaml", "train.steps=10"), None),
 ], ids=["one-cpu-node", "128-gpu-nodes"])
 def test_torchrun_script_command_line(tmp_path, extra, cuda, line, accelerator):
-    """launch/torchrun.sh: 4 processes on one node with a free port by default, the given node
-    count, rank, endpoint and processes otherwise; DeepSpeed on CPU only where CUDA is absent;
-    the recipe and the overrides passed through."""
+    """launch/torchrun.sh: first the input check at the job's world size (NNODES x NPROC), then
+    torchrun with 4 processes on one node with a free port by default, the given node count, rank,
+    endpoint and processes otherwise; DeepSpeed on CPU only where CUDA is absent; the recipe and
+    the overrides passed through to both."""
     python = _standins(tmp_path, "python") / "python"
     env = _script_env(tmp_path, PYTHON=str(python), STANDIN_CUDA=cuda, **extra)
     proc = subprocess.run(["bash", "launch/torchrun.sh", "recipes/tiny_cpu.yaml", "train.steps=10"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    [call] = _calls(tmp_path / "calls.jsonl")
+    check, call = _calls(tmp_path / "calls.jsonl")
+    world = str(int(extra.get("NNODES", "1")) * int(extra.get("NPROC", "4")))
+    assert (check["prog"], check["argv"]) == ("python", ["-m", "tsp_trainer", "check", "--world-size",
+                                                          world, "recipes/tiny_cpu.yaml", "train.steps=10"])
     assert (call["prog"], call["argv"]) == ("python", line)
     assert call["env"]["DS_ACCELERATOR"] == accelerator
     assert (REPO / "recipes/tiny_cpu.yaml").exists()
