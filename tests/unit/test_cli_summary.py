@@ -25,7 +25,7 @@ def test_the_input_check_prints_one_start_up_line_on_rank_0_only(tmp_path, capsy
     long the process has run; the other ranks stay silent; `check` has its own ok line instead."""
     import re
 
-    from tsp_trainer.cli import _check_inputs_or_exit
+    from tsp_trainer.cli import _check_inputs_or_exit, _release_run_lease
 
     overrides = [f"train.output_dir={tmp_path / 'run'}"]
     cfg, _ = _check_inputs_or_exit("recipes/tiny_cpu.yaml", overrides, world=4, rank=0)
@@ -34,6 +34,10 @@ def test_the_input_check_prints_one_start_up_line_on_rank_0_only(tmp_path, capsy
         r"tsp-train: start-up: recipe and inputs checked \(config, tokenizer, data, resume path, "
         r"output folder\) \(\d+\.\d s\)", out[0]), out
     assert cfg.train.output_dir == str(tmp_path / "run")
-    _check_inputs_or_exit("recipes/tiny_cpu.yaml", overrides, world=4, rank=1)
-    _check_inputs_or_exit("recipes/tiny_cpu.yaml", overrides, world=4, rank=0, report=False)
-    assert capsys.readouterr() == ("", "")
+    try:
+        _check_inputs_or_exit("recipes/tiny_cpu.yaml", overrides, world=4, rank=1)
+        _release_run_lease()          # rank 0's call above holds the folder, as a job would
+        _check_inputs_or_exit("recipes/tiny_cpu.yaml", overrides, world=4, rank=0, report=False)
+        assert capsys.readouterr() == ("", "")
+    finally:
+        _release_run_lease()

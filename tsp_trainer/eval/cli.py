@@ -260,10 +260,12 @@ def run(job: EvalJob, *, rank: int, device: torch.device | str = "cpu") -> Passk
 
 
 def _progress(total: int, what: str, unit: str, *, rank: int):
-    """A tqdm bar on stderr for rank 0's share of the work (the others' bars would interleave)."""
+    """A tqdm bar on stderr for rank 0's share of the work (the others' bars would interleave).
+    It stays at its final state when done (leave=True): a cleared bar may never have shown its last
+    update (tqdm redraws at most every mininterval), and a log file would then end at 0%."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"tsp-eval {what}", unit=unit, disable=rank != 0, leave=False,
+    return tqdm(total=total, desc=f"tsp-eval {what}", unit=unit, disable=rank != 0, leave=True,
                 dynamic_ncols=True)
 
 
