@@ -32,3 +32,21 @@ def test_cpu_split_reports_compute_and_communication(tmp_path):
     assert [(r["scheme"], r["tsp_recompute"]) for r in rows] == [("tsp", "selective"), ("tp", None)]
     for r in rows:
         assert len(r["cpu_s_per_rank"]) == 2 and r["wall_s"] > 0 and r["compute_only_cpu_s_rank0"] > 0
+
+
+def test_step_time_table_runs_each_cell_and_tables_median_and_range(tmp_path):
+    """experiments/step_time_table.py: one tsp-bench launch per (degree, length, mode), each cell
+    the median [min-max] of its interleaved TSP/TP step ratios, tabled one row per run."""
+    out = tmp_path / "t.json"
+    script = load_experiment("step_time_table")
+    assert script.main(["--degrees", "2", "--seq-lens", "64", "--modes", "full,selective",
+                        "--steps", "3", "--json", str(out)]) == 0
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["degree"], c["seq_len"], c["mode"]) for c in cells] == [(2, 64, "full"), (2, 64, "selective")]
+    for c in cells:
+        r = c["ratio"]
+        assert r["steps"] == 3 and r["min"] <= r["median"] <= r["max"] and c["tsp_s"] > 0 < c["tp_s"]
+    fake = [{"degree": 4, "seq_len": 8192, "mode": "none", "tsp_s": 2.5, "tp_s": 2.0,
+             "ratio": {"median": 1.25, "min": 1.2, "max": 1.31, "steps": 3}}]
+    assert script.table(fake, ["none"]).splitlines() == [
+        "| run | TSP none / TP |", "|---|---|", "| D = 4, 8K | 1.25x [1.20-1.31] (2.50 / 2.00 s) |"]
