@@ -53,9 +53,9 @@ class Trainer:
         self.log = get_logger(__name__, rank=global_rank)
         with self._startup("config checked and resolved"):
             # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
-            check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
-            inputs = inputs if inputs is not None else check_inputs(cfg, world_size=world_size,
-                                                                    rank=global_rank)
+            if inputs is None:        # built directly; tsp-train ran both checks before start-up
+                check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
+                inputs = check_inputs(cfg, world_size=world_size, rank=global_rank)
             for line in inputs.resume_warnings:        # rank 0's: which checkpoints failed, and why
                 self.log.warning(line)
             for line in inputs.resume_notes:
