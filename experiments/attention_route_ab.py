@@ -6,7 +6,7 @@ attention: the same kernel under both routes). The benchmark model of docs/bench
 
 Each variant's first step is a warm-up; the timed steps run round-robin (tsp_lse, tsp_mask, tp,
 tsp_lse, ...) so that load from other processes hits all alike. Reported: the slowest rank's
-median step time per variant and the ratios TSP / TP.
+median step time per variant and each ratio as the median [min-max] of its per-round ratios.
 
     .venv/bin/python experiments/attention_route_ab.py --seq-len 4096 --degree 2 --steps 3
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from tsp_trainer.bench import make_batch
+from tsp_trainer.bench import make_batch, ratio_spread
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer, layers
 from tsp_trainer.model.attention_route import SdpaRoute
@@ -85,12 +85,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     ranks = run_on_ranks(_rank, args.degree, {"seq_len": args.seq_len, "steps": args.steps}, timeout=3600)
-    med = {name: statistics.median(max(r[name][i] for r in ranks) for i in range(args.steps))
-           for name in ranks[0]}
+    slowest = {name: [max(r[name][i] for r in ranks) for i in range(args.steps)] for name in ranks[0]}
+    med = {name: statistics.median(times) for name, times in slowest.items()}
     out = {"command": "experiments/attention_route_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "seq_len": args.seq_len, "degree": args.degree, "step_time_s": med,
-           "tsp_lse / tp": med["tsp_lse"] / med["tp"], "tsp_mask / tp": med["tsp_mask"] / med["tp"],
-           "tsp_lse / tsp_mask": med["tsp_lse"] / med["tsp_mask"]}
+           "seq_len": args.seq_len, "degree": args.degree, "step_time_s": med, "step_times_s": slowest,
+           # each ratio: the median [min-max] of the per-round ratios (rounds ran interleaved)
+           "tsp_lse / tp": ratio_spread(slowest["tsp_lse"], slowest["tp"]),
+           "tsp_mask / tp": ratio_spread(slowest["tsp_mask"], slowest["tp"]),
+           "tsp_lse / tsp_mask": ratio_spread(slowest["tsp_lse"], slowest["tsp_mask"])}
     print(json.dumps(out, indent=2))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from tsp_trainer.bench import format_spread, ratio_spread
 from tsp_trainer.config.model import model_config
 from tsp_trainer.tools import launch
 
@@ -70,7 +71,8 @@ def _gloo_rank(rank: int, world: int, seq_len: int, schemes, steps: int) -> dict
             dist.barrier()                                 # the step ends when every rank is done
             wall[i].append(time.perf_counter() - w)
             cpu[i].append(time.process_time() - c)
-    return {"wall_s": [_median(w) for w in wall], "cpu_s": [_median(c) for c in cpu]}
+    return {"wall_s": [_median(w) for w in wall], "cpu_s": [_median(c) for c in cpu],
+            "wall_steps_s": wall, "cpu_steps_s": cpu}
 
 
 def _compute_only(degree: int, seq_len: int, schemes, steps: int) -> list[float]:
@@ -111,15 +113,24 @@ def main(argv=None) -> int:
                      "cpu_s_per_rank": cpu_ranks, "cpu_s_summed": sum(cpu_ranks),
                      "compute_only_cpu_s_rank0": compute[i],
                      "comm_cpu_s_rank0": cpu_ranks[0] - compute[i]})
+    ref = len(schemes) - 1
+    for i, row in enumerate(rows):        # per-step ratios to the reference: median [min-max]
+        wall = [max(r["wall_steps_s"][i][k] for r in ranks) for k in range(args.steps)]
+        ref_wall = [max(r["wall_steps_s"][ref][k] for r in ranks) for k in range(args.steps)]
+        cpu = [sum(r["cpu_steps_s"][i][k] for r in ranks) for k in range(args.steps)]
+        ref_cpu = [sum(r["cpu_steps_s"][ref][k] for r in ranks) for k in range(args.steps)]
+        row["wall_over_ref"] = ratio_spread(wall, ref_wall)
+        row["cpu_summed_over_ref"] = ratio_spread(cpu, ref_cpu)
     ref = rows[-1]
     print(f"D = {args.degree} gloo ranks x 1 thread, {args.seq_len} tokens, median of {args.steps} "
-          f"interleaved steps; ratios to {ref['scheme']}")
-    print(f"{'scheme':16s} {'wall s':>7s} {'ratio':>6s} {'CPU s (sum)':>11s} {'ratio':>6s} "
+          f"interleaved steps; ratios to {ref['scheme']} (wall and CPU: median [min-max] of the per-step "
+          f"ratios)")
+    print(f"{'scheme':16s} {'wall s':>7s} {'ratio':>18s} {'CPU s (sum)':>11s} {'ratio':>18s} "
           f"{'compute s (r0)':>14s} {'ratio':>6s} {'comm CPU s (r0)':>15s}")
     for r in rows:
         name = r["scheme"] + (f":{r['tsp_recompute']}" if r["tsp_recompute"] else "")
-        print(f"{name:16s} {r['wall_s']:7.3f} {r['wall_s'] / ref['wall_s']:6.2f} "
-              f"{r['cpu_s_summed']:11.3f} {r['cpu_s_summed'] / ref['cpu_s_summed']:6.2f} "
+        print(f"{name:16s} {r['wall_s']:7.3f} {format_spread(r['wall_over_ref']):>18s} "
+              f"{r['cpu_s_summed']:11.3f} {format_spread(r['cpu_summed_over_ref']):>18s} "
               f"{r['compute_only_cpu_s_rank0']:14.3f} "
               f"{r['compute_only_cpu_s_rank0'] / ref['compute_only_cpu_s_rank0']:6.2f} "
               f"{r['comm_cpu_s_rank0']:15.3f}")

@@ -91,11 +91,11 @@ def test_interleaved_launch_equals_separate_launches_and_profiles(tmp_path, caps
     ratios = docs["interleaved"]["step_time_over_tp"]
     assert ratios["tp"] == 1.0 and ratios["tsp"] > 0
     by_step = docs["interleaved"]["step_time_over_tp_by_step"]     # step i of TSP against step i of TP
-    assert by_step["tp"] == {"median": 1.0, "min": 1.0, "max": 1.0, "steps": 2}
+    assert by_step["tp"] == {"median": 1.0, "min": 1.0, "max": 1.0, "repeats": 2}
     tsp_times, tp_times = rows["interleaved"]["tsp"]["step_times"], rows["interleaved"]["tp"]["step_times"]
     per_step = [a / b for a, b in zip(tsp_times, tp_times)]
     assert len(per_step) == 2 and by_step["tsp"] == {"median": sum(per_step) / 2, "min": min(per_step),
-                                                     "max": max(per_step), "steps": 2}
+                                                     "max": max(per_step), "repeats": 2}
     assert rows["interleaved"]["tsp"]["step_time"] == sum(tsp_times) / 2
     prof = rows["interleaved"]["tsp"]["profile"]
     assert {"matmul", "comm"} <= set(prof["groups_s"]) and prof["top"]

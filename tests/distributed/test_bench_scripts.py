@@ -1,7 +1,8 @@
 """The measurement scripts behind docs/benchmarks.md's communication section run end to end at
 tiny sizes (so they cannot rot): experiments/gloo_collectives.py times gloo's op and Comm's direct
 exchange side by side; experiments/cpu_split.py splits a step's CPU time into compute (fake process
-group) and the rest (gloo ranks)."""
+group) and the rest (gloo ranks); the attention-route, document-masking and offload cost scripts
+report each timing ratio as the median [min-max] of its interleaved repeats."""
 
 import json
 
@@ -32,6 +33,40 @@ def test_cpu_split_reports_compute_and_communication(tmp_path):
     assert [(r["scheme"], r["tsp_recompute"]) for r in rows] == [("tsp", "selective"), ("tp", None)]
     for r in rows:
         assert len(r["cpu_s_per_rank"]) == 2 and r["wall_s"] > 0 and r["compute_only_cpu_s_rank0"] > 0
+    assert rows[-1]["wall_over_ref"] == {"median": 1.0, "min": 1.0, "max": 1.0, "repeats": 1}
+    assert rows[0]["cpu_summed_over_ref"]["repeats"] == 1
+
+
+def _assert_spread(spread: dict, repeats: int) -> None:
+    assert spread["repeats"] == repeats and 0 < spread["min"] <= spread["median"] <= spread["max"]
+
+
+def test_attention_route_ab_reports_each_ratio_with_its_range(tmp_path):
+    script = load_experiment("attention_route_ab")
+    out = script.main(["--seq-len", "128", "--degree", "2", "--steps", "3"])
+    times = out["step_times_s"]
+    assert sorted(times) == ["tp", "tsp_lse", "tsp_mask"] and all(len(t) == 3 for t in times.values())
+    for key in ("tsp_lse / tp", "tsp_mask / tp", "tsp_lse / tsp_mask"):
+        _assert_spread(out[key], 3)
+    per_round = sorted(a / b for a, b in zip(times["tsp_lse"], times["tp"]))
+    assert out["tsp_lse / tp"]["median"] == per_round[1]
+
+
+def test_document_masking_cost_reports_time_ratios_with_their_range(tmp_path):
+    script = load_experiment("document_masking_cost")
+    out = script.main(["--seq-len", "256", "--degree", "2", "--documents", "4", "--steps", "3"])
+    assert sorted(out["variants"]) == ["docs1", "docs4", "off"]
+    _assert_spread(out["ratios"]["time docs4 / docs1"], 3)
+    _assert_spread(out["ratios"]["time docs1 / off"], 3)
+
+
+def test_offload_cost_reports_the_ratio_with_its_range(tmp_path):
+    out = tmp_path / "o.json"
+    script = load_experiment("offload_cost")
+    assert script.main(["--degree", "2", "--seq-len", "128", "--steps", "3", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    _assert_spread(doc["offload_over_plain"], 3)
+    assert doc["plain"]["first_loss"] == doc["offload"]["first_loss"]
 
 
 def test_step_time_table_runs_each_cell_and_tables_median_and_range(tmp_path):
@@ -45,8 +80,8 @@ def test_step_time_table_runs_each_cell_and_tables_median_and_range(tmp_path):
     assert [(c["degree"], c["seq_len"], c["mode"]) for c in cells] == [(2, 64, "full"), (2, 64, "selective")]
     for c in cells:
         r = c["ratio"]
-        assert r["steps"] == 3 and r["min"] <= r["median"] <= r["max"] and c["tsp_s"] > 0 < c["tp_s"]
+        assert r["repeats"] == 3 and r["min"] <= r["median"] <= r["max"] and c["tsp_s"] > 0 < c["tp_s"]
     fake = [{"degree": 4, "seq_len": 8192, "mode": "none", "tsp_s": 2.5, "tp_s": 2.0,
-             "ratio": {"median": 1.25, "min": 1.2, "max": 1.31, "steps": 3}}]
+             "ratio": {"median": 1.25, "min": 1.2, "max": 1.31, "repeats": 3}}]
     assert script.table(fake, ["none"]).splitlines() == [
         "| run | TSP none / TP |", "|---|---|", "| D = 4, 8K | 1.25x [1.20-1.31] (2.50 / 2.00 s) |"]

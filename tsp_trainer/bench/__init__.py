@@ -5,7 +5,9 @@ and its step runner), `StepRunner` (a memory step, then timed steps, of one mode
 `scheme_rank` / `interleaved_ranks` / `single_process` (what each benchmark process runs) and
 `make_batch` (the random batch every scheme is fed)."""
 
+from tsp_trainer.bench.report import format_spread, ratio_spread
 from tsp_trainer.bench.run import (StepRunner, build_scheme, interleaved_ranks, make_batch, scheme_rank,
                                    single_process)
 
-__all__ = ["StepRunner", "build_scheme", "interleaved_ranks", "make_batch", "scheme_rank", "single_process"]
+__all__ = ["StepRunner", "build_scheme", "format_spread", "interleaved_ranks", "make_batch", "ratio_spread",
+           "scheme_rank", "single_process"]

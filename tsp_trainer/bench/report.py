@@ -117,8 +117,7 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
     if spread:
         how = "steps interleaved in one launch" if spec.interleave else "one launch per scheme"
         out.append(f"step time / TP's, median [min-max] over {spec.steps} timed steps ({how}): "
-                   + ", ".join(f"{k} {v['median']:.2f}x [{v['min']:.2f}-{v['max']:.2f}]"
-                               for k, v in spread.items()))
+                   + ", ".join(f"{k} {format_spread(v)}" for k, v in spread.items()))
     bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
     if bad:
         out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")
@@ -133,20 +132,30 @@ def ratios_to_tp(rows: list[dict]) -> dict[str, float]:
     return {r["scheme"]: r["step_time"] / tp for r in rows if r.get("step_time")}
 
 
+def ratio_spread(numer: list[float], denom: list[float]) -> dict[str, float] | None:
+    """Repeat i of one variant over repeat i of another (interleaved repeats ran next to each other,
+    so drifts of the machine's speed cancel): {"median", "min", "max", "repeats"}; None when there
+    is no pair."""
+    ratios = [a / b for a, b in zip(numer, denom)]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "repeats": len(ratios)}
+
+
+def format_spread(spread: dict[str, float]) -> str:
+    """'1.05x [1.01-1.12]': the median ratio and its min-max range."""
+    return f"{spread['median']:.2f}x [{spread['min']:.2f}-{spread['max']:.2f}]"
+
+
 def step_ratio_spread(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Each scheme's step time over TP's step by step (step i of a scheme against step i of TP:
-    with interleaving they ran next to each other, so drifts of the machine's speed cancel), as
-    {"median", "min", "max", "steps"}; {} without a timed TP row."""
+    """Each scheme's step time over TP's step by step (`ratio_spread`), as {"median", "min",
+    "max", "repeats"}; {} without a timed TP row."""
     tp = next((r.get("step_times") for r in rows if r["scheme"] == "tp" and r.get("step_times")), None)
     if not tp:
         return {}
-    out = {}
-    for r in rows:
-        ratios = [t / t_tp for t, t_tp in zip(r.get("step_times") or [], tp)]
-        if ratios:
-            out[r["scheme"]] = {"median": statistics.median(ratios), "min": min(ratios),
-                                "max": max(ratios), "steps": len(ratios)}
-    return out
+    spreads = {r["scheme"]: ratio_spread(r.get("step_times") or [], tp) for r in rows}
+    return {k: v for k, v in spreads.items() if v}
 
 
 def _row(cols, r: dict) -> list[str]:
