@@ -5,7 +5,7 @@ placement line shows each TSP group inside one launcher and the DP groups across
 equal one launcher's 4 processes; SIGKILL of one launcher's process group ends the other within
 train.collective_timeout_s plus a margin, each surviving rank naming the lost node in one line.
 
-Each launch is a 4-process tiny run (about 35 s on an idle 2-core machine): slow."""
+Each test starts 4 ranks in two launchers (the set of five: 524 s on the loaded 2-core machine): slow."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_two_launchers_train_as_one(launcher, tmp_path, one_launcher_losses):
     assert losses(out) == one_launcher_losses
 
 
-def ranks_started(out: Path) -> int:
+def steps_logged(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -144,7 +144,7 @@ def test_killing_one_launcher_ends_the_other_naming_the_lost_node(launcher, vict
     out = tmp_path / "run"
     procs = start_two(launcher, ["train.steps=400", f"train.output_dir={out}", *RUN])
     deadline = time.monotonic() + 600
-    while ranks_started(out) < 2:
+    while steps_logged(out) < 2:
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, finish(procs, 60)
         time.sleep(0.05)
     os.killpg(procs[victim].pid, signal.SIGKILL)
