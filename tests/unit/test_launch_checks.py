@@ -31,3 +31,16 @@ def test_a_check_for_a_later_machine_leaves_the_lease_to_rank_0(tmp_path):
         _take_run_lease(str(out), 2, take=False)                  # machine 1's check: no refusal
     finally:
         held.release()
+
+
+def test_a_later_machines_check_prints_its_own_one_line_error(capsys):
+    """tsp-launch on machine 1 checks as global rank 2, and still says what is wrong (a tsp-train
+    rank other than 0 would leave that line to rank 0)."""
+    from tsp_trainer.cli import _check_inputs_or_exit
+
+    with pytest.raises(SystemExit) as exit_:
+        _check_inputs_or_exit("recipes/tiny_cpu.yaml", ["train.stpes=3"], world=4, rank=2,
+                              prog="tsp-launch", take_lease=False)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("tsp-launch: error: config key 'train.stpes' is not a known key") and err.count("\n") == 1

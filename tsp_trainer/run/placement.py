@@ -79,12 +79,11 @@ class Placement:
 
     def lost_contact(self, ranks, *, me: int) -> str:
         """The sentence a rank prints when a collective over `ranks` failed: which nodes it lost
-        contact with (a killed launcher, a dead or unreachable node), or that the peers were on
-        its own node."""
+        contact with (a killed launcher, a dead, stalled or unreachable node), or that the peers
+        were on its own node."""
         others = self.other_nodes(ranks, me=me)
         if others:
-            return (f"lost contact with {others} (its launcher or node is gone, or the network "
-                    f"to it failed)")
+            return f"lost contact with {others} (its launcher or node is gone, stalled, or unreachable)"
         return f"a peer on this node ({self.where(me)}) failed"
 
 
