@@ -11,9 +11,11 @@ python=${PYTHON:-$here/.venv/bin/python}
 if ! "$python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   export DS_ACCELERATOR=cpu
 fi
-# The recipe and its inputs, checked once here (bad input: one line, exit 2, before any rank starts).
+# The recipe and its inputs, checked once per node here (bad input: one line, exit 2, before any
+# rank starts); node 0's rank 0 verifies a resume checkpoint and takes the folder's lease.
 world=$(( ${NNODES:-1} * ${NPROC:-4} ))
-"$python" -m tsp_trainer check --world-size "$world" "$recipe" "$@"
+first_rank=$(( ${NODE_RANK:-0} * ${NPROC:-4} ))
+"$python" -m tsp_trainer check --world-size "$world" --first-rank "$first_rank" "$recipe" "$@"
 # One node and no MASTER_ADDR: port 0 (a free one), so two jobs on one machine do not collide.
 # Several nodes must all name the same endpoint: MASTER_ADDR and MASTER_PORT (default 29500).
 if [ "${NNODES:-1}" = 1 ] && [ -z "${MASTER_ADDR:-}" ]; then default_port=0; else default_port=29500; fi

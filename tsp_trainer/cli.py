@@ -151,9 +151,10 @@ def train_main(argv: list[str] | None = None) -> None:
     world, rank, local_rank = _launcher_env()
     cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
+    from tsp_trainer.parallel.comm import CommError
     from tsp_trainer.trainer import CheckpointSaveError, Trainer
 
-    code = 0
+    code, trainer = 0, None
     try:
         trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs)
         history = trainer.fit()
@@ -168,12 +169,25 @@ def train_main(argv: list[str] | None = None) -> None:
         if err.seen_here:
             print(f"tsp-train: error (rank {rank}): {err}", file=sys.stderr)
         code = 1
+    except CommError as err:                            # a peer gone (its launcher or node) or stalled
+        print(comm_failure_line(err, rank, getattr(trainer, "placement", None)), file=sys.stderr)
+        code = 1
     except BaseException:
         import traceback
 
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def comm_failure_line(err, rank: int, placement) -> str:
+    """The one line a rank prints for a failed collective (CommError): its node and host and the
+    nodes it lost contact with (from the start-up placement, when the mesh got that far), then the
+    op, axis, peers and the backend's first line."""
+    if placement is None:
+        return f"tsp-train: error (rank {rank}): a collective failed: {err}"
+    return (f"tsp-train: error (rank {rank}, {placement.where(rank)}): "
+            f"{placement.lost_contact(err.ranks, me=rank)}: {err}")
 
 
 def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank: int,
@@ -202,7 +216,9 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
             _take_run_lease(cfg.train.output_dir, rank, take=take_lease)
             inputs = check_inputs(cfg, world_size=world, rank=rank)
         except ValueError as err:
-            if rank == 0:                              # one line per job, not one per rank
+            # One line per job: tsp-train's rank 0 says it; tsp-launch and check are one process
+            # per machine and always do.
+            if rank == 0 or prog != "tsp-train":
                 print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_BAD_INPUT)
     if held:                                           # the launcher is tearing the job down
@@ -217,12 +233,15 @@ def launch_main(argv: list[str] | None = None) -> None:
     """tsp-launch [accelerate launch options] RECIPE [key=value ...]: the checks of tsp-train in
     this process at the launcher's world size, then Accelerate's launcher on `-m tsp_trainer train`."""
     _quiet_known_warnings()
-    from tsp_trainer.engine.launch import launch_world_size, parse_launch_args, run_launcher
+    from tsp_trainer.engine.launch import (launch_first_rank, launch_world_size, parse_launch_args,
+                                           run_launcher)
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
-    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=0, prog="tsp-launch",
-                          take_lease=False)
+    # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
+    # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
+    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=launch_first_rank(args, world),
+                          prog="tsp-launch", take_lease=False)
     sys.stdout.flush()
     sys.exit(run_launcher(args))
 
@@ -234,23 +253,29 @@ def check_main(argv: list[str] | None = None) -> None:
                                      "(config, tokenizer, data, resume path, output folder) for a "
                                      "run of --world-size processes, without starting it.")
     parser.add_argument("--world-size", type=int, default=1, help="processes of the run (default 1)")
+    parser.add_argument("--first-rank", type=int, default=0,
+                        help="global rank of this machine's first process (default 0); on a machine "
+                             "other than the first the job's rank 0 verifies the resume checkpoint "
+                             "and takes the output folder's lease, so this check leaves both to it")
     parser.add_argument("recipe", help="recipes/*.yaml")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)
-    cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=args.world_size, rank=0,
-                                   prog="tsp-check", report=False, take_lease=False)
+    cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=args.world_size,
+                                   rank=args.first_rank, prog="tsp-check", report=False, take_lease=False)
     tsp = cfg.parallel.tsp_degree
     print(f"tsp-check: ok: {args.recipe} on {args.world_size} processes (dp {args.world_size // tsp} "
           f"x tsp {tsp}), output {cfg.train.output_dir}")
 def _take_run_lease(output_dir: str, rank: int, *, take: bool) -> None:
     """Rank 0 takes the run folder's lease for the job (released by _exit, or at interpreter exit);
     the other ranks refuse a folder held by another job's live process on their host; a check
-    that trains nothing (take=False) refuses a folder a live job holds. LeaseHeld is a
-    ValueError: the caller's one line and exit 2."""
+    that trains nothing (take=False) refuses a folder a live job holds, unless it checks for a
+    machine other than the first (rank != 0: that job's own rank 0 may hold the lease already).
+    LeaseHeld is a ValueError: the caller's one line and exit 2."""
     from tsp_trainer.run.lease import RunLease, check_free, check_not_held_by_another_job
 
     if not take:
-        check_free(output_dir)
+        if rank == 0:
+            check_free(output_dir)
     elif rank == 0:
         RunLease.acquire(output_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
     else:

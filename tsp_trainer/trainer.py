@@ -43,6 +43,7 @@ from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
+from tsp_trainer.run.placement import Placement, gather_placement
 from tsp_trainer.run.preemption import agree_on_batches
 from tsp_trainer.run.session import open_run_folder
 
@@ -76,6 +77,7 @@ class Trainer:
             self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                           timeout_s=cfg.train.collective_timeout_s)
             self.mesh = build_mesh(tsp, timeout_s=cfg.train.collective_timeout_s, device=self.device)
+            self.placement = self._place_ranks()
         scheme = cfg.parallel.scheme
         with self._startup(f"model: {self.model_cfg.num_layers} layers, parallel.scheme={scheme}"):
             self.par = self._build_model()
@@ -108,6 +110,17 @@ class Trainer:
         yield
         self.log.info(f"start-up: {phase} ({time.perf_counter() - started:.1f} s)")
 
+    def _place_ranks(self) -> Placement:
+        """Collective: every rank's node and host, logged once; a TSP group spanning nodes is a
+        warning (its every layer's collectives would cross the network)."""
+        placement = gather_placement(self.mesh.world)
+        self.log.info(f"placement: {placement.describe(self.mesh.dims)}")
+        split = placement.split_tsp_groups(self.mesh.dims)
+        if split and self.mesh.rank == 0:
+            self.log.warning(f"tsp groups {split} span nodes: give every node a multiple of "
+                             f"parallel.tsp_degree={self.mesh.dims.tsp} processes")
+        return placement
+
     def _open_run(self, inputs: CheckedInputs, *, world_size: int, global_rank: int) -> None:
         """The run folder and its identity, metrics and sinks, data notes, lifecycle guards."""
         cfg = self.cfg
@@ -126,7 +139,8 @@ class Trainer:
         facts = run_facts(cfg, world_size=world_size, device=str(self.device),
                           peak_tflops=None if peak is None else peak / 1e12)
         self.sinks = self._build_sinks(config={**cfg.to_dict(),
-                                               "run": {**facts, "attention_kernel": self.attention.kernel}})
+                                               "run": {**facts, "attention_kernel": self.attention.kernel,
+                                                       "nodes": list(self.placement.nodes)}})
         self._data_epoch = 0                                  # last training-data pass logged
         for line in self.data_plan.notes + self.loader.describe():
             self.log.info(line)

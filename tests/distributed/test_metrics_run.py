@@ -66,7 +66,7 @@ def test_metrics_names_mfu_and_resolved_config(tmp_path):
     assert seen["defined"]["train/loss"] == "min"
     wb = seen["config"]
     assert wb["run"] == {"world_size": 2, "dp_degree": 1, "tsp_degree": 2, "device": "cpu",
-                         "peak_tflops": 0.5, "attention_kernel": "cpu"}
+                         "peak_tflops": 0.5, "attention_kernel": "cpu", "nodes": [0, 0]}
     assert wb["model"]["hidden_size"] == 64 and wb["model"]["num_layers"] == 1   # named size resolved
     assert wb["train"]["dtype"] == "fp32" and wb["parallel"]["dp_degree"] == 1
     # config.yaml says the same and loads back to the resolved config

@@ -123,7 +123,8 @@ def _torchrun_line(nnodes, node_rank, nproc, endpoint, *rest):
      _torchrun_line("128", "5", "8", "host0:29500", "recipes/tiny_cpu.yaml", "train.steps=10"), None),
 ], ids=["one-cpu-node", "128-gpu-nodes"])
 def test_torchrun_script_command_line(tmp_path, extra, cuda, line, accelerator):
-    """launch/torchrun.sh: first the input check at the job's world size (NNODES x NPROC), then
+    """launch/torchrun.sh: first the input check at the job's world size (NNODES x NPROC) as the
+    node's first rank (NODE_RANK x NPROC), then
     torchrun with 4 processes on one node with a free port by default, the given node count, rank,
     endpoint and processes otherwise; DeepSpeed on CPU only where CUDA is absent; the recipe and
     the overrides passed through to both."""
@@ -133,9 +134,11 @@ def test_torchrun_script_command_line(tmp_path, extra, cuda, line, accelerator):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     check, call = _calls(tmp_path / "calls.jsonl")
-    world = str(int(extra.get("NNODES", "1")) * int(extra.get("NPROC", "4")))
+    nproc = int(extra.get("NPROC", "4"))
+    world, first = str(int(extra.get("NNODES", "1")) * nproc), str(int(extra.get("NODE_RANK", "0")) * nproc)
     assert (check["prog"], check["argv"]) == ("python", ["-m", "tsp_trainer", "check", "--world-size",
-                                                          world, "recipes/tiny_cpu.yaml", "train.steps=10"])
+                                                          world, "--first-rank", first,
+                                                          "recipes/tiny_cpu.yaml", "train.steps=10"])
     assert (call["prog"], call["argv"]) == ("python", line)
     assert call["env"]["DS_ACCELERATOR"] == accelerator
     assert (REPO / "recipes/tiny_cpu.yaml").exists()

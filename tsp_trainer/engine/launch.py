@@ -4,6 +4,7 @@ there, with the training command fixed to `-m tsp_trainer train RECIPE [key=valu
 
     args = parse_launch_args(argv)          # RECIPE and overrides: args.recipe, args.overrides
     world = launch_world_size(args)         # the processes the job will start, all machines
+    first = launch_first_rank(args, world)  # the global rank of this machine's first process
     code = run_launcher(args)               # the job's exit code (a failed rank's own code)
 
 Under `accelerate launch` a failing rank surfaces as torch elastic's ChildFailedError (a report of
@@ -67,6 +68,16 @@ def launch_world_size(args: argparse.Namespace) -> int:
     import torch
 
     return max(torch.cuda.device_count(), 1)
+
+
+def launch_first_rank(args: argparse.Namespace, world: int) -> int:
+    """The global rank of this machine's first process: --machine_rank (else the config file's,
+    else 0) x the processes per machine (`world` over --num_machines, else the config's, else 1)."""
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    config = load_config_from_file(path) if path is not None else None
+    machine = args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0)
+    machines = args.num_machines if args.num_machines is not None else getattr(config, "num_machines", 1)
+    return (machine or 0) * (world // max(machines or 1, 1))
 
 
 def run_launcher(args: argparse.Namespace) -> int:

@@ -42,7 +42,12 @@ from tsp_trainer.parallel.ledger import CommLedger
 
 
 class CommError(RuntimeError):
-    """A collective or P2P op failed (peer gone, timeout, broken connection)."""
+    """A collective or P2P op failed (peer gone, timeout, broken connection). `ranks`: the global
+    ranks of the op's group (or its peers), which the caller can map to nodes (run/placement.py)."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class WrongDeviceError(RuntimeError):
@@ -60,8 +65,8 @@ class _Work:
     """An async Work whose wait() re-raises failures as CommError with the op's context, and takes
     the op out of the in-flight set once it completed (or failed)."""
 
-    def __init__(self, work, describe, ledger: CommLedger):
-        self._work, self._describe, self._ledger = work, describe, ledger
+    def __init__(self, work, describe, ledger: CommLedger, ranks=()):
+        self._work, self._describe, self._ledger, self._ranks = work, describe, ledger, ranks
         self._token = ledger.in_flight.begin(describe)
 
     def wait(self) -> bool:
@@ -69,7 +74,7 @@ class _Work:
         try:
             return self._work.wait()
         except Exception as err:                 # gloo/NCCL raise RuntimeError subclasses
-            raise CommError(f"{self._describe()} failed: {_first_line(err)}") from err
+            raise CommError(f"{self._describe()} failed: {_first_line(err)}", self._ranks) from err
         finally:
             self._ledger.add_blocked(time.perf_counter() - start)
             self._ledger.in_flight.end(self._token)
@@ -137,16 +142,17 @@ class Comm:
                     f"{self.ranks[self.rank]} with {who}" + (f", {role}" if role else ""))
         in_flight = self.ledger.in_flight
         token = in_flight.begin(describe)        # until the call returns (sync) or is issued (async)
+        ranks = self.ranks if peers is None else peers
         start = time.perf_counter()
         try:
             result = call()
         except Exception as err:
-            raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+            raise CommError(f"{describe()} failed: {_first_line(err)}", ranks) from err
         finally:
             self.ledger.add_blocked(time.perf_counter() - start)
             in_flight.end(token)
         if async_op:
-            return _Work(result, describe, self.ledger)
+            return _Work(result, describe, self.ledger, ranks)
         return result
 
     @contextlib.contextmanager
@@ -168,7 +174,8 @@ class Comm:
         except RuntimeError as err:
             if not is_backend_error(err):
                 raise
-            raise CommError(f"{describe()} failed: {_first_line(err)}") from err
+            ranks = sorted({r for c in (self, *also) for r in c.ranks})
+            raise CommError(f"{describe()} failed: {_first_line(err)}", ranks) from err
         finally:
             self.ledger.in_flight.end(token)
 
@@ -323,7 +330,7 @@ class Comm:
             return (f"send/recv of {tag!r} ({_nbytes(send)} bytes) on axis {self.axis!r}, rank "
                     f"{self.ranks[self.rank]} sending to global rank {dst}, receiving from global "
                     f"rank {src}")
-        return [_Work(w, describe, self.ledger) for w in works]
+        return [_Work(w, describe, self.ledger, [dst, src]) for w in works]
 
 
 def _backend(group) -> str:
