@@ -11,6 +11,7 @@ device guard names the op; a process group serving only CPU tensors rejects it t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -35,3 +36,11 @@ class HostDefaultElsewhere(TorchFunctionMode):
                 kwargs["device"] = self.device
                 self.redirected.append(f"{module}:{caller.f_lineno} {func.__name__}")
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def named_on_failure(self):
+        """An error inside the block also names the calls redirected so far: the likely cause."""
+        try:
+            yield
+        except Exception as err:
+            raise RuntimeError(f"{err} (calls redirected to {self.device}: {self.redirected})") from err

@@ -21,10 +21,10 @@ from tsp_trainer.model.rope import PositionRuns, Rotary, apply_rope, rope_cos_si
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, *, device: torch.device | str | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         # `weight` lets a parallel wrapper pass the same parameter through an autograd function
