@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.data_helpers import TOKENIZER, take
+from tests.unit.data_helpers import CORPUS, TOKENIZER, take
 from tsp_trainer.checkpoint.background import HostStaging
 from tsp_trainer.data import PrefetchLoader, build_loader, load_tokenizer
 from tsp_trainer.data.prefetch import DEVICE_KEYS, batch_to_device, pins_batches
-from tests.unit.data_helpers import CORPUS
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
