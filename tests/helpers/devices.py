@@ -18,7 +18,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-COMPUTE_PACKAGES = ("tsp_trainer.trainer", "tsp_trainer.parallel", "tsp_trainer.model", "tsp_trainer.eval")
+# Every package whose tensors meet the compute device or a collective. Left out: tsp_trainer.data
+# (builds the host batches the Trainer copies over) and tsp_trainer.checkpoint (reads and writes
+# files through host tensors that safetensors and torch.load create on the host by design).
+COMPUTE_PACKAGES = ("tsp_trainer.trainer", "tsp_trainer.parallel", "tsp_trainer.model", "tsp_trainer.eval",
+                    "tsp_trainer.run", "tsp_trainer.observability", "tsp_trainer.engine")
 
 
 class HostDefaultElsewhere(TorchFunctionMode):
