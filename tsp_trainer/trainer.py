@@ -24,6 +24,7 @@ from tsp_trainer.checkpoint.writer import CheckpointSaveError  # noqa: F401
 from tsp_trainer.config import TrainConfig, hang_dump_after_s, resolve_config, run_facts, save_resolved_config
 from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_eval_batches, build_train_loader
+from tsp_trainer.data.prefetch import batch_to_device, pins_batches
 from tsp_trainer.engine import deepspeed as ds_engine
 from tsp_trainer.engine.device_support import check_device_support
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
@@ -183,7 +184,8 @@ class Trainer:
         """The training loader (prefetching) and the eval batches, each built once."""
         c, dp_rank, dp = self.cfg, self.mesh.dp_rank, self.mesh.dims.dp
         train = build_train_loader(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
-                                   seed=c.train.seed, grad_accum=c.train.grad_accum)
+                                   seed=c.train.seed, grad_accum=c.train.grad_accum,
+                                   pin_memory=pins_batches(self.device))
         evals = build_eval_batches(c.data, tokenizer=self.tokenizer, dp_rank=dp_rank, dp_degree=dp,
                                    num_batches=c.train.eval_batches,
                                    replicate=self.data_plan.eval_replicate) if c.train.eval_every else None
@@ -246,10 +248,8 @@ class Trainer:
 
     def _batch_loss(self, batch: dict):
         """(this rank's loss sum, valid tokens of the global micro-batch) for one micro-batch."""
-        # non_blocking: a host-to-device copy that does not wait for the GPU's queue (no sync)
-        ids, labels, pos = self.par.local_batch(batch["input_ids"].to(self.device, non_blocking=True),
-                                                batch["labels"].to(self.device, non_blocking=True),
-                                                self._documents(batch))
+        # a non-blocking host-to-device copy from the prefetch worker's pinned batch (no sync)
+        ids, labels, pos = self.par.local_batch(*batch_to_device(batch, self.device), self._documents(batch))
         loss_sum, count = self.engine.module.loss_sum(ids, labels, pos)
         return loss_sum, global_count(count, self._loss_comms)
 

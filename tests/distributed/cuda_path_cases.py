@@ -117,3 +117,29 @@ def evaluate_with_host_default_elsewhere(rank, world, batches):
     return {"redirected": mode.redirected,
             "plain": (plain[EVAL_LOSS], plain[PASSKEY_ACCURACY]),
             "guarded": (guarded[EVAL_LOSS], guarded[PASSKEY_ACCURACY])}
+
+
+def whole_run_with_host_default_elsewhere(rank, world, overrides, cli_runs=(), export_to=None):
+    """A whole Trainer run (construction, fit with its evaluations and checkpoint saves, the
+    resume that `overrides` may ask for), then each `tsp-eval` argv of `cli_runs` in the same
+    process group, then (rank 0) `tsp-export` to `export_to`: all while factories in the compute
+    packages that name no device create meta tensors."""
+    from tsp_trainer.checkpoint.export_cli import main as export_main
+    from tsp_trainer.eval import cli as eval_cli
+    from tsp_trainer.trainer import Trainer
+
+    with HostDefaultElsewhere() as mode, mode.named_on_failure():
+        trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+        resumed_from = trainer.state.step
+        history = trainer.fit()
+        evaluations = []
+        for argv in cli_runs:
+            args = eval_cli.build_parser().parse_args(argv)
+            evaluations.append(eval_cli.run(eval_cli.prepare(args, world_size=world, rank=rank), rank=rank))
+        if export_to is not None and rank == 0:
+            export_main([trainer.cfg.train.output_dir, str(export_to)])
+    weights = trainer.par.gather_full_state_dict()
+    return {"redirected": mode.redirected, "resumed_from": resumed_from,
+            "metrics": [{k: v for k, v in h.items() if k.startswith(("train/loss", "eval/"))} for h in history],
+            "evaluations": evaluations, "weights": weights if rank == 0 else None,
+            "device": str(trainer.device)}

@@ -1,9 +1,11 @@
 """The CUDA path, checked with CPU processes: what a GPU run would trip over, made
 visible on gloo.
 
-- Device placement: a training step runs under a process group serving CPU tensors only
-  ("cpu:gloo") while tensors created without a device in the compute packages land on another
-  device (tests/helpers/devices.py), as host tensors do next to CUDA ones.
+- Device placement: a training step, and a whole Trainer run (construction, evaluations, sync and
+  async checkpoint saves, a resume) followed by `tsp-eval` and `tsp-export`, run under a process
+  group serving CPU tensors only ("cpu:gloo") while tensors created without a device in the
+  compute packages land on another device (tests/helpers/devices.py), as host tensors do next to
+  CUDA ones.
 - Host syncs: counted per micro-step in the whole Trainer step (tsp_trainer/tools/host_sync.py).
 - Precision: gradient reductions and accumulators are fp32 in a bf16 run (the ledger records each
   payload's dtype), DeepSpeed accumulates and reduces in fp32, and a bf16 run follows the fp32
@@ -20,7 +22,8 @@ import tsp_trainer
 from tests.distributed.cuda_path_cases import (bf16_step_ledger, count_host_syncs,
                                                evaluate_with_host_default_elsewhere,
                                                train_and_describe_precision,
-                                               train_steps_with_host_default_elsewhere)
+                                               train_steps_with_host_default_elsewhere,
+                                               whole_run_with_host_default_elsewhere)
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.parallel.baselines.comm_model import expected_ledger_bytes
 from tsp_trainer.parallel.tsp.comm_model import tsp_step_comm
@@ -67,6 +70,57 @@ def test_evaluation_keeps_every_tensor_on_the_compute_device():
         assert o["guarded"] == o["plain"]
         assert o["plain"][0] > 5.0                        # a random model: about ln(1024) = 6.9
     assert outs[0]["plain"] == outs[1]["plain"]           # dp-reduced: the same on every rank
+
+
+WHOLE_RUN = ["train.eval_every=2", "train.eval_batches=1", "eval.passkey_every=2",
+             "eval.passkey_lengths=[128]", "eval.passkey_depths=[0,1]", "eval.passkey_samples=2",
+             "eval.passkey_digits=3", "data.document_masking=true", "data.reset_positions=true",
+             "checkpoint.every=1", "optim.warmup_steps=1"]
+
+
+def test_whole_run_resume_eval_and_export_keep_every_tensor_on_the_compute_device(tmp_path):
+    """DP 2 x TSP 2 with document masking, under a process group serving CPU tensors only and with
+    host-default tensors of the compute packages redirected to the meta device, from the Trainer's
+    construction on: 2 steps with eval loss by position and passkey at step 2 and a synchronous
+    save at steps 1 and 2; then a second launch resumes at step 2, trains step 3 with an async
+    save, runs `tsp-eval loss` and `tsp-eval passkey` on that checkpoint under TSP D = 2 x dp 2,
+    and exports it. No factory relied on the host default (the construction did: the seeded
+    init, and a throwaway norm weight), and the exported weights are the trained ones."""
+    from safetensors.torch import load_file
+
+    from tsp_trainer.checkpoint.hf import load_hf_state_dict
+    from tsp_trainer.config import load_config
+
+    out = str(tmp_path / "run")
+    common = [f"train.output_dir={out}", *WHOLE_RUN]
+    first = run_on_ranks(whole_run_with_host_default_elsewhere, 4, common + ["train.steps=2"],
+                         backend="cpu:gloo")
+    cli = ["--micro-batch-size", "2", "--tsp-degree", "2", "--out", str(tmp_path / "eval")]
+    second = run_on_ranks(whole_run_with_host_default_elsewhere, 4,
+                          common + ["train.steps=3", "train.resume=auto", "checkpoint.async_save=true"],
+                          [["loss", out, "--batches", "1", *cli],
+                           ["passkey", out, "--lengths", "128", "--depths", "0,1", "--samples", "2",
+                            "--digits", "3", *cli]], str(tmp_path / "hf"), backend="cpu:gloo")
+    for o in first + second:
+        assert o["redirected"] == [] and o["device"] == "cpu"
+    steps = first[0]["metrics"]
+    assert "eval/loss" not in steps[0] and steps[1]["eval/loss"] > 5.0       # random init: ~6.9
+    assert [r[3] for r in steps[1]["eval/loss_by_position"].rows] == [5, 5, 8, 16, 32, 64, 126]
+    assert steps[1]["eval/passkey_accuracy"] == 0.0          # 2 steps cannot retrieve a key
+    assert [o["resumed_from"] for o in second] == [2] * 4 and len(second[0]["metrics"]) == 1
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "latest", "step_00000001", "step_00000002", "step_00000003"]
+    loss, passkey = second[0]["evaluations"]
+    assert sum(loss.tokens) == 256 and 5.0 < sum(loss.loss_sums) / 256 < 8.0   # 2 x 2 x 64 tokens
+    assert [(c.length, c.depth, c.samples) for c in passkey.cells] == [(128, 0.0, 2), (128, 1.0, 2)]
+    assert loss == second[1]["evaluations"][0]                 # reduced: the same on every rank
+    model_cfg = load_config(str(tmp_path / "run" / "config.yaml"), []).model.to_model_config()
+    exported = load_hf_state_dict(tmp_path / "hf", model_cfg)
+    trained = second[0]["weights"]
+    assert sorted(exported) == sorted(trained)
+    for name, weight in trained.items():
+        assert exported[name].equal(weight), name
+    assert len(load_file(tmp_path / "hf" / "model.safetensors")) == len(trained)
 
 
 def test_host_syncs_per_micro_step_are_a_small_constant():

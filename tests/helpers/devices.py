@@ -11,13 +11,18 @@ device guard names the op; a process group serving only CPU tensors rejects it t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-COMPUTE_PACKAGES = ("tsp_trainer.trainer", "tsp_trainer.parallel", "tsp_trainer.model", "tsp_trainer.eval")
+# Every package whose tensors meet the compute device or a collective. Left out: tsp_trainer.data
+# (builds the host batches the Trainer copies over) and tsp_trainer.checkpoint (reads and writes
+# files through host tensors that safetensors and torch.load create on the host by design).
+COMPUTE_PACKAGES = ("tsp_trainer.trainer", "tsp_trainer.parallel", "tsp_trainer.model", "tsp_trainer.eval",
+                    "tsp_trainer.run", "tsp_trainer.observability", "tsp_trainer.engine")
 
 
 class HostDefaultElsewhere(TorchFunctionMode):
@@ -35,3 +40,11 @@ class HostDefaultElsewhere(TorchFunctionMode):
                 kwargs["device"] = self.device
                 self.redirected.append(f"{module}:{caller.f_lineno} {func.__name__}")
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def named_on_failure(self):
+        """An error inside the block also names the calls redirected so far: the likely cause."""
+        try:
+            yield
+        except Exception as err:
+            raise RuntimeError(f"{err} (calls redirected to {self.device}: {self.redirected})") from err

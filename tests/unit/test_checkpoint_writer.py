@@ -216,6 +216,37 @@ def test_gpu_staging_path_pins_copies_async_and_syncs_once(monkeypatch):
     assert calls["synced"] == 1
 
 
+@pytest.mark.parametrize("pinned_staging", [True, False], ids=["pinned", "pageable"])
+def test_pinned_staging_decides_whether_gpu_staging_buffers_are_page_locked(tmp_path, monkeypatch,
+                                                                         pinned_staging):
+    """checkpoint.pinned_staging reaches the async writer's HostStaging: a GPU tensor's buffer is
+    allocated pinned only when it is on; a host tensor's never is. The buffers held between saves
+    are counted (bytes_held: what tsp-plan's pinned-memory line estimates)."""
+    from tsp_trainer.config import load_config
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*shape, dtype=None, pin_memory=False):
+        asked.append(pin_memory)
+        return real_empty(*shape, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    cfg = load_config(None, [f"checkpoint.pinned_staging={str(pinned_staging).lower()}"])
+    store = CheckpointStore(tmp_path, world=_world(), keep_last=2)
+    ckpt = CheckpointWriter(store, world=_world(), async_save=True, device=torch.device("cpu"),
+                            pinned_staging=cfg.checkpoint.pinned_staging)
+    ckpt.staging("w", torch.ones(8, 4).as_subclass(OnCuda), "live")
+    ckpt.staging("host", torch.ones(3), "live")
+    assert asked == [pinned_staging, False]
+    assert ckpt.staging.bytes_held == (8 * 4 + 3) * 4
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("full_file", ["model/model-tsp000-of-001.safetensors", "ranks/rank_00000.pt.tmp"])
 def test_disk_full_is_reported_by_its_errno_and_path(tmp_path, full_file):

@@ -9,9 +9,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests.unit.data_helpers import CORPUS, TOKENIZER, assert_same_batches, take, write_jsonl
 from tsp_trainer.data import PrefetchLoader, build_loader, load_tokenizer
+from tsp_trainer.data.prefetch import DEVICE_KEYS, batch_to_device, pins_batches
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +100,48 @@ def test_worker_stops_on_close_and_is_named(tok):
     assert not worker.is_alive()
     with pytest.raises(ValueError, match="data.prefetch=0 must be >= 1"):
         PrefetchLoader(_loader(tok), depth=0)
+
+
+class _CopyLog(torch.overrides.TorchFunctionMode):
+    """Records (source tensor, non_blocking) of every Tensor.to call."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            self.copies.append((args[0], kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+def test_batches_are_pinned_for_cuda_only_and_copied_non_blocking(tok, monkeypatch):
+    """A CUDA device pins (input_ids, labels) on the worker, a CPU one does not; the Trainer's copy
+    of a batch reads the pinned tensors with non_blocking=True. (This machine has no CUDA, so
+    pin_memory() is replaced by a clone that is remembered as pinned.)"""
+    pinned = []
+
+    def fake_pin(self):
+        copy = self.clone()
+        pinned.append(copy)
+        return copy
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    assert pins_batches(torch.device("cuda", 0)) and pins_batches("cuda")
+    assert not pins_batches(torch.device("cpu")) and not pins_batches("meta")
+    reference = take(_loader(tok), 2)
+    with PrefetchLoader(_loader(tok), depth=2, pin_memory=pins_batches("cuda")) as pf:
+        batches = take(pf, 2)
+    assert_same_batches(batches, reference)
+    assert len(pinned) == 4                                   # 2 batches x (input_ids, labels)
+    handed_out = [b[k] for b in batches for k in DEVICE_KEYS]
+    assert [any(t is p for p in pinned) for t in handed_out] == [True] * 4
+    with _CopyLog() as log:
+        ids, labels = batch_to_device(batches[0], torch.device("meta"))
+    assert [(src is batches[0][k], nb) for (src, nb), k in zip(log.copies, DEVICE_KEYS)] == [(True, True)] * 2
+    assert ids.device.type == labels.device.type == "meta"
+    pinned.clear()
+    with PrefetchLoader(_loader(tok), depth=2, pin_memory=pins_batches("cpu")) as pf:
+        take(pf, 2)
+    assert pinned == []

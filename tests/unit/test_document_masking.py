@@ -177,6 +177,58 @@ def test_packed_batch_equals_documents_alone(reset_positions, checkpointing):
         torch.testing.assert_close(model.get_parameter(name).grad, grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
+class _Counted:
+    """Wraps a function of tsp_trainer.model.documents and counts its calls."""
+
+    def __init__(self, monkeypatch, name):
+        import tsp_trainer.model.documents as documents
+
+        self.calls, real = 0, getattr(documents, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(documents, name, counted)
+
+
+@pytest.mark.parametrize("reset_positions", [False, True])
+def test_segment_plan_is_built_once_per_batch_and_query_layout(monkeypatch, reset_positions):
+    """A forward and backward of a 4-layer model (with activation checkpointing: each block's
+    attention runs again in backward) over 2 rows cuts each row into segments once: 2 builds, not
+    layers x calls x rows = 16 (plus 2 for the RoPE positions with reset_positions). A second
+    query layout (a zigzag rank's runs, as a head bucket calls it twice) adds one build per row."""
+    segments = _Counted(monkeypatch, "plan_segments")
+    model = Transformer(CFG.__class__(**{**CFG.__dict__, "num_layers": 4}))
+    init_model(model, 5)
+    model.block_wrapper = lambda block, x, rope: torch.utils.checkpoint.checkpoint(
+        block, x, rope, use_reentrant=False)
+    ids, labels = _batch()
+    docs = Documents.from_lengths(LENGTHS, reset_positions=reset_positions)
+    s, c = model.loss_sum(ids, labels, PositionRuns.contiguous(ids.shape[1]).with_documents(docs))
+    (s / c).backward()
+    assert segments.calls == len(LENGTHS)
+    runs = zigzag_runs_of(30, rank=1, degree=3)
+    q = torch.randn(2, sum(b - a for a, b, _ in runs), 4, 8)
+    k, v = torch.randn(2, 30, 2, 8), torch.randn(2, 30, 2, 8)
+    first, second = (attention_core(q, k, v, runs, documents=docs) for _ in range(2))
+    assert segments.calls == 2 * len(LENGTHS) and torch.equal(first, second)
+    assert docs.plan(runs) is docs.plan(list(runs))                # the same plan objects
+
+
+def test_varlen_tensors_are_made_once_per_row_and_device(monkeypatch):
+    """The varlen call's key index and int32 offsets (CUDA) come from the row plan, made at its
+    first use on a device and reused by every later call (CPU twin: the CPU device)."""
+    made = _Counted(monkeypatch, "varlen_plan")
+    docs = Documents.from_lengths(LENGTHS)
+    rows = docs.plan(zigzag_runs_of(30, rank=1, degree=3))
+    cpu = torch.device("cpu")
+    first = [row.varlen(cpu) for row in rows]
+    again = [row.varlen(cpu) for row in rows]
+    assert made.calls == len(LENGTHS) and all(a is b for a, b in zip(first, again))
+    assert first[0].cu_q.dtype == torch.int32 and first[0].cu_q.tolist() == list(first[0].plan.cu_q)
+    assert first[0].key_index.tolist() == first[0].plan.key_index().tolist()
+
+
 def test_masking_changes_the_loss():
     """The test above can fail: without masking the packed loss differs from the documents'."""
     model = _model()

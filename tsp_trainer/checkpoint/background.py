@@ -29,13 +29,17 @@ if TYPE_CHECKING:
 class HostStaging:
     """Host copies for an async snapshot, kept from save to save (one save in flight at a time, so
     the previous save's buffers are free again). Buffers are pinned when the source is on a GPU
-    (a non-blocking device-to-host copy needs pinned memory).
+    and `pinned` (checkpoint.pinned_staging): only a copy into pinned memory is asynchronous.
+    With pinned=False they are pageable: the device-to-host copy then returns only when done (the
+    training thread waits for it at the snapshot), and no page-locked RAM is held between saves
+    (a container's memory limit counts page-locked pages, and they can never be swapped out).
 
     kind "live" (host): the copy is deferred to the writer thread (`complete()`), overlapping the
     next forward/backward; "scratch" (a buffer the snapshot reuses): copied now; GPU tensors: a
     non-blocking copy now, and `complete()` waits for an event recorded after the last one."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pinned: bool = True) -> None:
+        self.pinned = pinned
         self._buffers: dict[str, torch.Tensor] = {}
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_cuda = False          # non-blocking device-to-host copies issued
@@ -48,7 +52,7 @@ class HostStaging:
             return t
         buf = self._buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pins(t))
             self._buffers[name] = buf
         self.copied.clear()
         if kind == "live" and not t.is_cuda:
@@ -57,6 +61,15 @@ class HostStaging:
             buf.copy_(t.detach(), non_blocking=t.is_cuda)
             self._pending_cuda |= t.is_cuda
         return buf
+
+    def pins(self, t: torch.Tensor) -> bool:
+        """Whether the staging buffer of `t` is page-locked: a GPU source, and pinning on."""
+        return t.is_cuda and self.pinned
+
+    @property
+    def bytes_held(self) -> int:
+        """Host bytes of the staging buffers kept between saves."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def staged(self) -> None:
         """Training thread, after the snapshot: mark where the GPU copies end on the stream."""

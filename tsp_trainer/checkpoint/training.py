@@ -52,7 +52,9 @@ class TrainingCheckpoints:
         self.store = CheckpointStore(f"{cfg.train.output_dir}/checkpoints", world=mesh.world,
                                      keep_last=cfg.checkpoint.keep_last)
         self.writer = CheckpointWriter(self.store, world=mesh.world, device=device,
-                                       async_save=cfg.checkpoint.async_save, on_publish=self._published)
+                                       async_save=cfg.checkpoint.async_save,
+                                       pinned_staging=cfg.checkpoint.pinned_staging,
+                                       on_publish=self._published)
         self.saved_step = -1            # step of the newest checkpoint this run wrote or loaded
         self.slowest_save_s = 0.0       # save() to publish: train.max_runtime_min leaves room for one
         self._save_started: collections.deque[float] = collections.deque()   # one per unpublished save

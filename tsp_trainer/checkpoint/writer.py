@@ -62,14 +62,15 @@ class CheckpointWriter:
         store: the CheckpointStore (temporary folder, per-rank file, publish, prune).
         world: a Comm over every rank (the agreement all-reduce, the hash gather).
         async_save: write on a background thread (checkpoint.async_save).
+        pinned_staging: its host staging of GPU tensors is pinned (checkpoint.pinned_staging).
         device: where the agreement flag lives (the compute device: NCCL serves no CPU tensors).
     """
 
     def __init__(self, store: CheckpointStore, *, world, async_save: bool, device: torch.device,
-                 on_publish: Callable[[int, Path], None] | None = None):
+                 on_publish: Callable[[int, Path], None] | None = None, pinned_staging: bool = True):
         self.store, self.world, self.async_save, self.device = store, world, async_save, device
         self.on_publish = on_publish
-        self.staging = HostStaging() if async_save else None
+        self.staging = HostStaging(pinned=pinned_staging) if async_save else None
         self._job: WriteJob | None = None
         self._stall_s = 0.0
 

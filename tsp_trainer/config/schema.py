@@ -280,6 +280,8 @@ class CheckpointSection:
     keep_last: int = setting(3, min=1, doc="complete checkpoints kept on disk")
     enabled: bool = setting(True, doc="write checkpoints at all")
     async_save: bool = setting(False, doc="write in a background thread; publish when complete")
+    pinned_staging: bool = setting(True, doc="async_save on a GPU: stage in pinned host memory "
+                                             "(false = pageable: no page-locked RAM, slower copies)")
 
 
 @dataclass(frozen=True)

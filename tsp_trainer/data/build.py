@@ -50,8 +50,10 @@ def length_schedule(data: DataSection, *, grad_accum: int) -> LengthSchedule:
 
 
 def build_train_loader(data: DataSection, *, tokenizer: TextTokenizer, dp_rank: int,
-                       dp_degree: int, seed: int, grad_accum: int) -> PackedLoader | PrefetchLoader:
-    """This DP rank's training loader, with the prefetch worker when data.prefetch > 0."""
+                       dp_degree: int, seed: int, grad_accum: int,
+                       pin_memory: bool = False) -> PackedLoader | PrefetchLoader:
+    """This DP rank's training loader, with the prefetch worker when data.prefetch > 0 (which
+    pins the batches when `pin_memory`: a CUDA run, data/prefetch.py `pins_batches`)."""
     specs = train_sources(data)
     docs = [open_documents(s.source, tokenizer=tokenizer, split=s.split, text_field=s.text_field,
                            token_field=s.token_field, data_format=s.format, dp_rank=dp_rank,
@@ -75,7 +77,9 @@ def build_train_loader(data: DataSection, *, tokenizer: TextTokenizer, dp_rank: 
                           source=",".join(s.name for s in specs), split=specs[0].split,
                           schedule=length_schedule(data, grad_accum=grad_accum),
                           document_ids=data.document_masking)
-    return PrefetchLoader(loader, depth=data.prefetch) if data.prefetch > 0 else loader
+    if data.prefetch == 0:
+        return loader
+    return PrefetchLoader(loader, depth=data.prefetch, pin_memory=pin_memory)
 
 
 def eval_source(data: DataSection) -> tuple[str, str] | None:

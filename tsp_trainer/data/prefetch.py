@@ -11,6 +11,11 @@ therefore saves the loader's state *plus the queued batches' tokens* (as the loa
 On resume the loader hands the replayed batches out first, so the batches after a resume equal an
 uninterrupted run's, with or without prefetch on either side. An error in the worker (bad data)
 is raised in the training loop at the batch it would have produced. Imports threading and torch.
+
+Pinning: for a CUDA run (`pins_batches`) the worker also pins the tensors the Trainer copies to
+the device (`DEVICE_KEYS`), so its `non_blocking=True` copies (`batch_to_device`) are real
+asynchronous DMA: from pageable memory CUDA first stages the bytes through a pinned driver buffer
+on the calling thread. Pinning happens on the worker, off the training loop's critical path.
 """
 
 from __future__ import annotations
@@ -25,6 +30,26 @@ from tsp_trainer.data.loader import PackedLoader
 from tsp_trainer.data.packing import windows_to_batch
 
 
+DEVICE_KEYS = ("input_ids", "labels")   # copied to the device; document_ids are read on the host
+
+
+def pins_batches(device: torch.device | str) -> bool:
+    """Whether batches bound for `device` should be pinned: only a CUDA copy gains from it (a
+    CPU run would only pay for page-locking)."""
+    return torch.device(device).type == "cuda"
+
+
+def pin_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with its DEVICE_KEYS tensors in pinned host memory (the rest as they are)."""
+    return {k: v.pin_memory() if k in DEVICE_KEYS else v for k, v in batch.items()}
+
+
+def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(input_ids, labels) on `device`; non_blocking: from a pinned batch the copy is queued on
+    the stream and the host does not wait for it (no sync)."""
+    return tuple(batch[k].to(device, non_blocking=True) for k in DEVICE_KEYS)
+
+
 class _Failure:
     def __init__(self, exc: BaseException):
         self.exc = exc
@@ -33,10 +58,10 @@ class _Failure:
 class PrefetchLoader:
     """A PackedLoader whose next batches are prepared by a worker thread (same interface)."""
 
-    def __init__(self, loader: PackedLoader, *, depth: int = 2):
+    def __init__(self, loader: PackedLoader, *, depth: int = 2, pin_memory: bool = False):
         if depth < 1:
             raise ValueError(f"data.prefetch={depth} must be >= 1 for a PrefetchLoader (0 = off)")
-        self.loader, self.depth = loader, depth
+        self.loader, self.depth, self.pin_memory = loader, depth, pin_memory
         self._queue: deque = deque()                 # (batch, tokens (B, S+1), stats) or _Failure
         self._cond = threading.Condition()
         self._work = threading.Lock()                # held while the worker makes one batch
@@ -57,7 +82,8 @@ class PrefetchLoader:
                     if self._stop:
                         return
                     tokens = torch.tensor(self.loader.next_windows(), dtype=torch.long)
-                    item = (windows_to_batch(tokens, self.loader.document_eos), tokens,
+                    batch = windows_to_batch(tokens, self.loader.document_eos)
+                    item = (pin_batch(batch) if self.pin_memory else batch, tokens,
                             dict(self.loader.stats))
             except BaseException as exc:                 # handed to the training loop
                 item = _Failure(exc)
@@ -102,8 +128,9 @@ class PrefetchLoader:
         return batch
 
     def describe(self) -> list[str]:
+        pinned = " in pinned memory" if self.pin_memory else ""
         return self.loader.describe() + [f"data: a worker thread prepares {self.depth} "
-                                         "micro-batch(es) ahead (data.prefetch)"]
+                                         f"micro-batch(es) ahead{pinned} (data.prefetch)"]
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state with the queued batches' tokens in front of its replay list."""

@@ -239,7 +239,7 @@ def run(job: EvalJob, *, rank: int, device: torch.device | str = "cpu") -> Passk
         for line in job.warnings:
             print(f"tsp-eval: warning: {line}", file=sys.stderr, flush=True)
     p = job.parallel
-    mesh = build_mesh(p.tsp_degree)
+    mesh = build_mesh(p.tsp_degree, device=device)     # the Comm guards check this device
     with torch.device("meta"):                       # no rank ever holds the full model
         model = Transformer(job.model.cfg)
     par = parallelize(model, p.scheme, mesh, seq_len=max(job.lengths), head_buckets=p.head_buckets,

@@ -48,7 +48,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.model.attention_kernel import FLASH_MAX_HEAD_DIM, Choice
 from tsp_trainer.model.attention_lse import prefix_causal_attention
-from tsp_trainer.model.documents import Segment, VarlenPlan, varlen_plan
+from tsp_trainer.model.documents import DeviceVarlen, RowPlan, Segment, VarlenPlan
 
 # Queries per SDPA call when a query slice needs a bottom-right causal mask on CPU: the mask (and
 # the float copy SDPA makes of it) is [block, keys], so blocking bounds it at block * S elements
@@ -125,14 +125,16 @@ class SdpaRoute:
         return torch.cat(outs, dim=2)
 
     def documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  segments: tuple[Segment, ...], *, gqa: bool) -> torch.Tensor:
+                  row: RowPlan | tuple[Segment, ...], *, gqa: bool) -> torch.Tensor:
         """One batch row under document masking: q [1, H, Tq, d] against logical-order keys
         [1, H, S, d]; each segment's queries see only their document's causal keys. On CUDA one
-        varlen fused call (cu_seqlens); elsewhere one bottom-right causal call per segment."""
+        varlen fused call (cu_seqlens, with the row plan's device tensors); elsewhere one
+        bottom-right causal call per segment."""
+        row = row if isinstance(row, RowPlan) else RowPlan(row)
         if self.kernel in _VARLEN_KERNELS and q.device.type == "cuda":
-            return varlen_attention(q, k, v, varlen_plan(segments), _VARLEN_KERNELS[self.kernel])
+            return varlen_attention(q, k, v, row.varlen(q.device), _VARLEN_KERNELS[self.kernel])
         outs = []
-        for s in segments:
+        for s in row.segments:
             qs, ks, vs = q[:, :, s.q_start:s.q_stop], k[:, :, s.k_start:s.k_stop], v[:, :, s.k_start:s.k_stop]
             # a document that starts inside the run: its keys are the queries (square causal)
             call = self.causal if s.n_prefix == 0 else self.segment
@@ -141,27 +143,19 @@ class SdpaRoute:
 
 
 # -- varlen fused attention (CUDA): all of a row's segments in one kernel call ----------------------
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
-                     kernel) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     plan: DeviceVarlen | VarlenPlan, kernel) -> torch.Tensor:
     """q [1, H, Tq, d] (queries already in segment order), k, v [1, Hkv, S, d] -> [1, H, Tq, d].
     The keys of each segment are gathered into one packed [sum of key ranges, Hkv, d] buffer (at
     most two ranges per document and rank: linear in S); `kernel(q, k, v, cu_q, cu_k, max_q,
     max_k)` takes packed [total, heads, d] tensors and int32 offsets and applies a bottom-right
-    causal mask per segment, as flash attention's varlen mode does."""
-    index = plan.key_index(device=q.device)
+    causal mask per segment, as flash attention's varlen mode does. A VarlenPlan's tensors are
+    made here; a DeviceVarlen (RowPlan.varlen) brings them made once per batch."""
+    on_device = plan.on(q.device) if isinstance(plan, VarlenPlan) else plan
     qp = q[0].transpose(0, 1)                                   # [Tq, H, d]
-    kp, vp = (t[0].index_select(1, index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
-    cu_q, cu_k = (_device_offsets(c, q.device) for c in (plan.cu_q, plan.cu_k))
-    out = kernel(qp, kp, vp, cu_q, cu_k, plan.max_q, plan.max_k)
+    kp, vp = (t[0].index_select(1, on_device.key_index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
+    out = kernel(qp, kp, vp, on_device.cu_q, on_device.cu_k, on_device.plan.max_q, on_device.plan.max_k)
     return out.transpose(0, 1).unsqueeze(0)
-
-
-def _device_offsets(offsets: tuple[int, ...], device) -> torch.Tensor:
-    """int32 offsets on `device`, copied from pinned host memory without blocking the host."""
-    host = torch.tensor(offsets, dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k):

@@ -18,12 +18,18 @@ exists anywhere (the CPU route masks one [block, keys of the document] rectangle
 
     segments = plan_segments(q_runs, doc_starts)          # tuple[Segment, ...], host ints
     varlen = varlen_plan(segments)                        # cu_seqlens for a varlen kernel (CUDA)
+
+Built once per batch: a `Documents` lives for one micro-batch and memoizes, per query layout
+(q_runs: the rank's own queries, or the whole row), one `RowPlan` per row (`documents.plan(q_runs)`),
+whose varlen key index and offsets are made on a device on first use (`RowPlan.varlen(device)`).
+Every layer, head bucket, row and recompute of the micro-step reuses them: no host work and no
+host-to-device copy per attention call.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -36,6 +42,18 @@ class Documents:
 
     starts: tuple[tuple[int, ...], ...]
     reset_positions: bool = False
+    # q_runs -> one RowPlan per row, filled on first use (not part of the value: equality and
+    # hashing see the boundaries only)
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def plan(self, q_runs: tuple[tuple[int, int, int], ...]) -> tuple["RowPlan", ...]:
+        """Per row, the segments of queries `q_runs` (start, stop, first position) under these
+        boundaries: built at the first call for this query layout, the same objects after."""
+        q_runs = tuple(tuple(run) for run in q_runs)
+        rows = self._plans.get(q_runs)
+        if rows is None:
+            rows = self._plans[q_runs] = tuple(RowPlan(plan_segments(q_runs, s)) for s in self.starts)
+        return rows
 
     @classmethod
     def from_ids(cls, document_ids: torch.Tensor, *, reset_positions: bool = False) -> "Documents":
@@ -97,15 +115,15 @@ def plan_segments(q_runs: tuple[tuple[int, int, int], ...],
 def rope_positions(runs: tuple[tuple[int, int], ...], docs: Documents, device=None) -> torch.Tensor:
     """RoPE positions [B, T] restarted per document: position - start of its document, for the
     tokens in hand (runs of (first position, length)). Built on `device` from host ints (one
-    arange per piece; nothing copied from the host)."""
+    arange per piece; nothing copied from the host), from the plan attention reuses."""
     q_runs, start = [], 0
     for first, n in runs:
         q_runs.append((start, start + n, first))
         start += n
     rows = []
-    for starts in docs.starts:
+    for row in docs.plan(tuple(q_runs)):
         pieces = [torch.arange(s.k_stop - (s.q_stop - s.q_start) - s.k_start, s.k_stop - s.k_start,
-                               device=device) for s in plan_segments(tuple(q_runs), starts)]
+                               device=device) for s in row.segments]
         rows.append(torch.cat(pieces))
     return torch.stack(rows)
 
@@ -124,6 +142,43 @@ class VarlenPlan:
     def key_index(self, device=None) -> torch.Tensor:
         """Indices [cu_k[-1]] of the keys to gather (one arange per segment, made on `device`)."""
         return torch.cat([torch.arange(a, b, device=device) for a, b in self.key_ranges])
+
+    def on(self, device: torch.device) -> "DeviceVarlen":
+        """The plan with its key index and int32 offsets made on `device`."""
+        return DeviceVarlen(self, self.key_index(device), device_offsets(self.cu_q, device),
+                            device_offsets(self.cu_k, device))
+
+
+class DeviceVarlen(NamedTuple):
+    """A VarlenPlan's tensors on the compute device: key index [cu_k[-1]], cu_q, cu_k int32."""
+
+    plan: VarlenPlan
+    key_index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 offsets on `device`, copied from pinned host memory without blocking the host."""
+    host = torch.tensor(offsets, dtype=torch.int32, device="cpu")
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+class RowPlan:
+    """One row's segments for one query layout, and their varlen call's tensors per device (made
+    once, at the first varlen call on that device)."""
+
+    def __init__(self, segments: tuple[Segment, ...]):
+        self.segments = segments
+        self._varlen: dict[torch.device, DeviceVarlen] = {}
+
+    def varlen(self, device: torch.device) -> DeviceVarlen:
+        on_device = self._varlen.get(device)
+        if on_device is None:
+            on_device = self._varlen[device] = varlen_plan(self.segments).on(device)
+        return on_device
 
 
 def varlen_plan(segments: tuple[Segment, ...]) -> VarlenPlan:

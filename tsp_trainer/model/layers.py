@@ -14,17 +14,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.model.documents import Documents, plan_segments
+from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.attention_route import CPU_MASK_QUERY_BLOCK, SdpaRoute, sdpa_route  # noqa: F401
 from tsp_trainer.model.rms_norm import rms_norm
 from tsp_trainer.model.rope import PositionRuns, Rotary, apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, *, device: torch.device | str | None = None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         # `weight` lets a parallel wrapper pass the same parameter through an autograd function
@@ -50,7 +50,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     documents (document masking): each row's queries see only the keys of their own document
     (row b's starts in documents.starts[b]); the runs are cut into per-document segments
-    (model/documents.py), so the work follows the documents' lengths.
+    (model/documents.py), so the work follows the documents' lengths. The cut is the batch's
+    plan (documents.plan), made at the first call and reused by every later one.
     """
     if isinstance(q_runs, torch.Tensor):              # positions [Tq]: read once (a host sync)
         q_runs = PositionRuns.of(q_runs).query_runs()
@@ -66,9 +67,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             runs = q_runs if q_runs is not None else ((0, tq, 0),)
             if len(documents.starts) != b:
                 raise ValueError(f"document boundaries for {len(documents.starts)} rows, batch has {b}")
-            out = torch.cat([route.documents(qt[i:i + 1], kt[i:i + 1], vt[i:i + 1],
-                                             plan_segments(runs, documents.starts[i]), gqa=gqa)
-                             for i in range(b)], dim=0)
+            out = torch.cat([route.documents(qt[i:i + 1], kt[i:i + 1], vt[i:i + 1], row, gqa=gqa)
+                             for i, row in enumerate(documents.plan(runs))], dim=0)
         elif q_runs is None:
             out = route.causal(qt, kt, vt, gqa=gqa)
         else:

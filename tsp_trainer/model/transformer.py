@@ -134,11 +134,12 @@ class Transformer(nn.Module):
 def init_parameter(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
     """The full initial value of parameter `name`: ones for norms, zeros for biases (as transformers
     initialises them), N(0, std) otherwise, drawn from a generator seeded by (seed, name) so the
-    value does not depend on the order of construction."""
+    value does not depend on the order of construction. On the host by design (a CPU generator
+    gives the same values everywhere); the caller moves its slice to the compute device."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     if name.endswith(".bias"):
-        return torch.zeros(shape)
+        return torch.zeros(shape, device="cpu")
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)

@@ -215,7 +215,8 @@ def _plan(parser, args, cfg) -> int:
               f"{assumptions.compute_efficiency:.0%} of peak FLOP/s and "
               f"{assumptions.comm_efficiency:.0%} of link bandwidth; "
               f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
-    print(format_table(result, header=header, top=args.top, capacity=capacity))
+    print(format_table(result, header=header, top=args.top, capacity=capacity,
+                       gpus_per_node=hw.gpus_per_node))
     request = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
                "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
                "assumptions": asdict(assumptions), "schemes": list(schemes),

@@ -15,6 +15,7 @@ from tsp_trainer.plan.flops import hardware_flops_per_token
 from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
+from tsp_trainer.plan.reserved import reserved_memory
 from tsp_trainer.plan.state import state_bytes
 
 
@@ -24,7 +25,7 @@ class Assumptions:
 
     compute_efficiency: float = 0.45       # achieved fraction of peak FLOP/s (GEMMs + attention)
     comm_efficiency: float = 0.75          # achieved fraction of link bandwidth (bus bandwidth)
-    hbm_usable: float = 0.92               # of HBM, for tensors (allocator slack, NCCL/RCCL, context)
+    hbm_usable: float = 0.92               # of HBM, for tensors and the reserve (allocator slack)
     op_latency_s: float = 15e-6            # fixed cost of one collective / P2P op (launch + sync)
 
 
@@ -70,7 +71,8 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     """Memory, communication and time of one optimizer step of `layout` on `hw`."""
     st = state_bytes(cfg, layout, prec)
     act = activation_memory(cfg, layout, seq_len, prec, device="cuda")
-    memory = _memory(st, act)
+    reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name)
+    memory = _memory(st, act, reserved)
     capacity = hw.hbm_bytes * assumptions.hbm_usable
 
     mp = model_parallel_comm(cfg, layout, seq_len, prec)
@@ -104,13 +106,17 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
                       hfu=flops["hardware"] * per_gpu / hw.peak_flops)
 
 
-def _memory(st: dict[str, int], act: ActivationEstimate) -> dict[str, int]:
-    """Per-rank memory: model state, saved and peak activations, their total on the GPU, and what
-    activation offload holds in host memory."""
-    total = st["params"] + st["grads"] + st["optimizer"] + act.peak
+def _memory(st: dict[str, int], act: ActivationEstimate, reserved: dict[str, int]) -> dict[str, int]:
+    """Per-rank memory: model state, saved and peak activations, the libraries' reserve
+    (plan/reserved.py: flash buffers, NCCL, cuBLAS, CUDA context), their total on the GPU, and
+    what activation offload holds in host memory."""
+    total = st["params"] + st["grads"] + st["optimizer"] + act.peak + reserved["total"]
     return {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
-            "activations_stored": act.stored, "activations_peak": act.peak, "total": total,
-            "host_offloaded": act.host}
+            "activations_stored": act.stored, "activations_peak": act.peak,
+            "reserved": reserved["total"], "reserved_terms": {k: v for k, v in reserved.items() if k != "total"},
+            "total": total, "host_offloaded": act.host,
+            # what an async checkpoint stages on the host: this rank's weights and optimizer state
+            "checkpoint_staging": st["params"] + st["optimizer"]}
 
 
 def _link_bw(group_span: int, hw: HardwareProfile, *, p2p: bool) -> float:

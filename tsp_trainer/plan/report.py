@@ -40,7 +40,8 @@ def distinct(preds: list[Prediction]) -> list[Prediction]:
     return out
 
 
-def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: float) -> str:
+def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: float,
+                 gpus_per_node: int = 8) -> str:
     shown = distinct(result.fitting)
     rows = [_row(str(i + 1), p) for i, p in enumerate(shown[:top])]
     lines = [header, _table(_COLS, rows)]
@@ -61,7 +62,38 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
                  "state = parameters + gradients + AdamW state; act = peak activations + transients; "
                  "comm % = share of the step spent in exposed communication; MFU counts model FLOPs "
                  "(causal attention halved) against dense bf16 peak.")
+    if shown:
+        lines += ["", *memory_breakdown(shown[0], gpus_per_node=gpus_per_node)]
     return "\n".join(lines)
+
+
+RESERVE_NAMES = {"flash_dq_accum": "FA2 backward fp32 dQ accumulator",
+                 "flash_gqa_dkv_expanded": "FA2 backward dK/dV per query head (GQA)",
+                 "flash_split_kv": "FA2 forward split-KV partials",
+                 "nccl_buffers": "NCCL buffers", "blas_workspaces": "cuBLAS + cuBLASLt workspaces",
+                 "cuda_context": "CUDA context"}
+
+
+def memory_breakdown(p: Prediction, *, gpus_per_node: int) -> list[str]:
+    """One layout's GPU memory per rank, term by term, and the pinned host memory of its node."""
+    from tsp_trainer.plan.reserved import pinned_host_per_node
+
+    m = p.memory
+    lines = [f"memory of #1 ({p.layout.label()}), per GPU:",
+             f"  parameters {m['params'] / GB:.2f} GB, gradients {m['grads'] / GB:.2f} GB, "
+             f"optimizer {m['optimizer'] / GB:.2f} GB, peak activations + transients "
+             f"{m['activations_peak'] / GB:.2f} GB",
+             f"  reserved beside the tensors {m['reserved'] / GB:.2f} GB (plan/reserved.py):"]
+    lines += [f"    {RESERVE_NAMES[k]}: {v / GB:.3f} GB" for k, v in m["reserved_terms"].items()]
+    lines.append(f"  total {m['total'] / GB:.2f} GB of {p.capacity / GB:.1f} GB usable")
+    pinned = pinned_host_per_node(offloaded=m["host_offloaded"], staged=m["checkpoint_staging"],
+                                  gpus_per_node=gpus_per_node)
+    lines.append(f"pinned host memory per node ({gpus_per_node} GPUs): activation offload "
+                 f"{pinned['activation_offload'] / GB:.1f} GB (train.offload_activations), async "
+                 f"checkpoint staging {pinned['checkpoint_staging'] / GB:.1f} GB "
+                 "(checkpoint.async_save; 0 with checkpoint.pinned_staging=false); page-locked "
+                 "memory counts against the container's memory limit")
+    return lines
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> str:

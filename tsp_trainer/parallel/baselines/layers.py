@@ -136,7 +136,7 @@ class ParallelRMSNorm(RMSNorm):
     tokens this norm sees), or left alone when every rank saw the same tokens (TP: comm=None)."""
 
     def __init__(self, norm: RMSNorm, *, comm: Comm | None):
-        super().__init__(norm.weight.shape[0], norm.eps)
+        super().__init__(norm.weight.shape[0], norm.eps, device="meta")   # weight replaced below
         self.weight, self.comm = norm.weight, comm
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

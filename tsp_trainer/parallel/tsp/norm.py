@@ -14,7 +14,7 @@ from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 
 class TSPRMSNorm(RMSNorm):
     def __init__(self, norm: RMSNorm, *, comm: Comm):
-        super().__init__(norm.weight.shape[0], norm.eps)
+        super().__init__(norm.weight.shape[0], norm.eps, device="meta")   # weight replaced below
         self.weight = norm.weight
         self.comm = comm
 
