@@ -206,10 +206,6 @@ class _HeadLossFn(torch.autograd.Function):
 
 
 def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc + a @ b in fp32 (acc None: a @ b in fp32). In fp32 the product is added in place
-    (addmm_: no second [V/D, h] buffer); in bf16 it is computed in bf16 and added."""
-    if acc is None:
-        return (a @ b).float()
-    if a.dtype == torch.float32:
-        return acc.addmm_(a, b)
-    return acc.add_(a @ b)
+    """acc + a @ b in fp32 (acc None: a @ b in fp32): the product in the weights' dtype, then
+    added (one product-sized temporary per chunk)."""
+    return (a @ b).float() if acc is None else acc.add_(a @ b)
