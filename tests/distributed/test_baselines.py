@@ -43,6 +43,9 @@ CFGS = {
                          intermediate_size=128, max_seq_len=64, family="qwen2", qkv_bias=True,
                          rope_theta=1e6, rope_scaling=RopeScaling(
                              "yarn", factor=4.0, original_max_position_embeddings=8)),
+    # one matrix for the embedding and the LM head (both gradients land on it)
+    "tied": ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                        intermediate_size=128, max_seq_len=64, tie_embeddings=True),
 }
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -78,13 +81,16 @@ def _baseline_rank(rank, world, cfg, scheme, options, ids, labels, ref_logits):
     loss_sum, count = par.loss_sum(local_ids, local_labels, pos)
     total = global_count(count, par.token_comms)
     (loss_sum / total).backward()
-    ledger = {k: v["bytes"] for k, v in mesh.ledger.summary().items()}
+    summary = mesh.ledger.summary()
+    ledger = {k: v["bytes"] for k, v in summary.items()}
 
     # The layout slices any [B, S, ...] tensor along dim 1: the reference logits of our tokens.
     expected_logits = par.local_batch(ref_logits, ref_logits)[0]
     torch.testing.assert_close(par.model(local_ids, pos), expected_logits, **TOL)
     return {"loss": reduce_loss_value(loss_sum, total, par.token_comms), "ledger": ledger,
             "grads": par.gather_full_grads(), "info": par.info,
+            "loss_collectives": summary.get("all_reduce/head.ce", {"count": 0})["count"],
+            "loss_chunk": model.lm_head.chunk_tokens(local_labels.numel()),
             "param_numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -108,6 +114,31 @@ def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
         # Weights: 1/T of every matrix (and of the q/k/v, gate/up biases) on each rank, norms and
         # o/down biases replicated (SP: T = 1, everything).
         assert out["param_numel"] == (cfg.num_params() - replicated) // t + replicated
+
+
+# parallel.loss_chunk_tokens forcing several chunks (2 x 32 tokens: 64 tokens in the TP region of
+# tp / tp_sp, 64 / S under sp): the same loss and gradients, the same bytes in the same three
+# cross-entropy all-reduces.
+TILED = [("tp", 2, "gqa", {}, 5), ("tp", 4, "tied", {}, 7), ("tp_sp", 2, "tied", {}, 5),
+         ("tp_sp", 4, "llama_bias", {}, 9), ("sp", 2, "tied", {}, 5), ("sp", 4, "gqa", {}, 3),
+         ("tp_x_sp", 4, "gqa", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}, 5)]
+
+
+@pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED,
+                         ids=[f"{s}-d{w}-{c}-chunk{k}" for s, w, c, _, k in TILED])
+def test_tiled_loss_parity_and_ledger(scheme, world, cfg_name, options, chunk):
+    cfg = CFGS[cfg_name]
+    ids, labels, ref = _reference(cfg_name)
+    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, "loss_chunk_tokens": chunk},
+                           ids, labels, ref["logits"])
+    expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
+    for rank, out in enumerate(results):
+        assert out["loss_chunk"] == chunk
+        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"rank {rank} loss"
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+        assert out["ledger"] == expected_comm
+        assert out["loss_collectives"] == (3 if out["info"]["tp_degree"] > 1 else 0)
 
 
 def test_the_table_of_schemes_is_the_configs_scheme_type():

@@ -34,6 +34,9 @@ CASES = [  # (scheme, world, dp, options)
     ("tsp", 2, 1, {}), ("tsp", 4, 1, {}), ("tsp", 4, 2, {}),
     ("tp", 2, 1, {}), ("tp_sp", 2, 1, {}), ("sp", 2, 1, {}), ("sp", 4, 1, {}),
     ("tp_x_sp", 4, 1, {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}),
+    # the head's tokens in chunks of 80 (parallel.loss_chunk_tokens; 256 or 512 local tokens)
+    ("tsp", 2, 1, {"loss_chunk_tokens": 80}), ("tp", 2, 1, {"loss_chunk_tokens": 80}),
+    ("sp", 2, 1, {"loss_chunk_tokens": 80}),
 ]
 
 
@@ -108,3 +111,8 @@ def test_eval_under_every_layout_equals_one_process(scheme, world, dp, options):
         assert biggest < tokens_here * CFG.vocab_size
         if scheme == "tsp":
             assert not [s for s in o["shapes"] if CFG.vocab_size in s]
+        if "loss_chunk_tokens" in options:            # logits [chunk, V/T]: never more rows
+            rows = CFG.vocab_size // (1 if scheme == "sp" else world)
+            chunk = options["loss_chunk_tokens"]
+            assert [s for s in o["shapes"] if s[-1:] == (rows,) and torch.Size(s[:-1]).numel() == chunk]
+            assert not [s for s in o["shapes"] if s[-1:] == (rows,) and torch.Size(s[:-1]).numel() > chunk]

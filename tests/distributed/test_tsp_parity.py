@@ -150,3 +150,43 @@ def test_per_rank_parameter_bytes(degree, biases):
     replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * cfg.replicated_biases
     expected = ((cfg.num_params() - replicated) // degree + replicated) * 4
     assert all(o["param_bytes"] == expected for o in outs)
+
+
+# (degree, tied head, activation checkpointing, tokens per loss chunk): 2 x 24 tokens give
+# 48 / D local tokens, so 5 takes them in 10, 5 and 3 chunks (the last one shorter).
+TILED_CASES = [(1, False, False, 5), (2, False, True, 5), (2, True, False, 5), (4, False, False, 5),
+               (4, True, True, 5), (2, False, False, 1)]
+
+
+@pytest.mark.parametrize("degree,tied,checkpointing,chunk", TILED_CASES,
+                         ids=[f"d{d}{'-tied' if t else ''}{'-ac' if ac else ''}-chunk{c}"
+                              for d, t, ac, c in TILED_CASES])
+def test_tiled_loss_matches_single_process(degree, tied, checkpointing, chunk):
+    """parallel.loss_chunk_tokens forcing several chunks: the same loss and gradients as one
+    process, and the vocab ring moves exactly what one chunk moves (each weight shard serves every
+    chunk before it travels on): D - 1 head weight hops forward, D - 1 weight and D accumulator
+    hops backward. (Activation checkpointing re-runs the blocks' forward, and their traffic, in
+    backward: the head's and embedding's are still exactly the closed form.)"""
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, tie_embeddings=tied)
+    ids, labels = make_batch(cfg, 2, 24)
+    ref = reference(cfg, 7, ids, labels)
+    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, 1, 0, 1e-2, False, "adamw", "full",
+                        chunk, checkpointing)
+    _assert_parity(ref, outs)
+    expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=24, head_buckets=1)
+    for o in outs:
+        assert o["loss_chunk"] == chunk
+        totals = ledger_totals(o["ledger"])
+        if checkpointing:
+            assert _vocab_traffic(totals) == _vocab_traffic(expected)
+        else:
+            assert totals == expected
+        hops = {tag: totals.get(("send", tag), {"count": 0})["count"]
+                for tag in ("head.weights", "head.weights.grad")}
+        assert hops == {"head.weights": 2 * (degree - 1),
+                        "head.weights.grad": degree if degree > 1 else 0}, hops
+
+
+def _vocab_traffic(totals: dict) -> dict:
+    """The ledger entries of the embedding and the LM head ((op, tag) -> count and bytes)."""
+    return {k: v for k, v in totals.items() if k[1].split(".")[0] in ("head", "embed")}

@@ -6,6 +6,7 @@ import torch
 
 from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
@@ -59,7 +60,10 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 
 
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
-             optim="adamw", recompute="full"):
+             optim="adamw", recompute="full", loss_chunk="auto", checkpointing=False):
+    """One TSP rank: loss, gathered gradients, ledger and local logits (`loss_chunk`: the LM
+    head's parallel.loss_chunk_tokens; `checkpointing`: every block under activation
+    checkpointing)."""
     mesh = build_mesh(world)
     if meta:
         with torch.device("meta"):
@@ -68,7 +72,10 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
         model = Transformer(cfg)
         init_model(model, seed)
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
-                      init_seed=seed if meta else None, tsp_recompute=recompute)
+                      init_seed=seed if meta else None, tsp_recompute=recompute,
+                      loss_chunk_tokens=loss_chunk)
+    if checkpointing:
+        model.block_wrapper = checkpointed_block
     local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, mesh.dims.tsp)
 
     mesh.ledger.reset()
@@ -79,6 +86,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
     loss = reduce_loss_value(loss_sum, total, [mesh.tsp])
     grads = par.gather_full_grads()
     out = {"loss": loss, "grads": grads, "ledger": ledger,
+           "loss_chunk": model.lm_head.chunk_tokens(local_labels.numel()),
            "logits_local": model(local_ids, pos).detach(),
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if steps:

@@ -66,6 +66,30 @@ def test_analytic_model_matches_the_code_on_fake_tensors(case, dtype, ac):
     assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
 
 
+
+# A vocabulary that dominates (16K rows against h = 64, 512 or 1,024 local tokens): the loss phase
+# is the peak, with one [64, V/T] fp32 logits block per chunk.
+BIG_VOCAB = CFG.replace(vocab_size=16_384)
+TILED = [("tsp", 2, {}), ("tp", 2, {}), ("tp_sp", 2, {}), ("sp", 2, {})]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("case", TILED, ids=[_ids(c) for c in TILED])
+def test_the_loss_phase_model_follows_the_chunk(case, dtype):
+    scheme, degree, kw = case
+    prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
+    res = run_step(BIG_VOCAB, scheme, world_size=degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
+                   rank=0, loss_chunk_tokens=64, **kw)
+    layout = _layout(scheme, degree, kw)
+    act = activation_memory(BIG_VOCAB, layout, SEQ, prec, device="cpu", loss_chunk_tokens=64)
+    whole = activation_memory(BIG_VOCAB, layout, SEQ, prec, device="cpu")
+    assert (act.terms["loss_chunk_tokens"], act.peak_phase) == (64, "loss")
+    assert whole.terms["loss_chunk_tokens"] == SEQ // (1 if scheme.startswith("tp") else degree)
+    assert act.phases["loss"] < 0.6 * whole.phases["loss"]      # the block was most of it
+    assert act.stored == pytest.approx(res.stored_bytes, rel=0.01)
+    assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
+
+
 @pytest.mark.parametrize("degree,buckets", [(2, 2), (4, 1)])
 def test_selective_keeps_its_items_and_not_the_gathered_kv(degree, buckets):
     """What selective recompute keeps beyond full recompute is exactly q, k/v, the attention

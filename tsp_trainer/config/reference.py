@@ -115,7 +115,10 @@ def _allowed(f: dataclasses.Field, kind: Any) -> str:
     """The Literal's choices, the setting's choices (each item's, for a list) or its bound."""
     literals = [a for a in (kind, *typing.get_args(kind)) if typing.get_origin(a) is Literal]
     if literals:
-        return "one of " + ", ".join(map(str, typing.get_args(literals[0])))
+        words = ", ".join(map(str, typing.get_args(literals[0])))
+        if bound_of(f) is not None:          # a number or a word (int | Literal["auto"])
+            return f"{words}, or {bound_of(f).text()}"
+        return "one of " + words
     if choices_of(f):
         each = "each one of " if typing.get_origin(kind) is list else "one of "
         return each + ", ".join(map(str, choices_of(f)))

@@ -111,6 +111,10 @@ class ParallelSection:
                     "from X_p; selective keeps q, k/v, attention outputs (~5 X_p more per layer) and "
                     "skips the attention recompute; none also keeps the MLP's gate/up "
                     "pre-activations (+2 B S/D I elements per layer): backward re-runs no forward GEMM")
+    loss_chunk_tokens: int | Literal["auto"] = setting(
+        "auto", min=1, doc="local tokens the LM head's loss takes at a time (fp32 logits [chunk, "
+                           "V/D]); auto: all at once unless that block exceeds 1 GiB, else the "
+                           "fewest equal chunks under it (docs/long_context.md)")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")

@@ -145,12 +145,20 @@ def _check_bounds(section: Any, prefix: str) -> None:
         elif list_of_sections(kind):
             for i, item in enumerate(value):
                 _check_bounds(item, f"{key}[{i}].")
-        elif bound_of(f) is not None and not (value is None and _optional(kind)):
+        elif (bound_of(f) is not None and not (value is None and _optional(kind))
+              and not _named_choice(value, kind)):
             _require_bound(key, value, bound_of(f), integer=_number_kind(kind) is int)
 
 
 def _optional(kind: Any) -> bool:
     return type(None) in typing.get_args(kind)
+
+
+def _named_choice(value: Any, kind: Any) -> bool:
+    """Whether `value` is a word a `number | Literal[...]` key takes ("auto"): the number's bound
+    does not apply to it."""
+    return any(typing.get_origin(a) is Literal and value in typing.get_args(a)
+               for a in typing.get_args(kind))
 
 
 def _number_kind(kind: Any) -> type:

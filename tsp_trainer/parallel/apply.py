@@ -72,10 +72,12 @@ def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
 
 
 def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len: int | None = None,
-              init_seed: int | None = None, recompute: str = "full") -> dict[str, ShardSpec]:
+              init_seed: int | None = None, recompute: str = "full",
+              loss_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
-    with init_parameter, one full parameter at a time: the same values a plain model gets)."""
+    with init_parameter, one full parameter at a time: the same values a plain model gets).
+    `loss_chunk_tokens`: the LM head's token chunks (parallel/loss_chunks.py)."""
     cfg = model.cfg
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
@@ -98,7 +100,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size)
-    model.lm_head = TSPLMHead(head, comm=comm, vocab_size=cfg.vocab_size)
+    model.lm_head = TSPLMHead(head, comm=comm, vocab_size=cfg.vocab_size,
+                              loss_chunk_tokens=loss_chunk_tokens)
     mark_model_parallel(model, specs)
     return specs
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.rms_norm import backward_chunk_rows
+from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.transients import (baseline_transients, expands_kv, rms_norm_saved,
@@ -45,7 +46,7 @@ class _Saved:
 
 
 def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16, *,
-                      device: str = "cuda") -> ActivationEstimate:
+                      device: str = "cuda", loss_chunk_tokens: int | str = "auto") -> ActivationEstimate:
     """Saved activations and the peak of saved + transient bytes over one forward + backward.
 
     The transient peak is the largest of the phases listed in `phases`, for the rank with the
@@ -54,6 +55,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     device: "cuda" (what the planner predicts: `attention_core` passes a lower-right CausalBias, no
     mask in memory) or "cpu" (the validation runs: prefix and diagonal merged by log-sum-exp, no
     mask either; the two differ in the K/V expansion of the CUDA memory-efficient kernel).
+    loss_chunk_tokens: parallel.loss_chunk_tokens, the loss's token chunks (parallel/loss_chunks.py).
     """
     e, h = prec.act, cfg.hidden_size
     tok = _tokens(layout, seq_len)
@@ -61,12 +63,13 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     mlp_kept = tsp_mlp_kept(cfg, layout, seq_len, prec)         # 0 unless none
     _check_kept_attention(cfg, layout, prec, device, sel)
     rope = 2 * tok["rope"] * cfg.head_dim * 4                   # fp32 cos, sin tables
+    chunk = loss_chunk(cfg, layout, tok, loss_chunk_tokens)
     if layout.scheme == "tsp":
         layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
-        tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device, sel, mlp_kept)
+        tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device, sel, mlp_kept, chunk)
     else:
-        layer, outside = _baseline_saved(cfg, layout, prec, tok)
-        tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device)
+        layer, outside = _baseline_saved(cfg, layout, prec, tok, chunk)
+        tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device, chunk)
     ac_input = _ac_block_input(layout, prec, h, tok)
     saved = _place(layout, cfg.num_layers, layer, ac_input if layout.activation_checkpointing else layer,
                    outside + rope, rope)
@@ -74,13 +77,20 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     phases = _phases(layout, cfg.num_layers, e * tok["norm"] * h, saved, tr)
     phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
     peak_phase = max(phases, key=phases.get)
-    terms = {"rope_tables": rope, "tsp_selective_kept": sel, "tsp_mlp_kept": mlp_kept,
-             "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
+    terms = {"rope_tables": rope, "loss_chunk_tokens": chunk, "tsp_selective_kept": sel,
+             "tsp_mlp_kept": mlp_kept, "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
              **{f"transient_{k}": v for k, v in tr.items()}, "norm_backward_temporaries": norm_tmp}
     return ActivationEstimate(stored_per_layer=saved.per_layer, stored_outside=saved.outside,
                               stored=saved.forward + saved.outside, phases=phases,
                               peak=phases[peak_phase], peak_phase=peak_phase, terms=terms,
                               host=saved.host)
+
+
+def loss_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], setting: int | str = "auto") -> int:
+    """Tokens per chunk of the LM head's loss on this rank: the region's tokens against the
+    vocabulary shard (V/D for TSP, V/T for the baselines), as the heads resolve it."""
+    t = layout.degree if layout.scheme == "tsp" else layout.axes[0]
+    return resolve_loss_chunk_tokens(setting, tok["region"], cfg.vocab_size // t)
 
 
 def _tokens(layout: Layout, seq_len: int) -> dict[str, int]:
@@ -116,10 +126,11 @@ def _tsp_saved(cfg: ModelConfig, prec: Precision, tok: dict[str, int], sel: int,
 
 
 def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
-                    tok: dict[str, int]) -> tuple[int, int]:
+                    tok: dict[str, int], loss_chunk: int) -> tuple[int, int]:
     """(one layer without AC, outside the layers before the RoPE tables) saved by a baseline: what
     autograd keeps around its norms, F.linear, SDPA and SiLU; the final norm and the
-    cross-entropy's fp32 softmax block."""
+    cross-entropy's fp32 softmax block (none when the loss is tiled: its backward recomputes each
+    chunk's logits)."""
     e = prec.act
     t, s_p, seqpar = layout.axes
     h, hkv, inter, V = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -134,7 +145,9 @@ def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
     if e != 4:                                                   # apply_rope's cos/sin cast to the
         layer += 2 * tok["rope"] * cfg.head_dim * e              # activation dtype, kept by autograd
     outside = rms_norm_saved(n_n, h, e, output_kept=not seqpar) + (e * n_r * h if seqpar else 0)
-    outside += 4 * n_r * (V // t) + 4 * n_r * 4                  # fp32 softmax block kept by the CE
+    if loss_chunk >= n_r:
+        outside += 4 * n_r * (V // t)                            # fp32 softmax block kept by the CE
+    outside += 4 * n_r * 4                                       # the CE's fp32 per-token vectors
     outside += 3 * n_r           # per-token loss bookkeeping (3 B/token, measured on fake tensors)
     return layer, outside
 
@@ -238,5 +251,5 @@ def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision
     return 2 * prec.act * n * cfg.intermediate_size
 
 
-__all__ = ["ActivationEstimate", "activation_memory", "norm_backward_chunk_bytes", "tsp_mlp_kept",
-           "tsp_selective_saved"]
+__all__ = ["ActivationEstimate", "activation_memory", "loss_chunk", "norm_backward_chunk_bytes",
+           "tsp_mlp_kept", "tsp_selective_saved"]

@@ -225,10 +225,12 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              micro_batch: int = 1, dtype: torch.dtype = torch.bfloat16, head_buckets: int = 1,
              activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
-             seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full") -> StepResult:
+             seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
+             loss_chunk_tokens: int | str = "auto") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
-    tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none")."""
+    tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
+    loss_chunk_tokens: `parallel.loss_chunk_tokens` (the LM head's token chunks)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -255,7 +257,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
                 model = Transformer(cfg)
             finally:
                 torch.set_default_dtype(default)
-            par = parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+            par = parallelize(model, scheme, mesh, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens,
+                              **options)
             params = list(model.parameters())
             for p in params:
                 p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does

@@ -3,7 +3,8 @@ and RMSNorm's backward allocate on top of the saved activations, per scheme. `ac
 them to what the layers saved to find the peak of each phase.
 
 Notation as in docs/planner.md: e bytes per activation element, n this rank's tokens, h hidden,
-h_kv = n_kv * d, I intermediate, V vocab, D the model-parallel degree, n_b head buckets (TSP).
+h_kv = n_kv * d, I intermediate, V vocab, D the model-parallel degree, n_b head buckets (TSP),
+c the tokens of one loss chunk (parallel.loss_chunk_tokens; c = n when the loss is not tiled).
 """
 
 from __future__ import annotations
@@ -62,17 +63,18 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
 
 
 def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
-                   device: str, sel: int, mlp_kept: int) -> dict[str, int]:
+                   device: str, sel: int, mlp_kept: int, loss_chunk: int | None = None) -> dict[str, int]:
     """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
     gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
     ring's logits block. `sel`: the layer's kept attention bytes (selective, none; 0 under full),
     alive from the layer's forward until its attention backward; `mlp_kept`: the gate/up
     pre-activations none keeps (0 otherwise), alive from the MLP's forward until its backward.
-    n: this rank's tokens, B S / D."""
+    n: this rank's tokens, B S / D; loss_chunk: the loss's tokens per chunk (None: n)."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
     h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel)
+    c = n if loss_chunk is None else min(loss_chunk, n)
     w_mlp = cfg.mlp_sharded_params // d_ * ew
     own = rms_norm_saved(n, h, e, output_kept=True)    # norm's saved tensors + X_p
     acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
@@ -92,13 +94,13 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": (2 * own + sel + mlp_kept + 2 * e * n * h + acc32
                        + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
-           # ring of vocab shards: one fp32 logits block [N/D, V/D] (its exp / softmax computed in
+           # ring of vocab shards: one fp32 logits block [c, V/D] (its exp / softmax computed in
            # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
            # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
-           # [V/D, h] gradients (the one being computed, in bf16 also its bf16 product, the
-           # accumulator being sent and the one arriving)
-           "head": ((4 + (e if e < 4 else 0)) * n * (V // d_) + 8 * n * h
-                    + V // d_ * h * (2 * ew + 3 * 4 + (ew if ew < 4 else 0))),
+           # [V/D, h] gradients (the one being computed, the accumulator being sent and the one
+           # arriving) and, in bf16 or when tiled, a chunk's product added into the first
+           "head": ((4 + (e if e < 4 else 0)) * c * (V // d_) + 8 * n * h
+                    + V // d_ * h * (2 * ew + 3 * 4 + (ew if ew < 4 or c < n else 0))),
            "norm_bwd_in_layer": own + sel + rms_norm_saved(n, h, e, output_kept=False) + e * n * h,
            # no causal mask or bias tensor on either attention route: 0 in the reported terms
            "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
@@ -165,11 +167,13 @@ def _mlp_ring_backward_shards(w: int, ew: int) -> int:
 
 
 def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
-                        tok: dict[str, int], layer_saved: int, device: str) -> dict[str, int]:
+                        tok: dict[str, int], layer_saved: int, device: str,
+                        loss_chunk: int | None = None) -> dict[str, int]:
     """Transients of the baselines (parallel/baselines/): the TP region's partial output and its
     reduced copy, the gradients of q/k/v and the MLP intermediates, the zigzag attention of the sp
     sub-axis (gathered K/V of all local heads), the vocab-parallel logits. tok: tokens per rank in
-    the TP region and at the norms; layer_saved: a layer's saved bytes without AC."""
+    the TP region and at the norms; layer_saved: a layer's saved bytes without AC; loss_chunk:
+    the loss's tokens per chunk (None or >= the region's tokens: not tiled)."""
     e, ew = prec.act, prec.weight
     t, s_p, seqpar = layout.axes
     b = layout.micro_batch
@@ -201,10 +205,24 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
            "attn_bwd": own1 + max(attn_saved + dgrad_in + core_bwd, dgrad_in + 3 * a_r),
            "mlp_bwd": layer_saved + dgrad_in + mid + wgrad,
            "norm_bwd_in_layer": own1 + attn_saved + rms_norm_saved(n_n, h, e, output_kept=False) + a_n,
-           # bf16 logits while the fp32 copy is made; backward: their gradient in bf16, dX, dW
-           # (none in fp32: the cross-entropy works on the logits in place)
-           "head": (e * n_r * V // t if e != 4 else 0) + a_r + V // t * h * ew * (2 if s_p > 1 else 1)}
+           "head": _baseline_head(n_r, loss_chunk, V // t, h, e, ew, a_r, s_p)}
     return out
+
+
+def _baseline_head(n_r: int, loss_chunk: int | None, rows: int, h: int, e: int, ew: int, a_r: int,
+                   s_p: int) -> int:
+    """The LM head's transient (parallel/baselines/layers.py::ParallelLMHead.loss_sum). Whole: the
+    bf16 logits while the fp32 copy is made; backward: their gradient in bf16, dX, dW (none in
+    fp32: the cross-entropy works on the logits in place; its fp32 softmax block is saved, counted
+    in activations.py); under sp the all-reduced clone of the weight gradient. Tiled (c < n_r):
+    one chunk's fp32 logits and, in bf16, the bf16 block it is cast from (or, backward, the
+    gradient cast back); dX; the fp32 weight gradient and a chunk's product (its sum over sp comes
+    after the products are gone). Measured on fake tensors with a vocabulary-dominated shape
+    (tests/unit/test_plan_fake.py)."""
+    cast = e if e != 4 else 0
+    if loss_chunk is None or loss_chunk >= n_r:
+        return cast * n_r * rows + a_r + rows * h * ew * (2 if s_p > 1 else 1)
+    return (4 + cast) * loss_chunk * rows + a_r + rows * h * (4 + ew)
 
 
 __all__ = ["baseline_transients", "expands_kv", "rms_norm_saved", "tsp_transients"]

@@ -33,10 +33,12 @@ from tsp_trainer.parallel.parallelized import Parallelized
 BASELINE_PLAN = TSP_PLAN
 
 
-def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None = None) -> dict[str, ShardSpec]:
+def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None = None,
+                   loss_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
     """Shard `model` in place over groups.tp (T-way Megatron split; replicated when T = 1) and swap
     in the baseline blocks. A meta-device model is initialised from `init_seed`, one full parameter
-    at a time (the values the plain model gets from init_weights)."""
+    at a time (the values the plain model gets from init_weights). `loss_chunk_tokens`: the LM
+    head's token chunks (parallel/loss_chunks.py)."""
     cfg, t = model.cfg, groups.tp.size
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     specs = (plan_specs(names, BASELINE_PLAN, t, "tp") if t > 1
@@ -56,7 +58,8 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = ParallelEmbedding(embed, vocab_start=vocab_start, groups=groups)
-    model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups)
+    model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups,
+                                   loss_chunk_tokens=loss_chunk_tokens)
     # DeepSpeed's model-parallel group is the whole D group: count each tp shard on sp rank 0 only.
     mark_model_parallel(model, specs, counts_shards=groups.sp.rank == 0)
     return specs
@@ -114,11 +117,12 @@ def _check(model: Transformer, scheme: str, mesh: Mesh, kw: dict, **two_axes) ->
     """The shape rules of config/validate.py, before any process-group work. tp_degree/sp_degree
     given to another scheme reach check_parallel_shapes, which explains they are tp_x_sp's."""
     two_axes = {k: kw.get(k, two_axes.get(k)) for k in ("tp_degree", "sp_degree")}
-    unknown = set(kw) - {"seq_len", "head_buckets", "init_seed", "tp_degree", "sp_degree"}
+    unknown = set(kw) - {"seq_len", "head_buckets", "init_seed", "tp_degree", "sp_degree",
+                         "loss_chunk_tokens"}
     if unknown:
         extra = ", tp_degree, sp_degree, tp_sequence_parallel" if scheme == "tp_x_sp" else ""
         raise ValueError(f"parallel scheme {scheme!r} got unknown option(s) {sorted(unknown)}; its "
-                         f"options are seq_len, init_seed{extra}")
+                         f"options are seq_len, init_seed, loss_chunk_tokens{extra}")
     check_parallel_shapes(model.cfg, scheme=scheme, degree=mesh.tsp.size, seq_len=kw.get("seq_len"),
                           head_buckets=kw.get("head_buckets", 1), **two_axes)
 
@@ -129,7 +133,8 @@ def _single(mesh: Mesh, axis: str) -> Comm:
 
 
 def _wrap(model: Transformer, mesh: Mesh, scheme: str, groups: Groups, kw: dict) -> Parallelized:
-    specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"))
+    specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
+                           loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"))
     sp = groups.sp
 
     def layout(ids: torch.Tensor, labels: torch.Tensor):

@@ -17,7 +17,8 @@ TP = (T=D, S=1), TP+SP = (T=D, S=1, sequence_parallel), SP = (T=1, S=D), TP x SP
 |           |                               |                                    | splitting groups (`norm_grad`)  |
 | embedding | vocab rows p*V/T..            | masked lookup; leave TP region     | local rows; summed over sp      |
 | LM head   | vocab rows p*V/T..            | enter; logits [.., V/T]; vocab-    | local (softmax - onehot)        |
-|           |                               | parallel cross-entropy             |                                 |
+|           |                               | parallel cross-entropy, in token   | (logits recomputed per chunk    |
+|           |                               | chunks when tiled                  | when tiled)                     |
 | biases    | q/k/v, gate/up: with their    | added in the column-parallel       | as their weights (summed over sp)|
 |           | rows; o, down: full           | matmul; o/down after leaving TP    | o, down: as the norms           |
 "enter"/"leave" are copy_to_region / reduce_from_region (all-reduce), or with sequence_parallel
@@ -38,10 +39,12 @@ from tsp_trainer.parallel.baselines.context import context_attention
 from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight_to_region,
                                                      gather_from_sequence,
                                                      reduce_from_region, reduce_scatter_to_sequence,
+                                                     tiled_vocab_parallel_loss,
                                                      vocab_parallel_argmax,
                                                      vocab_parallel_cross_entropy,
                                                      vocab_parallel_lookup)
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
 
 
 @dataclass(frozen=True)
@@ -160,30 +163,51 @@ class ParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Vocab-parallel LM head: weight [V/T, h]; loss_sum uses the vocab-parallel cross-entropy,
-    so no rank holds more than [tokens, V/T] logits."""
+    so no rank holds more than [tokens, V/T] logits, and with the tokens tiled
+    (`loss_chunk_tokens`, `loss_budget_bytes`: parallel/loss_chunks.py) no more than [chunk, V/T]."""
 
-    def __init__(self, weight, *, vocab_start: int, groups: Groups):
+    def __init__(self, weight, *, vocab_start: int, groups: Groups,
+                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.vocab_start, self.groups = vocab_start, groups
+        self.loss_chunk_tokens, self.loss_budget_bytes = loss_chunk_tokens, loss_budget_bytes
+
+    def chunk_tokens(self, region_tokens: int) -> int:
+        """Tokens per chunk of the loss for `region_tokens` tokens in the TP region."""
+        return resolve_loss_chunk_tokens(self.loss_chunk_tokens, region_tokens, self.weight.shape[0],
+                                         self.loss_budget_bytes)
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.groups
-        logits = F.linear(g.enter_tp(hidden, "head.tp"), g.weight(self.weight))   # [B, T, V/T]
-        losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
+        x, w = g.enter_tp(hidden, "head.tp"), g.weight(self.weight)
+        chunk = self.chunk_tokens(labels.numel())
+        if chunk < labels.numel():
+            losses = tiled_vocab_parallel_loss(x, w, labels, vocab_start=self.vocab_start,
+                                               comm=g.tp, chunk=chunk)
+        else:                                  # one chunk: the logits block, its softmax kept
+            losses = vocab_parallel_cross_entropy(F.linear(x, w), labels,      # [B, T, V/T]
+                                                  vocab_start=self.vocab_start, comm=g.tp)
         valid = labels != IGNORE_INDEX
         return (losses * valid).sum(), valid.sum()
 
     @torch.no_grad()
     def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
         """Loss and argmax [B, T_region] of the region's tokens (those of this rank's layout:
-        all tokens under TP and TP+SP, the zigzag slice under SP), with [.., V/T] logits only."""
+        all tokens under TP and TP+SP, the zigzag slice under SP), with [chunk, V/T] logits only."""
         g = self.groups
-        logits = F.linear(g.enter_tp(hidden, "head.tp"), self.weight)          # [B, T, V/T]
-        # argmax first: the cross-entropy works on the logits in place
-        best = vocab_parallel_argmax(logits, vocab_start=self.vocab_start, comm=g.tp)
-        losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
-        return TokenStats(losses * (labels != IGNORE_INDEX), best)
+        x = g.enter_tp(hidden, "head.tp")
+        flat, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+        losses = torch.empty(flat_labels.shape, dtype=torch.float32, device=x.device)
+        best = torch.empty_like(flat_labels)
+        for c in token_chunks(flat_labels.numel(), self.chunk_tokens(flat_labels.numel())):
+            logits = F.linear(flat[c], self.weight)                            # [chunk, V/T]
+            # argmax first: the cross-entropy works on the logits in place
+            best[c] = vocab_parallel_argmax(logits, vocab_start=self.vocab_start, comm=g.tp)
+            losses[c] = vocab_parallel_cross_entropy(logits, flat_labels[c],
+                                                     vocab_start=self.vocab_start, comm=g.tp)
+        losses = losses.view(labels.shape)
+        return TokenStats(losses * (labels != IGNORE_INDEX), best.view(labels.shape))
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ through `Comm` (ledger); nothing here imports parallel/tsp.
 | gather_from_sequence        | all-gather along the sequence dim  | reduce-scatter along the sequence|
 | reduce_scatter_to_sequence  | reduce-scatter along the sequence  | all-gather along the sequence    |
 | vocab_parallel_cross_entropy| all-reduce max, target, sum-exp    | none (softmax - onehot, local)   |
+| tiled_vocab_parallel_loss   | LM head matmul + the same three    | none (logits recomputed per chunk|
+|                             | all-reduces, tokens in chunks      | of tokens, softmax - onehot)     |
 | vocab_parallel_argmax       | all-reduce max, then min of indices| none (evaluation only)           |
 
 Activations are [B, T, h]; "sequence" is dim 1, split in contiguous blocks (block i on group rank i).
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
+from tsp_trainer.parallel.loss_chunks import in_vocab_shard, token_chunks
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -165,6 +168,58 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, 
     """Per-token cross-entropy [B, T] (fp32) of vocab-sharded logits; ignored labels (outside
     every shard, e.g. -100) get log(sum_exp): mask them in the caller."""
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, comm, tag)
+
+
+class _TiledVocabParallelLoss(torch.autograd.Function):
+    """Token losses of x [B, T, h] against the vocab shard w [V/D, h], the tokens taken `chunk` at a
+    time so that no [B T, V/D] block exists (parallel/loss_chunks.py). Forward: per chunk the fp32
+    logits [chunk, V/D], this shard's log-sum-exp and target logit; then the three all-reduces
+    of _VocabParallelCrossEntropy, the same [B, T] fp32 tensors (the max of the shards' log-sum-exps,
+    the sum of exp(lse_shard - max), the target), so tiling moves no extra bytes and issues no
+    extra collective. Backward: no communication; per chunk the logits are recomputed and
+    (softmax - onehot) x dloss gives that chunk's dX and is added to the fp32 weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, vocab_start: int, comm: Comm, chunk: int, tag: str):
+        flat = x.reshape(-1, x.shape[-1])                        # [B T, h]
+        local, hit = in_vocab_shard(labels.reshape(-1), vocab_start, weight.shape[0])
+        shard_lse = flat.new_empty(flat.shape[0], dtype=torch.float32)
+        target = flat.new_zeros(flat.shape[0], dtype=torch.float32)
+        for c in token_chunks(flat.shape[0], chunk):
+            logits = (flat[c] @ weight.T).float()                # [chunk, V/D]
+            target[c] = logits.gather(1, local[c, None]).squeeze(1).masked_fill_(~hit[c], 0.0)
+            shard_lse[c] = torch.logsumexp(logits, dim=-1)
+        top = shard_lse.clone()
+        comm.all_reduce(top, op=dist.ReduceOp.MAX, tag=tag)
+        comm.all_reduce(target, tag=tag)
+        sum_exp = (shard_lse - top).exp_()
+        comm.all_reduce(sum_exp, tag=tag)
+        lse = top + torch.log(sum_exp)                           # [B T], over the whole vocabulary
+        ctx.save_for_backward(x, weight, local, hit, lse)
+        ctx.chunk = chunk
+        return (lse - target).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x, weight, local, hit, lse = ctx.saved_tensors
+        flat, scale = x.reshape(-1, x.shape[-1]), dloss.reshape(-1)
+        dx = torch.empty_like(flat)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for c in token_chunks(flat.shape[0], ctx.chunk):
+            grad = (flat[c] @ weight.T).float().sub_(lse[c, None]).exp_()      # softmax block
+            grad.scatter_add_(1, local[c, None], -hit[c, None].float())        # - onehot
+            grad = grad.mul_(scale[c, None]).to(weight.dtype)
+            dx[c] = grad @ weight                                # each chunk's rows once: no sum
+            dw.add_(grad.T @ flat[c])                            # summed over chunks in fp32
+        return dx.view(x.shape), dw.to(weight.dtype), None, None, None, None, None
+
+
+def tiled_vocab_parallel_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                              vocab_start: int, comm: Comm, chunk: int,
+                              tag: str = "head.ce") -> torch.Tensor:
+    """Per-token cross-entropy [B, T] (fp32) of the LM head x @ weight.T with vocab-sharded weight
+    [V/D, h], `chunk` tokens at a time; ignored labels get the log-sum-exp: mask them in the caller."""
+    return _TiledVocabParallelLoss.apply(x, weight, labels, vocab_start, comm, chunk, tag)
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, *, vocab_start: int, comm: Comm,

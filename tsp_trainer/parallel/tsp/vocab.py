@@ -7,16 +7,18 @@ in fp32 (a token seen thousands of times would otherwise be added up in bf16, on
 occurrence) and the accumulator travels in fp32.
 
 LM head + loss: the same ring; at each step a rank computes the logits of its local tokens for the
-shard in hand ([N/D, V/D], never the full vocabulary), folds them into an online log-sum-exp and
-picks the target logit when the label falls in the shard. Backward recomputes each block of logits
-and returns (softmax - onehot) x grad along the reverse ring: matmuls in the weights' dtype
-(bf16 tensor cores, no fp32 copy of X or W), their results summed in fp32 (dX over shards, the
-weight gradient over ranks in an fp32 accumulator). Full-vocabulary logits of all tokens never
-exist on one rank.
+shard in hand, chunk by chunk of `loss_chunk_tokens` tokens ([chunk, V/D], never the full
+vocabulary, and never [N/D, V/D] when the tokens are tiled: parallel/loss_chunks.py), folds them
+into an online log-sum-exp and picks the target logit when the label falls in the shard. Backward
+recomputes each block of logits and returns (softmax - onehot) x grad along the reverse ring:
+matmuls in the weights' dtype (bf16 tensor cores, no fp32 copy of X or W), their results summed in
+fp32 (dX over shards, the weight gradient over chunks and ranks in an fp32 accumulator). A shard
+serves every chunk before it moves on, so tiling adds kernel launches, not ring transfers.
+Full-vocabulary logits of all tokens never exist on one rank.
 
 Evaluation (`TSPLMHead.token_stats`, forward only): the same ring and online log-sum-exp, also
 keeping a running argmax over the shards, gives each local token its loss and most likely next
-token, still with [N/D, V/D] logits at a time.
+token, with the same [chunk, V/D] logits at a time.
 
 No op here depends on the values of ids or labels for its shape: tokens outside the shard in hand
 are masked arithmetically, never selected with a boolean mask (which costs a host sync on CUDA).
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.loss_chunks import in_vocab_shard, resolve_loss_chunk_tokens, token_chunks
 from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward
 
 
@@ -45,23 +48,34 @@ class TSPEmbedding(nn.Module):
 
 class TSPLMHead(nn.Module):
     """Vocab-sharded output projection; `loss_sum` is the training path, `forward` (full logits of
-    the local tokens, assembled over the ring, no autograd) serves evaluation and parity tests."""
+    the local tokens, assembled over the ring, no autograd) serves evaluation and parity tests.
+    `loss_chunk_tokens` ("auto" or a token count) and `loss_budget_bytes` (the bound "auto" keeps
+    the fp32 logits block under; None: parallel/loss_chunks.py's default) set the tiling."""
 
-    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int):
+    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int,
+                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.comm, self.vocab_size = comm, vocab_size
+        self.loss_chunk_tokens, self.loss_budget_bytes = loss_chunk_tokens, loss_budget_bytes
+
+    def chunk_tokens(self, local_tokens: int) -> int:
+        """Tokens per chunk of the loss for `local_tokens` local tokens."""
+        return resolve_loss_chunk_tokens(self.loss_chunk_tokens, local_tokens, self.weight.shape[0],
+                                         self.loss_budget_bytes)
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         count = (labels != IGNORE_INDEX).sum()
-        return _HeadLossFn.apply(hidden, self.weight, labels, self.comm), count
+        chunk = self.chunk_tokens(labels.numel())
+        return _HeadLossFn.apply(hidden, self.weight, labels, self.comm, chunk), count
 
     @torch.no_grad()
     def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
         """Loss and argmax [B, T/D] of the local tokens (forward only, no autograd)."""
         flat_labels = labels.reshape(-1)
         lse, target, best = _vocab_ring_lse(hidden.reshape(-1, hidden.shape[-1]), self.weight,
-                                            flat_labels, self.comm, with_argmax=True)
+                                            flat_labels, self.comm,
+                                            self.chunk_tokens(flat_labels.numel()), with_argmax=True)
         loss = (lse - target) * (flat_labels != IGNORE_INDEX)
         return TokenStats(loss.view(labels.shape), best.view(labels.shape))
 
@@ -113,39 +127,41 @@ class _EmbeddingFn(torch.autograd.Function):
 
 
 def _in_shard(ids: torch.Tensor, shard: int, rows: int):
-    """(ids - shard * rows clamped into the shard, mask of ids that fall in vocab shard `shard`).
-    The clamped index is valid everywhere; the mask says where it means anything."""
-    local = ids - shard * rows
-    hit = (local >= 0) & (local < rows)
-    return local.clamp(0, rows - 1), hit
+    """(ids - shard * rows clamped into the shard, mask of ids that fall in vocab shard `shard`)."""
+    return in_vocab_shard(ids, shard * rows, rows)
 
 
-def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Tensor, comm: Comm, *,
-                    with_argmax: bool = False):
+def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Tensor, comm: Comm,
+                    chunk: int, *, with_argmax: bool = False):
     """One pass of the vocab shards around the ring for the local tokens x [N/D, h]:
-    (log-sum-exp [N/D] fp32, target logit [N/D] fp32, argmax [N/D] int64 or None). Each step sees
-    one [N/D, V/D] block of logits; the argmax keeps the first index of the largest logit, as
-    torch.argmax does, whatever order the shards arrive in. No boolean selection (no host sync)."""
+    (log-sum-exp [N/D] fp32, target logit [N/D] fp32, argmax [N/D] int64 or None). Each step takes
+    the tokens `chunk` at a time and sees one [chunk, V/D] block of logits at a time; the argmax
+    keeps the first index of the largest logit, as torch.argmax does, whatever order the shards
+    arrive in. No boolean selection (no host sync)."""
     rows = weight.shape[0]
     run_max = torch.full((x.shape[0],), float("-inf"), device=x.device)
     run_sum = torch.zeros(x.shape[0], device=x.device)
     target = torch.zeros(x.shape[0], device=x.device)
     best = torch.zeros(x.shape[0], dtype=torch.long, device=x.device) if with_argmax else None
+    chunks = token_chunks(x.shape[0], chunk)
 
     def step(j: int, w: torch.Tensor) -> None:
-        logits = (x @ w.view(rows, -1).T).float()               # [N/D, V/D]
-        block_max, block_idx = logits.max(dim=-1)
-        if best is not None:
-            # Shards arrive in ring order (p, p-1, ...): on a tie the lower vocabulary index wins.
-            idx = block_idx + j * rows
-            better = (block_max > run_max) | ((block_max == run_max) & (idx < best))
-            best.copy_(torch.where(better, idx, best))
-        index, hit = _in_shard(flat_labels, j, rows)
-        target.add_(logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~hit, 0.0))
-        new_max = torch.maximum(run_max, block_max)
-        # in place on the block (the logits are not needed after this): no second [N/D, V/D]
-        run_sum.mul_(torch.exp(run_max - new_max)).add_(logits.sub_(new_max[:, None]).exp_().sum(-1))
-        run_max.copy_(new_max)
+        w = w.view(rows, -1)
+        for c in chunks:                                        # the shard serves every chunk
+            logits = (x[c] @ w.T).float()                       # [chunk, V/D]
+            block_max, block_idx = logits.max(dim=-1)
+            if best is not None:
+                # Shards arrive in ring order (p, p-1, ...): on a tie the lower vocabulary index wins.
+                idx = block_idx + j * rows
+                better = (block_max > run_max[c]) | ((block_max == run_max[c]) & (idx < best[c]))
+                best[c] = torch.where(better, idx, best[c])
+            index, hit = _in_shard(flat_labels[c], j, rows)
+            target[c] += logits.gather(1, index[:, None]).squeeze(1).masked_fill_(~hit, 0.0)
+            new_max = torch.maximum(run_max[c], block_max)
+            # in place on the block (the logits are not needed after this): no second block
+            run_sum[c] = (run_sum[c] * torch.exp(run_max[c] - new_max)
+                          + logits.sub_(new_max[:, None]).exp_().sum(-1))
+            run_max[c] = new_max
 
     ring_forward(comm, pack(weight), step, tag="head.weights")
     return run_max + torch.log(run_sum), target, best
@@ -153,13 +169,13 @@ def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Te
 
 class _HeadLossFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, comm: Comm):
+    def forward(ctx, hidden, weight, labels, comm: Comm, chunk: int):
         x = hidden.reshape(-1, hidden.shape[-1])                    # [N/D, h]
         flat_labels = labels.reshape(-1)
-        lse, target, _ = _vocab_ring_lse(x, weight, flat_labels, comm)
+        lse, target, _ = _vocab_ring_lse(x, weight, flat_labels, comm, chunk)
         valid = flat_labels != IGNORE_INDEX
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.comm = comm
+        ctx.comm, ctx.chunk = comm, chunk
         return ((lse - target) * valid).sum()
 
     @staticmethod
@@ -170,16 +186,26 @@ class _HeadLossFn(torch.autograd.Function):
         flat_labels = labels.reshape(-1)
         scale = (flat_labels != IGNORE_INDEX).float() * dloss        # d loss / d token loss
         dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        chunks = token_chunks(x.shape[0], ctx.chunk)
 
         def grad_step(j: int, w: torch.Tensor) -> torch.Tensor:
             w = w.view(rows, -1)
-            dlogits = (x @ w.T).float().sub_(lse[:, None]).exp_()   # softmax block [N/D, V/D]
-            index, hit = _in_shard(flat_labels, j, rows)
-            dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
-            dlogits = dlogits.mul_(scale[:, None]).to(w.dtype)     # matmuls in the weights' dtype
-            dx.add_(dlogits @ w)                                    # summed over shards in fp32
-            return (dlogits.T @ x).float().reshape(-1)              # fp32 ring accumulator
+            dw = None                                               # [V/D, h] fp32, over chunks
+            for c in chunks:                                        # the shard serves every chunk
+                dlogits = (x[c] @ w.T).float().sub_(lse[c, None]).exp_()   # softmax [chunk, V/D]
+                index, hit = _in_shard(flat_labels[c], j, rows)
+                dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
+                dlogits = dlogits.mul_(scale[c, None]).to(w.dtype)  # matmuls in the weights' dtype
+                dx[c] += dlogits @ w                                # summed over shards in fp32
+                dw = _add_product(dw, dlogits.T, x[c])
+            return dw.reshape(-1)                                   # fp32 ring accumulator
 
         full = ring_backward(ctx.comm, pack(weight), grad_step, tag="head.weights")
         return (dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape).to(weight.dtype),
-                None, None)
+                None, None, None)
+
+
+def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b in fp32 (acc None: a @ b in fp32): the product in the weights' dtype, then
+    added (one product-sized temporary per chunk)."""
+    return (a @ b).float() if acc is None else acc.add_(a @ b)

@@ -1,0 +1,49 @@
+"""The LM head's token chunks (parallel/loss_chunks.py): the "auto" rule, a forced count, the slices."""
+
+import pytest
+
+from tsp_trainer.parallel.loss_chunks import (DEFAULT_LOGITS_BLOCK_BYTES, auto_loss_chunk_tokens,
+                                              resolve_loss_chunk_tokens, token_chunks)
+
+GiB = 1 << 30
+
+
+def test_auto_does_not_tile_a_block_under_the_bound():
+    assert auto_loss_chunk_tokens(100, 10) == 100
+    # 16,743 tokens x 16,032 rows x 4 B = 1,073,676,864 B <= 1 GiB: one chunk
+    assert auto_loss_chunk_tokens(16_743, 16_032) == 16_743
+    assert DEFAULT_LOGITS_BLOCK_BYTES == GiB
+
+
+def test_auto_tiles_into_the_fewest_equal_chunks_under_the_bound():
+    # one token more than fits: two halves
+    assert auto_loss_chunk_tokens(16_744, 16_032) == 8_372
+    # Llama 3 8B at 2,708,480 tokens on 8 ranks: 338,560 local tokens against 16,032 rows (21.7 GB
+    # of fp32 logits): 21 chunks of at most 16,122 tokens, 1.03 GB each
+    chunk = auto_loss_chunk_tokens(338_560, 16_032)
+    assert chunk == 16_122
+    assert 4 * chunk * 16_032 <= GiB
+    assert len(token_chunks(338_560, chunk)) == 21
+
+
+def test_auto_follows_a_given_budget():
+    assert auto_loss_chunk_tokens(1000, 10, budget_bytes=40_000) == 1000     # exactly fits
+    assert auto_loss_chunk_tokens(1000, 10, budget_bytes=39_999) == 500
+    assert auto_loss_chunk_tokens(10, 100, budget_bytes=1) == 1             # at least one token
+    # a budget above the default bound: no tiling where the default would tile
+    assert auto_loss_chunk_tokens(338_560, 16_032, budget_bytes=32 * GiB) == 338_560
+
+
+def test_a_forced_chunk_is_capped_at_the_tokens_and_checked():
+    assert resolve_loss_chunk_tokens(5, 48, 64) == 5
+    assert resolve_loss_chunk_tokens(4096, 48, 64) == 48
+    assert resolve_loss_chunk_tokens("auto", 48, 64) == 48
+    for bad in (0, -3, True, "big", 2.5):
+        with pytest.raises(ValueError, match=r"parallel.loss_chunk_tokens=.* must be 'auto' or an integer >= 1"):
+            resolve_loss_chunk_tokens(bad, 48, 64)
+
+
+def test_token_chunks_cover_the_tokens_once():
+    assert token_chunks(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert token_chunks(8, 8) == [slice(0, 8)]
+    assert token_chunks(3, 5) == [slice(0, 3)]
