@@ -6,6 +6,7 @@ import torch
 
 from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
@@ -59,7 +60,7 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 
 
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
-             optim="adamw", recompute="full"):
+             optim="adamw", recompute="full", checkpointing=False):
     mesh = build_mesh(world)
     if meta:
         with torch.device("meta"):
@@ -69,6 +70,8 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
         init_model(model, seed)
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
                       init_seed=seed if meta else None, tsp_recompute=recompute)
+    if checkpointing:
+        model.block_wrapper = checkpointed_block
     local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, mesh.dims.tsp)
 
     mesh.ledger.reset()

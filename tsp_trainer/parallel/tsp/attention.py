@@ -62,6 +62,7 @@ from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
+from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, add_matmul, unpack
 
 RECOMPUTE_MODES = typing.get_args(TspRecompute)   # parallel.tsp_recompute (module docstring)
@@ -95,7 +96,8 @@ class TSPAttention(nn.Module):
         shard = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         if self.q_proj.bias is not None:
             shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-        y = _TSPAttentionFn.apply(x, rope, self, *shard)
+        kept = kept_for_backward(self.recompute != "full")     # selective, none: keep the items
+        y = _TSPAttentionFn.apply(x, rope, self, kept, *shard)
         if self.o_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.o_proj.bias, self.comm, "bias.grad", True)
@@ -278,11 +280,11 @@ def _project_item(x: torch.Tensor, shards: ShardBroadcasts, item: tuple[int, int
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rope: Rotary, block: TSPAttention, *params):
+    def forward(ctx, x, rope: Rotary, block: TSPAttention, keep: Kept, *params):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard)
         comm, shapes = block.comm, [tuple(w.shape) for w in params]
         items = _schedule(comm.size, block.head_buckets)
-        selective = block.recompute != "full"      # selective, none: keep the items
+        selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
 
         def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather
@@ -300,15 +302,15 @@ class _TSPAttentionFn(torch.autograd.Function):
             if b == block.head_buckets - 1:
                 shards.release(r)
         ctx.save_for_backward(x, *params)
-        ctx.rope, ctx.block, ctx.shapes, ctx.items = rope, block, shapes, kept or None
+        ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
+        keep.store(ctx, block, kept if selective else None)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
         block, comm, shapes, rope = ctx.block, ctx.block.comm, ctx.shapes, ctx.rope
-        items, kept = _schedule(comm.size, block.head_buckets), ctx.items
-        ctx.items = None
+        items, kept = _schedule(comm.size, block.head_buckets), Kept.load(ctx, block)
         shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
@@ -341,7 +343,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         finish(pending)
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
-        return (dx.view(x.shape).to(x.dtype), None, None, *out)
+        return (dx.view(x.shape).to(x.dtype), None, None, None, *out)
 
 
 class _GradReduces:

@@ -27,6 +27,7 @@ from tsp_trainer.model.layers import gated_mlp
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
+from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import add_matmul, pack, ring_backward_into, ring_forward, unpack
 
 
@@ -49,7 +50,7 @@ class TSPGatedMLP(nn.Module):
         shard = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj)]
         if self.gate_proj.bias is not None:
             shard += [self.gate_proj.bias, self.up_proj.bias]
-        y = _TSPMLPFn.apply(x, self.comm, self.keep_gate_up, *shard)
+        y = _TSPMLPFn.apply(x, self.comm, self, kept_for_backward(self.keep_gate_up), *shard)
         if self.down_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.down_proj.bias, self.comm, "bias.grad", True)
@@ -57,11 +58,11 @@ class TSPGatedMLP(nn.Module):
 
 class _TSPMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm: Comm, keep_gate_up: bool, *params):
+    def forward(ctx, x, comm: Comm, block: TSPGatedMLP, keep: Kept, *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order)
         shapes = [tuple(w.shape) for w in params]
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_gate_up else None
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep.items else None
 
         def step(j: int, flat: torch.Tensor) -> None:
             ws = unpack(flat, shapes)
@@ -74,13 +75,14 @@ class _TSPMLPFn(torch.autograd.Function):
 
         ring_forward(comm, pack(*params), step, tag="mlp.weights")
         ctx.save_for_backward(x, *params)
-        ctx.comm, ctx.shapes, ctx.kept = comm, shapes, kept
+        ctx.comm, ctx.shapes, ctx.block = comm, shapes, block
+        keep.store(ctx, block, kept)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
+        kept = Kept.load(ctx, ctx.block)
         h = x.shape[-1]
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
         dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
@@ -94,7 +96,7 @@ class _TSPMLPFn(torch.autograd.Function):
 
         full = ring_backward_into(ctx.comm, pack(*params), grad_into, tag="mlp.weights")
         grads = (g.to(p.dtype) for g, p in zip(unpack(full, ctx.shapes), params))   # fp32 -> params'
-        return (dx.view(x.shape).to(x.dtype), None, None, *grads)
+        return (dx.view(x.shape).to(x.dtype), None, None, None, *grads)
 
 
 def _gate_up(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
