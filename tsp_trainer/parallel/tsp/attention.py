@@ -43,6 +43,13 @@ Recompute (`parallel.tsp_recompute`):
   X_p for multi-head attention (tsp-plan models it).
 - "none": the attention keeps what selective keeps; the MLP (tsp/mlp.py) also keeps its gate/up
   pre-activations, so no GEMM of the forward runs again in backward.
+Under activation checkpointing (model/activation_checkpoint.py) the block's replay is the
+recompute, whatever the mode (tsp/kept.py): the first forward keeps nothing (X_p is the
+checkpoint's to drop), the replay keeps the items as selective does and hands them through the
+checkpointed call's slot to this function's backward, which then runs as selective's (weights
+re-broadcast for dX and the weight gradients, K/V re-gathered, no projection or attention forward).
+Per item and step that is two attention forwards (forward, replay) and one backward, as full
+recompute without checkpointing; selective and none without it run one forward.
 The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
 in every mode; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
 ranks is not rounded to bf16 on the way).
@@ -245,6 +252,8 @@ class _Item:
         self.q_leaf, self.sink = self.q.detach().requires_grad_(), []
         self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
         hooks = contextlib.nullcontext()
+        # drop_kv's hooks are innermost, so the graph's saved tensors never reach an activation
+        # checkpoint's hooks (the replay records this graph inside the checkpoint's recomputation)
         with torch.enable_grad():
             k, v = _KVEntry.apply(self.anchor, full, self.sink)
             if drop_kv:
