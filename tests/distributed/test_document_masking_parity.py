@@ -11,13 +11,13 @@ import functools
 
 import pytest
 import torch
-import torch.utils.checkpoint
 
 from tests.distributed.tsp_cases import init_model
 from tests.helpers.dist import run_on_ranks
 from tests.unit.test_document_masking import per_document_reference
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
@@ -36,6 +36,8 @@ CASES = [("tsp", 2, {}, False, False), ("tsp", 2, {}, True, True), ("tsp", 4, {}
          ("tsp", 4, {}, True, False), ("tsp", 2, {"head_buckets": 2}, False, False),
          ("tsp", 4, {"tsp_recompute": "selective"}, False, True),
          ("tsp", 2, {"tsp_recompute": "selective", "head_buckets": 2}, False, False),
+         ("tsp", 2, {"tsp_recompute": "none", "head_buckets": 2}, True, True),
+         ("tsp", 4, {"tsp_recompute": "selective"}, True, False),
          ("tp", 2, {}, True, False), ("tp", 4, {}, False, True),
          ("tp_sp", 2, {}, False, True), ("tp_sp", 4, {}, True, False),
          ("sp", 2, {}, True, True), ("sp", 4, {}, False, False), ("sp", 4, {}, True, True),
@@ -71,8 +73,7 @@ def _masked_rank(rank, world, scheme, options, checkpointing, reset_positions, i
     init_model(model, SEED)
     par = parallelize(model, scheme, mesh, seq_len=ids.shape[1], **options)
     if checkpointing:
-        model.block_wrapper = lambda block, x, rope: torch.utils.checkpoint.checkpoint(
-            block, x, rope, use_reentrant=False)
+        model.block_wrapper = checkpointed_block
     docs = Documents.from_lengths(LENGTHS, reset_positions=reset_positions)
     local_ids, local_labels, pos = par.local_batch(ids, labels, docs)
     loss_sum, count = par.loss_sum(local_ids, local_labels, pos)

@@ -130,3 +130,71 @@ def test_no_recompute_keeps_the_mlp_gate_and_up_exactly(world):
     for f, k in zip(full, keep):
         assert f["saved"] == 0, f
         assert k["saved"] == 8 * k["tokens"] * inter, (k, 8 * k["tokens"] * inter)
+
+
+def _checkpointed_backward(rank, world, layers, mode, seq):
+    """A `layers`-layer TSP model under activation checkpointing, one forward + backward: the peak
+    of live bytes over the blocks' backward (from the arrival of the top block's output gradient,
+    past the LM head's and the loss's peak), the bytes alive at the end of the forward and at the
+    end of each block's backward (when the gradient of its input arrives), besides the parameters
+    and their preallocated gradients."""
+    from tsp_trainer.config import model_config
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.model.activation_checkpoint import checkpointed_block
+    from tsp_trainer.parallel import zigzag
+    from tsp_trainer.parallel.mesh import build_mesh
+    from tsp_trainer.parallel.schemes import parallelize
+    from tsp_trainer.tools.memory import LiveTensorMemory
+
+    cfg = model_config("tiny", hidden_size=64, num_heads=8, num_kv_heads=8, intermediate_size=256,
+                       num_layers=layers)
+    mesh = build_mesh(world)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, tsp_recompute=mode)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+    local_ids, local_labels, pos = zigzag.shard_batch(ids[:, :-1], ids[:, 1:], mesh.tsp_rank, world)
+    block_ends, top = [], []
+
+    def from_here(g):                   # the top block's backward starts: its peak from now on
+        if not top:
+            top.append(mem.live)
+            mem.peak = mem.live
+
+    def wrapper(block, x, rope):
+        x.register_hook(lambda g: block_ends.append(mem.live))
+        y = checkpointed_block(block, x, rope)
+        y.register_hook(from_here)
+        return y
+
+    model.block_wrapper = wrapper
+    with LiveTensorMemory() as mem:
+        mem.ignore(*params, *(p.grad for p in params), local_ids, local_labels)
+        loss_sum, _ = model.loss_sum(local_ids, local_labels, pos)
+        forward = mem.live
+        loss_sum.backward()
+    return {"peak": mem.peak, "forward": forward, "block_ends": block_ends, "top": top[0],
+            "tokens": seq // world,
+            "h": cfg.hidden_size, "inter": cfg.intermediate_size, "heads": cfg.num_heads}
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_checkpointed_replay_keeps_one_block_and_frees_it_with_its_backward(mode):
+    """Under activation checkpointing each block's replay keeps its attention items and gate/up
+    pre-activations for that block's backward, in every tsp_recompute mode (the dry run counts
+    the attention calls: tests/unit/test_plan_cuda_path.py), and they are gone when the gradient
+    of the block's input arrives: the forward keeps only the block inputs, each block's end holds
+    exactly one block input less than the previous one, and the backward's peak grows by just the
+    two extra blocks' inputs from one layer to three (one block's items at a time)."""
+    world, seq = 2, 64
+    one, three = (run_on_ranks(_checkpointed_backward, world, layers, mode, seq) for layers in (1, 3))
+    for a, c in zip(one, three):
+        block_input = 4 * a["tokens"] * a["h"]                    # fp32 [1, T, h]
+        kept = 4 * a["tokens"] * (5 * a["h"] + a["heads"]) + 8 * a["tokens"] * a["inter"]
+        assert c["forward"] - a["forward"] == 2 * block_input, (a, c)
+        assert c["peak"] - a["peak"] == 2 * block_input, (a, c, block_input)
+        assert c["peak"] - c["top"] > kept, (c, kept)             # the backward holds one block's items
+        assert c["block_ends"] == [c["top"] - i * block_input for i in (1, 2, 3)], c

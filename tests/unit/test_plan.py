@@ -14,7 +14,7 @@ from tsp_trainer.observability.flops import flops_per_token
 from tsp_trainer.observability.metrics import DEVICE_PEAK_FLOPS
 from tsp_trainer.parallel.tsp.comm_model import tsp_step_comm
 from tsp_trainer.plan import cli
-from tsp_trainer.plan.activations import activation_memory
+from tsp_trainer.plan.activations import activation_memory, tsp_mlp_kept, tsp_selective_saved
 from tsp_trainer.plan.communication import (WIRE_FACTOR, data_parallel_comm, model_parallel_comm,
                                             wire_bytes)
 from tsp_trainer.plan.flops import hardware_flops_per_token
@@ -71,14 +71,23 @@ def test_state_bytes_bf16_zero_stages():
 
 def test_tsp_saved_activations_closed_form():
     """TSP saves only what its norms and X_p need: per layer 2 x 2e x (N/D) x h bytes (the norm
-    input, the norm output = X_p) + rstd; with AC the block input."""
+    input, the norm output = X_p) + rstd; with AC the block input, and in backward one block's
+    replay keeps what tsp_recompute=none keeps (the attention items and the MLP's gate/up), so the
+    peak falls below no AC's once there are enough layers."""
     b, s, d, h, e = 1, 1024, 2, 64, 2
     n = b * s // d
     a = activation_memory(SMALL, Layout("tsp", d), s, BF16)
     assert a.stored_per_layer == 2 * (2 * e * n * h + 4 * n)
     ac = activation_memory(SMALL, Layout("tsp", d, activation_checkpointing=True), s, BF16)
     assert ac.stored_per_layer == e * n * h
-    assert ac.stored < a.stored and ac.peak < a.peak
+    none = Layout("tsp", d, tsp_recompute="none")
+    assert ac.terms["tsp_replay_kept"] == (tsp_selective_saved(SMALL, none, s, BF16)
+                                           + tsp_mlp_kept(SMALL, none, s, BF16)) > 0
+    assert a.terms["tsp_replay_kept"] == 0
+    assert ac.stored < a.stored
+    deep = SMALL.replace(num_layers=16)
+    assert (activation_memory(deep, Layout("tsp", d, activation_checkpointing=True), s, BF16).peak
+            < activation_memory(deep, Layout("tsp", d), s, BF16).peak)
 
 
 def test_activation_memory_orders_schemes_like_the_paper():

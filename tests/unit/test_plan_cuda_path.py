@@ -96,3 +96,21 @@ def test_cuda_path_builds_no_mask_and_expands_kv_only_for_the_memory_efficient_k
 def test_attention_path_is_named():
     with pytest.raises(ValueError, match="attention='gpu' must be 'cpu' or 'cuda'"):
         run_step(GQA, "tsp", world_size=2, degree=2, seq_len=SEQ, attention="gpu")
+
+
+@pytest.mark.parametrize("ac", [True, False], ids=["AC", "noAC"])
+@pytest.mark.parametrize("mode", ["full", "selective", "none"])
+def test_attention_forward_runs_twice_under_checkpointing_and_full_recompute_once_otherwise(ac, mode):
+    """Fused attention kernel calls per layer and step through the CUDA route, per item (owner,
+    head bucket; each item attends this rank's two zigzag runs, one call each): under activation
+    checkpointing the block's replay is TSP's recompute, so every mode runs the forward twice
+    (forward, replay); without it full recompute runs it twice (forward, backward), selective and
+    none once. The backward kernel runs once per item in every case."""
+    degree, buckets, runs = 2, 2, 2
+    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=256, dtype=torch.bfloat16,
+                   activation_checkpointing=ac, rank=0, attention="cuda", head_buckets=buckets,
+                   tsp_recompute=mode)
+    per_layer = {k: n / GQA.num_layers / (degree * buckets * runs)
+                 for k, n in res.info["fused_attention_calls"].items()}
+    forwards = 2 if ac or mode == "full" else 1
+    assert per_layer == {"forward": forwards, "backward": 1}

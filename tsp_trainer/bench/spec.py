@@ -95,8 +95,8 @@ def validate(spec: BenchSpec, *, cuda_devices: int, cpu_count: int | None = None
     if spec.tsp_recompute != "full" and spec.activation_checkpointing:
         # the trainer's rule (config/validate.py::_check_tsp_recompute): measure what can train
         raise ValueError(f"--tsp-recompute={spec.tsp_recompute} with --activation-checkpointing: the "
-                         "checkpoint recomputes the whole layer, so what TSP keeps would be held for "
-                         "every layer again (the trainer refuses the pair); drop one of them")
+                         "checkpoint's replay is TSP's recompute in every mode, keeping one "
+                         "block's items (the trainer refuses the pair); drop one of them")
     for scheme in spec.schemes:
         _check_scheme(spec, scheme)
 

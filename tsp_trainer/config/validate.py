@@ -319,8 +319,9 @@ def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) 
 
 def _check_tsp_recompute(cfg: TrainConfig) -> None:
     """parallel.tsp_recompute=selective keeps each layer's attention outputs, =none also the MLP's
-    gate/up pre-activations (parallel/tsp/attention.py, mlp.py): TSP only, and not under a
-    whole-layer recompute or an offload that would not see them. (The CUDA kernel rules are
+    gate/up pre-activations (parallel/tsp/attention.py, mlp.py): TSP only, not under activation
+    checkpointing (whose replay keeps them for one block in every mode: parallel/tsp/kept.py, so
+    only full names it) nor under an offload that would not see them. (The CUDA kernel rules are
     checked by the Trainer, which knows the device.)"""
     mode, scheme = cfg.parallel.tsp_recompute, cfg.parallel.scheme
     if mode == "full":
@@ -331,10 +332,10 @@ def _check_tsp_recompute(cfg: TrainConfig) -> None:
                          "parallel.scheme='tsp' recomputes by shard; set parallel.tsp_recompute=full")
     if cfg.train.activation_checkpointing:
         raise ValueError(f"parallel.tsp_recompute={mode!r} with train.activation_checkpointing=true: "
-                         f"the checkpoint recomputes the whole layer, so the {kept} {mode} keeps "
-                         "would be held for every layer again, defeating it; set "
-                         "parallel.tsp_recompute=full (least memory) or "
-                         "train.activation_checkpointing=false (faster backward)")
+                         f"the checkpoint recomputes the whole layer, and its replay keeps the "
+                         f"{kept} {mode} keeps for one block's backward in every mode, so the "
+                         "mode changes nothing there; set parallel.tsp_recompute=full, or "
+                         "train.activation_checkpointing=false to keep them for every layer")
     if cfg.train.offload_activations:
         raise ValueError(f"parallel.tsp_recompute={mode!r} with train.offload_activations=true: the "
                          f"{kept} {mode} keeps are not offloaded (only the blocks' "

@@ -64,9 +64,12 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     _check_kept_attention(cfg, layout, prec, device, sel)
     rope = 2 * tok["rope"] * cfg.head_dim * 4                   # fp32 cos, sin tables
     chunk = loss_chunk(cfg, layout, tok, loss_chunk_tokens)
+    replay_attn, replay_mlp = tsp_replay_kept(cfg, layout, seq_len, prec, device)   # 0 without AC
     if layout.scheme == "tsp":
         layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
-        tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device, sel, mlp_kept, chunk)
+        # the block in backward holds what its mode keeps, or under AC what its replay kept
+        tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device,
+                            sel + replay_attn, mlp_kept + replay_mlp, chunk)
     else:
         layer, outside = _baseline_saved(cfg, layout, prec, tok, chunk)
         tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device, chunk)
@@ -78,7 +81,8 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
     peak_phase = max(phases, key=phases.get)
     terms = {"rope_tables": rope, "loss_chunk_tokens": chunk, "tsp_selective_kept": sel,
-             "tsp_mlp_kept": mlp_kept, "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
+             "tsp_mlp_kept": mlp_kept, "tsp_replay_kept": replay_attn + replay_mlp,
+             "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
              **{f"transient_{k}": v for k, v in tr.items()}, "norm_backward_temporaries": norm_tmp}
     return ActivationEstimate(stored_per_layer=saved.per_layer, stored_outside=saved.outside,
                               stored=saved.forward + saved.outside, phases=phases,
@@ -234,6 +238,11 @@ def tsp_selective_saved(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     attention keeps what selective keeps). 0 under full recompute."""
     if not layout.keeps_attention:
         return 0
+    return _attention_items_bytes(cfg, layout, seq_len, prec)
+
+
+def _attention_items_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision) -> int:
+    """One TSP layer's kept attention items (`tsp_selective_saved`), whatever the mode."""
     n = layout.micro_batch * seq_len // layout.degree
     nh, d = cfg.num_heads, cfg.head_dim
     return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh
@@ -247,9 +256,33 @@ def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision
     T = B S / D. 0 under full and selective recompute (their backward re-runs gate/up)."""
     if not layout.keeps_mlp:
         return 0
+    return _gate_up_bytes(cfg, layout, seq_len, prec)
+
+
+def _gate_up_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision) -> int:
+    """One TSP layer's kept gate/up pre-activations (`tsp_mlp_kept`), whatever the mode."""
     n = layout.micro_batch * seq_len // layout.degree
     return 2 * prec.act * n * cfg.intermediate_size
 
 
+def tsp_replay_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16,
+                    device: str = "cuda") -> tuple[int, int]:
+    """(attention, MLP) bytes per rank that a TSP block's replay keeps under activation
+    checkpointing (parallel/tsp/kept.py), in every tsp_recompute mode: the attention items of
+    selective (`tsp_selective_saved`) and the gate/up pre-activations of none (`tsp_mlp_kept`),
+    for one block only, alive from its replay until its attention (MLP) backward. On CUDA's
+    memory-efficient route (fp32 + GQA) the kernel's saved K/V are copies expanded to the query
+    heads, [B, S, hq_b, d] each per item, kept too: 2 e B S n_h d over the D n_b items (the refusal
+    of parallel/tsp/recompute_rules.py concerns every layer's; under AC it is one block's). (0, 0)
+    without AC or for the baselines. The replay's forward peak stays below the block's backward
+    (fewer weight buffers, no gradient buffers), so no phase of its own is needed."""
+    if not (layout.activation_checkpointing and layout.scheme == "tsp"):
+        return 0, 0
+    attn = _attention_items_bytes(cfg, layout, seq_len, prec)
+    if expands_kv(prec.act, device, cfg.num_heads != cfg.num_kv_heads):
+        attn += 2 * prec.act * layout.micro_batch * seq_len * cfg.num_heads * cfg.head_dim
+    return attn, _gate_up_bytes(cfg, layout, seq_len, prec)
+
+
 __all__ = ["ActivationEstimate", "activation_memory", "loss_chunk", "norm_backward_chunk_bytes",
-           "tsp_mlp_kept", "tsp_selective_saved"]
+           "tsp_mlp_kept", "tsp_replay_kept", "tsp_selective_saved"]

@@ -128,24 +128,28 @@ def fake_world(world_size: int, rank: int):
 class _FusedFootprint(torch.autograd.Function):
     """What one fused SDPA call (FlashAttention, memory-efficient) allocates, without values:
     forward the output [B, H, n, d] and an fp32 log-sum-exp [B, H, n], both saved for backward
-    with q, k, v; backward dq, dk, dv. No [n, n_k] score or mask tensor exists."""
+    with q, k, v; backward dq, dk, dv. No [n, n_k] score or mask tensor exists. `calls` counts
+    the kernel launches ("forward", "backward")."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, calls: dict[str, int]):
+        calls["forward"] += 1
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.calls = calls
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ctx.calls["backward"] += 1
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
-def _footprint_route(route):
+def _footprint_route(route, calls: dict[str, int]):
     """`route` (a CUDA route: its kernel and K/V expansion) with each SDPA call replaced by the
-    fused kernel's footprint."""
+    fused kernel's footprint, counted in `calls`."""
     from tsp_trainer.model.attention_route import SdpaRoute
 
     class FusedFootprintRoute(SdpaRoute):
@@ -153,14 +157,14 @@ def _footprint_route(route):
             return contextlib.nullcontext()
 
         def causal(self, q, k, v, *, gqa):
-            return _FusedFootprint.apply(q, k, v)
+            return _FusedFootprint.apply(q, k, v, calls)
 
         def prefix(self, q, k, v, first, *, gqa):
             n_k = first + q.shape[2]
-            return _FusedFootprint.apply(q, k[:, :, :n_k], v[:, :, :n_k])
+            return _FusedFootprint.apply(q, k[:, :, :n_k], v[:, :, :n_k], calls)
 
         def segment(self, q, k, v, *, gqa):          # document masking: one document's keys
-            return _FusedFootprint.apply(q, k, v)
+            return _FusedFootprint.apply(q, k, v, calls)
 
     return FusedFootprintRoute(route.kernel, expand_kv=route.expand_kv)
 
@@ -172,17 +176,20 @@ def cuda_attention_path():
     SDPA call allocates what the kernel allocates (`_FusedFootprint`). Fake CUDA tensors cannot
     stand in: torch's CPU build runs no autograd or SDPA on them ("PyTorch is not linked with
     support for cuda devices"). The route decision is looked up by `attention_core` at call time
-    from model.layers, where it is swapped for the duration of the block."""
+    from model.layers, where it is swapped for the duration of the block. Yields the count of
+    fused kernel calls, {"forward": n, "backward": m}, filled as they run."""
     from tsp_trainer.model import attention_route, layers
 
     original = layers.sdpa_route
+    calls = {"forward": 0, "backward": 0}
 
     def cuda_route(device_type, dtype, *, gqa, head_dim):
-        return _footprint_route(attention_route.sdpa_route("cuda", dtype, gqa=gqa, head_dim=head_dim))
+        return _footprint_route(attention_route.sdpa_route("cuda", dtype, gqa=gqa, head_dim=head_dim),
+                                calls)
 
     layers.sdpa_route = cuda_route
     try:
-        yield
+        yield calls
     finally:
         layers.sdpa_route = original
 
@@ -269,8 +276,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         tracker = LiveTensorMemory()
         tracker.ignore(*params, *(p.grad for p in params), *batch)
         syncs = HostSyncCounter(mesh.device)
-        path = cuda_attention_path() if attention == "cuda" else contextlib.nullcontext()
-        with path, mode, RealPassthrough(), tracker, syncs:
+        path = cuda_attention_path() if attention == "cuda" else contextlib.nullcontext({})
+        with path as fused_calls, mode, RealPassthrough(), tracker, syncs:
             loss_sum, count = par.loss_sum(*batch)
             tracker.mark("forward")
             total = global_count(count, par.token_comms)
@@ -286,6 +293,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         info = dict(par.info, world_size=world_size, degree=degree, dp=world_size // degree,
                     rank=rank, tsp_rank=mesh.tsp_rank, dp_rank=mesh.dp_rank, dtype=str(dtype),
                     activation_checkpointing=activation_checkpointing, attention=attention)
+        if fused_calls:
+            info["fused_attention_calls"] = dict(fused_calls)     # the step's kernel launches
         del model, par, params
     return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
                       param_bytes=param_bytes, param_count=param_count,
@@ -317,6 +326,9 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
         b = two.comm.get(key, {"count": 0, "bytes": 0})
         comm[key] = {"count": lin(a["count"], b["count"]), "bytes": lin(a["bytes"], b["bytes"])}
     info = dict(two.info, extrapolated_from_layers=[1, 2])
+    if "fused_attention_calls" in two.info:
+        info["fused_attention_calls"] = {k: lin(one.info["fused_attention_calls"][k], n)
+                                         for k, n in two.info["fused_attention_calls"].items()}
     syncs = {k: lin(one.host_syncs.get(k, 0), two.host_syncs.get(k, 0))
              for k in sorted(set(one.host_syncs) | set(two.host_syncs))}
     return StepResult(scheme=scheme, layers_run=2, param_shapes=two.param_shapes,

@@ -62,8 +62,10 @@ class Layout:
         if self.activation_checkpointing or self.offload_activations:
             raise ValueError(f"tsp_recompute={mode!r} with "
                              f"{'activation checkpointing' if self.activation_checkpointing else 'activation offload'}: "
-                             "the trainer refuses it (the kept attention outputs would stay on the "
-                             "device for every layer); use tsp_recompute='full'")
+                             "the trainer refuses it (under activation checkpointing every mode "
+                             "runs the same, the replay keeping one block's items; activation "
+                             "offload would leave the kept items of every layer on the device); "
+                             "use tsp_recompute='full'")
 
     @property
     def selective(self) -> bool:

@@ -66,9 +66,10 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
                    device: str, sel: int, mlp_kept: int, loss_chunk: int | None = None) -> dict[str, int]:
     """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
     gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
-    ring's logits block. `sel`: the layer's kept attention bytes (selective, none; 0 under full),
-    alive from the layer's forward until its attention backward; `mlp_kept`: the gate/up
-    pre-activations none keeps (0 otherwise), alive from the MLP's forward until its backward.
+    ring's logits block. `sel`: the layer's kept attention bytes (selective, none, and under AC
+    every mode's replay; 0 otherwise), alive from the layer's forward (replay) until its attention
+    backward; `mlp_kept`: the gate/up pre-activations none (or the AC replay) keeps (0 otherwise),
+    alive from the MLP's forward until its backward.
     n: this rank's tokens, B S / D; loss_chunk: the loss's tokens per chunk (None: n)."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
@@ -82,12 +83,12 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     # a ring step's intermediates: g, u and silu(g) u (or that product and the step's output);
     # under none g and u are the kept ones (in mlp_kept, every shard's by the last step), silu(g)
     # and the product are the step's own
-    step_mids = 2 if layout.keeps_mlp else 3
+    step_mids = 2 if mlp_kept else 3
     mlp_fwd = acc32 + 2 * w_mlp + max(step_mids * mid, mid + e * n * h)
     # backward of a ring step: full and selective re-run g, u (+ silu(g), its product, dh, dg/du);
     # none reads the kept g, u instead of re-running them (5: measured on fake tensors with an
     # MLP-heavy shape, I = 16 h, where the MLP backward is the peak: -2.8 to +3.2%; 4 gave -8.5%)
-    bwd_mids = 5 if layout.keeps_mlp else 6
+    bwd_mids = 5 if mlp_kept else 6
     out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
            "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
@@ -146,7 +147,7 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
     cast = (e * n * h + w) if ew != 4 else 0            # dX and the gradients cast from fp32
     fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp
-    if layout.keeps_attention:
+    if sel:                                             # items kept (mode, or the AC replay)
         sel_item = sel // items
         fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
         bwd_item = sel + 4 * kv + 4 * q_b + kv_exp

@@ -43,6 +43,13 @@ Recompute (`parallel.tsp_recompute`):
   X_p for multi-head attention (tsp-plan models it).
 - "none": the attention keeps what selective keeps; the MLP (tsp/mlp.py) also keeps its gate/up
   pre-activations, so no GEMM of the forward runs again in backward.
+Under activation checkpointing (model/activation_checkpoint.py) the block's replay is the
+recompute, whatever the mode (tsp/kept.py): the first forward keeps nothing (X_p is the
+checkpoint's to drop), the replay keeps the items as selective does and hands them through the
+checkpointed call's slot to this function's backward, which then runs as selective's (weights
+re-broadcast for dX and the weight gradients, K/V re-gathered, no projection or attention forward).
+Per item and step that is two attention forwards (forward, replay) and one backward, as full
+recompute without checkpointing; selective and none without it run one forward.
 The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
 in every mode; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
 ranks is not rounded to bf16 on the way).
@@ -62,6 +69,7 @@ from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
+from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, add_matmul, unpack
 
 RECOMPUTE_MODES = typing.get_args(TspRecompute)   # parallel.tsp_recompute (module docstring)
@@ -95,7 +103,8 @@ class TSPAttention(nn.Module):
         shard = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         if self.q_proj.bias is not None:
             shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-        y = _TSPAttentionFn.apply(x, rope, self, *shard)
+        kept = kept_for_backward(self.recompute != "full")     # selective, none: keep the items
+        y = _TSPAttentionFn.apply(x, rope, self, kept, *shard)
         if self.o_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.o_proj.bias, self.comm, "bias.grad", True)
@@ -243,6 +252,8 @@ class _Item:
         self.q_leaf, self.sink = self.q.detach().requires_grad_(), []
         self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
         hooks = contextlib.nullcontext()
+        # drop_kv's hooks are innermost, so the graph's saved tensors never reach an activation
+        # checkpoint's hooks (the replay records this graph inside the checkpoint's recomputation)
         with torch.enable_grad():
             k, v = _KVEntry.apply(self.anchor, full, self.sink)
             if drop_kv:
@@ -278,11 +289,11 @@ def _project_item(x: torch.Tensor, shards: ShardBroadcasts, item: tuple[int, int
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rope: Rotary, block: TSPAttention, *params):
+    def forward(ctx, x, rope: Rotary, block: TSPAttention, keep: Kept, *params):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard)
         comm, shapes = block.comm, [tuple(w.shape) for w in params]
         items = _schedule(comm.size, block.head_buckets)
-        selective = block.recompute != "full"      # selective, none: keep the items
+        selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
 
         def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather
@@ -300,15 +311,15 @@ class _TSPAttentionFn(torch.autograd.Function):
             if b == block.head_buckets - 1:
                 shards.release(r)
         ctx.save_for_backward(x, *params)
-        ctx.rope, ctx.block, ctx.shapes, ctx.items = rope, block, shapes, kept or None
+        ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
+        keep.store(ctx, block, kept if selective else None)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
         block, comm, shapes, rope = ctx.block, ctx.block.comm, ctx.shapes, ctx.rope
-        items, kept = _schedule(comm.size, block.head_buckets), ctx.items
-        ctx.items = None
+        items, kept = _schedule(comm.size, block.head_buckets), Kept.load(ctx, block)
         shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
@@ -341,7 +352,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         finish(pending)
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
-        return (dx.view(x.shape).to(x.dtype), None, None, *out)
+        return (dx.view(x.shape).to(x.dtype), None, None, None, *out)
 
 
 class _GradReduces:

@@ -11,7 +11,10 @@ accumulator sent at one step is the next step's receive buffer: 4 packed buffers
 X_p only; per-shard activations are recomputed in backward (the gate/up GEMMs run again), unless
 `keep_gate_up` (parallel.tsp_recompute=none): then each ring step keeps its gate and up
 pre-activations g_j, u_j [B, T, I/D] (2 T I elements per layer over the D steps) and backward runs
-no GEMM of the forward. With mlp_bias (Llama), the gate/up
+no GEMM of the forward. Under activation checkpointing the block's replay keeps them in every
+mode and hands them to this backward (tsp/kept.py): the first forward keeps nothing, and gate/up
+run twice per step (forward, replay), down_proj twice, as without checkpointing under full and
+selective. With mlp_bias (Llama), the gate/up
 biases of the block travel in the packed shard; down_proj's bias is replicated, added once per
 token after the ring, and its gradient summed over the group in fp32 (like a norm's, tag
 "bias.grad").
@@ -27,6 +30,7 @@ from tsp_trainer.model.layers import gated_mlp
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
+from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import add_matmul, pack, ring_backward_into, ring_forward, unpack
 
 
@@ -49,7 +53,7 @@ class TSPGatedMLP(nn.Module):
         shard = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj)]
         if self.gate_proj.bias is not None:
             shard += [self.gate_proj.bias, self.up_proj.bias]
-        y = _TSPMLPFn.apply(x, self.comm, self.keep_gate_up, *shard)
+        y = _TSPMLPFn.apply(x, self.comm, self, kept_for_backward(self.keep_gate_up), *shard)
         if self.down_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.down_proj.bias, self.comm, "bias.grad", True)
@@ -57,11 +61,11 @@ class TSPGatedMLP(nn.Module):
 
 class _TSPMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm: Comm, keep_gate_up: bool, *params):
+    def forward(ctx, x, comm: Comm, block: TSPGatedMLP, keep: Kept, *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order)
         shapes = [tuple(w.shape) for w in params]
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep_gate_up else None
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep.items else None
 
         def step(j: int, flat: torch.Tensor) -> None:
             ws = unpack(flat, shapes)
@@ -74,13 +78,14 @@ class _TSPMLPFn(torch.autograd.Function):
 
         ring_forward(comm, pack(*params), step, tag="mlp.weights")
         ctx.save_for_backward(x, *params)
-        ctx.comm, ctx.shapes, ctx.kept = comm, shapes, kept
+        ctx.comm, ctx.shapes, ctx.block = comm, shapes, block
+        keep.store(ctx, block, kept)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        kept, ctx.kept = ctx.kept, None
+        kept = Kept.load(ctx, ctx.block)
         h = x.shape[-1]
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
         dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
@@ -94,7 +99,7 @@ class _TSPMLPFn(torch.autograd.Function):
 
         full = ring_backward_into(ctx.comm, pack(*params), grad_into, tag="mlp.weights")
         grads = (g.to(p.dtype) for g, p in zip(unpack(full, ctx.shapes), params))   # fp32 -> params'
-        return (dx.view(x.shape).to(x.dtype), None, None, *grads)
+        return (dx.view(x.shape).to(x.dtype), None, None, None, *grads)
 
 
 def _gate_up(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,10 @@ sequence's K/V of every head, on every rank):
                                                     into [sum of key ranges, kv heads, d]
 
 Both are refused before any process group exists (the Trainer calls this beside
-`check_cuda_attention`), naming what to set instead. On CPU (the lse-merge route) the kernel saves
+`check_cuda_attention`), naming what to set instead. Not under activation checkpointing: there the
+trainer accepts only tsp_recompute=full, and the block's replay keeps its items, copies included,
+for that one block's backward (parallel/tsp/kept.py; plan/activations.py `tsp_replay_kept` counts
+the expanded copies), a bounded cost that keeps these routes open to checkpointed training. On CPU (the lse-merge route) the kernel saves
 views, also under document masking (one call per segment, on slices).
 """
 
