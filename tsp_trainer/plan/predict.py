@@ -66,10 +66,11 @@ OVERLAPPABLE_TAGS = ("attn.weights", "attn.wgrad", "mlp.weights", "mlp.weights.g
 
 def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile, *,
             global_batch: int | None = None, prec: Precision = BF16,
-            assumptions: Assumptions = Assumptions()) -> Prediction:
-    """Memory, communication and time of one optimizer step of `layout` on `hw`."""
+            assumptions: Assumptions = Assumptions(), device: str = "cuda") -> Prediction:
+    """Memory, communication and time of one optimizer step of `layout` on `hw`. device: the
+    attention path whose activations are counted ("cuda", or "cpu" for a CPU run's memory)."""
     st = state_bytes(cfg, layout, prec)
-    act = activation_memory(cfg, layout, seq_len, prec, device="cuda")
+    act = activation_memory(cfg, layout, seq_len, prec, device=device)
     memory = _memory(st, act)
     capacity = hw.hbm_bytes * assumptions.hbm_usable
 
