@@ -5,7 +5,7 @@ writes to config.yaml and hands W&B."""
 import pytest
 import yaml
 
-from tests.distributed.trainer_cases import captured_log, config
+from tests.distributed.trainer_cases import captured_log, config, record_wandb
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.plan.auto import GIB, run_layout
 from tsp_trainer.plan.hardware import get_profile
@@ -17,27 +17,10 @@ pytestmark = pytest.mark.distributed
 
 
 def _run_rank(rank, world, overrides):
-    import wandb
-
     from tsp_trainer.model.activation_checkpoint import checkpointed_block
     from tsp_trainer.trainer import Trainer
 
-    seen = {}
-
-    class Run:
-        def define_metric(self, name, summary=None):
-            pass
-
-        def log(self, metrics, step):
-            pass
-
-        def finish(self):
-            pass
-
-    def init(**kwargs):
-        seen["config"] = kwargs["config"]
-        return Run()
-    wandb.init = init
+    seen = record_wandb()
     with captured_log() as log:
         trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
         trainer.fit()

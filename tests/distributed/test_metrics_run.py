@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from tests.distributed.trainer_cases import config
+from tests.distributed.trainer_cases import config, record_wandb
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.config import load_config
 from tsp_trainer.observability.flops import flops_per_token
@@ -17,28 +17,11 @@ pytestmark = pytest.mark.distributed
 
 
 def _captured_wandb_rank(rank, world, overrides):
-    """Run with logging.wandb_mode=offline, wandb.init replaced by a recorder (wandb 0.31 has no
-    reader for its offline files): what the Trainer hands W&B."""
-    import wandb
-
+    """Run with logging.wandb_mode=offline, wandb.init replaced by a recorder: what the Trainer
+    hands W&B."""
     from tsp_trainer.trainer import Trainer
 
-    seen = {"defined": {}, "logged": []}
-
-    class Run:
-        def define_metric(self, name, summary=None):
-            seen["defined"][name] = summary
-
-        def log(self, metrics, step):
-            seen["logged"].append((step, metrics))
-
-        def finish(self):
-            pass
-
-    def init(**kwargs):
-        seen["config"] = kwargs["config"]
-        return Run()
-    wandb.init = init
+    seen = record_wandb()
     history = Trainer(config(overrides), world_size=world, global_rank=rank).fit()
     return {"seen": seen, "history": history}
 

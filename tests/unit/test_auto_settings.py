@@ -159,3 +159,19 @@ def test_tsp_plan_top_row_is_the_resolvers_choice(tmp_path):
     c = choose_memory_settings(cfg, world_size=8, budget=budget, cuda=True, hw=hw)
     assert (c.tsp_recompute, c.activation_checkpointing, c.head_buckets) == (
         top["tsp_recompute"], top["activation_checkpointing"], top["head_buckets"])
+
+
+def test_gpu_budget_is_the_devices_memory_times_the_usable_share(monkeypatch):
+    """On a GPU the budget is mem_get_info's total x Assumptions.hbm_usable (not the free memory,
+    which differs between ranks), and the ranking takes the GPU's own profile by its name."""
+    import torch
+
+    from tsp_trainer.plan.auto import memory_budget, ranking_profile
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    budget = memory_budget(_cfg(), world_size=2, cuda=True)
+    assert budget.bytes == 80 * GIB * 0.92 and budget.source == "GPU memory 80.0 GiB x 0.92 usable"
+    assert ranking_profile(True).name == "h200" and ranking_profile(False).name == "h100"
+    explicit = memory_budget(_cfg("train.memory_budget_gib=12.5"), world_size=2, cuda=True)
+    assert (explicit.bytes, explicit.source) == (12.5 * GIB, "train.memory_budget_gib")
