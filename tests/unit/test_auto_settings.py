@@ -133,7 +133,7 @@ def test_auto_values_load_and_validate():
     assert load_config(None, ["parallel.head_buckets=2"]).parallel.head_buckets == 2
     with pytest.raises(ValueError, match=r"'parallel.head_buckets'='many' must be an int or one of 'auto'"):
         load_config(None, ["parallel.head_buckets=many"])
-    with pytest.raises(ValueError, match=r"train.activation_checkpointing='maybe' must be 'auto'"):
+    with pytest.raises(ValueError, match=r"train.activation_checkpointing='maybe' must be 'auto' or a bool"):
         validate_config(TrainConfig(train=TrainSection(activation_checkpointing="maybe")))
     with pytest.raises(ValueError, match=r"train.memory_budget_gib=0.0 must be > 0"):
         validate_config(load_config(None, ["train.memory_budget_gib=0.0"]))

@@ -140,8 +140,9 @@ def _check_choices(cfg: TrainConfig) -> None:
                                  f"{', '.join(map(repr, choices))}; pick one of them")
             words = literal_words(kind)
             if not choices and words and isinstance(value, str) and value not in words:
+                kinds = [a.__name__ for a in typing.get_args(kind) if isinstance(a, type)]
                 raise ValueError(f"{section.name}.{name}={value!r} must be "
-                                 f"{' or '.join(map(repr, words))}, or a value of its type")
+                                 f"{' or '.join(map(repr, words))} or a {' or '.join(kinds)}")
 
 
 def _check_bounds(section: Any, prefix: str) -> None:

@@ -1,6 +1,7 @@
-"""Enumerate the layouts of a job (scheme, D, DP, ZeRO stage, activation checkpointing, head
-buckets, micro-batch, grad accumulation), predict each one, keep those that fit in memory and rank
-them by predicted tokens/s."""
+"""Enumerate the layouts of a job (scheme, D, DP, ZeRO stage, activation checkpointing, TSP
+recompute mode, head buckets, micro-batch, grad accumulation), predict each one, keep those that
+fit in memory and rank them by predicted step time (`ranking_key`, which the trainer's `auto`
+settings share: plan/auto.py)."""
 
 from __future__ import annotations
 
