@@ -43,6 +43,7 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
+from tsp_trainer.plan.auto import choose_auto_settings
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
 from tsp_trainer.run.placement import Placement, gather_placement
 from tsp_trainer.run.preemption import agree_on_batches
@@ -72,6 +73,12 @@ class Trainer:
             self.attention = run_attention_kernel(cfg, self.model_cfg, device=self.device)
             use_attention_kernel(self.attention)           # before check_device_support reads it
             self.log.info(f"attention kernel: {self.attention.kernel} ({self.attention.reason})")
+            self.memory = inputs.memory or choose_auto_settings(   # on a GPU: its memory, its rules
+                cfg, world_size=world_size, cuda=cuda, device=self.device,
+                refuses=lambda c: check_device_support(c, self.model_cfg, device=self.device))
+            if self.memory is not None:                    # the auto settings, as saved and logged
+                cfg = self.cfg = self.memory.apply(cfg)
+                self.log.info(self.memory.line())
             check_device_support(cfg, self.model_cfg, device=self.device)   # still before any group
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
@@ -139,9 +146,9 @@ class Trainer:
                                         recompute=cfg.train.activation_checkpointing))
         facts = run_facts(cfg, world_size=world_size, device=str(self.device),
                           peak_tflops=None if peak is None else peak / 1e12)
-        self.sinks = self._build_sinks(config={**cfg.to_dict(),
-                                               "run": {**facts, "attention_kernel": self.attention.kernel,
-                                                       "nodes": list(self.placement.nodes)}})
+        auto = {"auto": self.memory.facts()} if self.memory else {}
+        self.sinks = self._build_sinks(config={**cfg.to_dict(), "run": {
+            **facts, "attention_kernel": self.attention.kernel, "nodes": list(self.placement.nodes), **auto}})
         self._data_epoch = 0                                  # last training-data pass logged
         for line in self.data_plan.notes + self.loader.describe():
             self.log.info(line)

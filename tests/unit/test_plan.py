@@ -308,7 +308,7 @@ def test_plan_with_kept_activations(capsys, mode, lighter, marker):
     from tsp_trainer.plan.search import candidate_layouts
 
     kw = dict(seq_len=32768, global_batch=8, world=8)
-    layouts = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute=mode, **kw)
+    layouts = candidate_layouts(SMALL.replace(max_seq_len=32768), tsp_recompute=(mode,), **kw)
     tsp = [lay for lay in layouts if lay.scheme == "tsp"]
     assert tsp and all(lay.keeps_attention and not lay.activation_checkpointing for lay in tsp)
     assert all(lay.keeps_mlp == (mode == "none") for lay in tsp)

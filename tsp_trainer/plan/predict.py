@@ -67,11 +67,13 @@ OVERLAPPABLE_TAGS = ("attn.weights", "attn.wgrad", "mlp.weights", "mlp.weights.g
 
 def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile, *,
             global_batch: int | None = None, prec: Precision = BF16,
-            assumptions: Assumptions = Assumptions()) -> Prediction:
-    """Memory, communication and time of one optimizer step of `layout` on `hw`."""
+            assumptions: Assumptions = Assumptions(), device: str = "cuda") -> Prediction:
+    """Memory, communication and time of one optimizer step of `layout` on `hw`. device: the
+    attention path whose activations are counted ("cuda", or "cpu" for a CPU run's memory)."""
     st = state_bytes(cfg, layout, prec)
-    act = activation_memory(cfg, layout, seq_len, prec, device="cuda")
-    reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name)
+    act = activation_memory(cfg, layout, seq_len, prec, device=device)
+    # the libraries' reserve (NCCL, cuBLAS, flash buffers, CUDA context) exists only on a GPU
+    reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name) if device == "cuda" else {"total": 0}
     memory = _memory(st, act, reserved)
     capacity = hw.hbm_bytes * assumptions.hbm_usable
 
