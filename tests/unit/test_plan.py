@@ -144,21 +144,27 @@ def test_dp_comm_and_wire_bytes():
 def test_hardware_flops_count_recompute():
     s = 1024
     model = flops_per_token(SMALL, s)
-    assert hardware_flops_per_token(SMALL, Layout("tp", 2), s) == {"model": model, "hardware": model}
-    tsp = hardware_flops_per_token(SMALL, Layout("tsp", 2), s)["hardware"]
-    # full recompute re-runs q/k/v, the attention forward and gate/up in backward (not W_o, W_down)
     L, h, inter = SMALL.num_layers, SMALL.hidden_size, SMALL.intermediate_size
     qkv = 2 * L * h * (SMALL.num_heads * SMALL.head_dim + 2 * SMALL.kv_hidden_size)
     core, gate_up = L * 2 * s * h, 2 * L * 2 * h * inter            # causal attention: half of 4 S h
-    assert tsp == model + qkv + core + gate_up
-    assert tsp < flops_per_token(SMALL, s, recompute=True)          # less than a whole block forward
+    o, down, head = 2 * L * h * h, 2 * L * h * inter, 2 * SMALL.vocab_size * h
+    flash_rebuild = core / 2                                         # flash backward's Q K^T again
+    tp = hardware_flops_per_token(SMALL, Layout("tp", 2), s)
+    assert tp == {"model": model, "hardware": model + flash_rebuild}
+    tsp = hardware_flops_per_token(SMALL, Layout("tsp", 2), s)["hardware"]
+    # full recompute re-runs q/k/v, the attention forward and gate/up in backward (not W_o, W_down),
+    # and the vocab ring rebuilds the logits
+    assert tsp == model + flash_rebuild + qkv + core + gate_up + head
     sel = hardware_flops_per_token(SMALL, Layout("tsp", 2, tsp_recompute="selective"), s)["hardware"]
-    assert sel == model + gate_up                                    # selective keeps the attention
+    assert sel == model + flash_rebuild + gate_up + head             # selective keeps the attention
     none = hardware_flops_per_token(SMALL, Layout("tsp", 2, tsp_recompute="none"), s)["hardware"]
-    assert none == model                                             # none re-runs no forward GEMM
+    assert none == model + flash_rebuild + head                      # no block forward re-run
     tsp_ac = hardware_flops_per_token(SMALL, Layout("tsp", 2, activation_checkpointing=True), s)["hardware"]
-    assert tsp_ac == tsp + flops_per_token(SMALL, s, recompute=True) - model   # + one block replay
-
+    assert tsp_ac == tsp + qkv + core + o + gate_up + down           # + the whole block replayed
+    tp_ac = hardware_flops_per_token(SMALL, Layout("tp", 2, activation_checkpointing=True), s)["hardware"]
+    assert tp_ac == tp["hardware"] + qkv + core + o + gate_up        # the replay stops before down
+    sp = hardware_flops_per_token(SMALL, Layout("sp", 2), s)["hardware"]
+    assert sp == tp["hardware"] + core                               # context attention re-runs its core
 
 def test_selective_layout_rules_follow_the_trainer():
     """Layout refuses what config/validate.py refuses: selective for a baseline, or with AC or

@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_leaves
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.tools.flop_count import ExecutedFlops, record_attention
 from tsp_trainer.tools.host_sync import HostSyncCounter
 from tsp_trainer.tools.memory import LiveTensorMemory
 
@@ -132,6 +133,8 @@ class _FusedFootprint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
+        # FLOPs of the flash call it stands for (bottom-right causal: the prefix, or the square)
+        record_attention(q.shape, k.shape, v.shape, causal="bottom_right", backward=False)
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -140,6 +143,7 @@ class _FusedFootprint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, _, _ = ctx.saved_tensors
+        record_attention(q.shape, k.shape, v.shape, causal="bottom_right", backward=True)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -206,6 +210,8 @@ class StepResult:
     seconds: float
     info: dict = field(default_factory=dict)
     host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (tsp_trainer/tools/host_sync.py)
+    flops: int = 0                                # executed FLOPs of the micro-step (tools/flop_count.py)
+    flops_by_op: dict[str, int] = field(default_factory=dict)  # "aten.mm" -> FLOPs
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -267,7 +273,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         tracker.ignore(*params, *(p.grad for p in params), *batch)
         syncs = HostSyncCounter(mesh.device)
         path = cuda_attention_path() if attention == "cuda" else contextlib.nullcontext()
-        with path, mode, RealPassthrough(), tracker, syncs:
+        with path, mode, RealPassthrough(), tracker, syncs, ExecutedFlops() as counted:
             loss_sum, count = par.loss_sum(*batch)
             tracker.mark("forward")
             total = global_count(count, par.token_comms)
@@ -287,7 +293,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
                       param_bytes=param_bytes, param_count=param_count,
                       comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
-                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind))
+                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind),
+                      flops=counted.total, flops_by_op=counted.by_op)
 
 
 def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwargs) -> StepResult:
@@ -322,7 +329,10 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
                       stored_bytes=lin(one.stored_bytes, two.stored_bytes),
                       peak_bytes=lin(one.peak_bytes, two.peak_bytes),
                       seconds=one.seconds + two.seconds, info=info,
-                      host_syncs={k: v for k, v in syncs.items() if v})
+                      host_syncs={k: v for k, v in syncs.items() if v},
+                      flops=lin(one.flops, two.flops),
+                      flops_by_op={k: lin(one.flops_by_op.get(k, 0), two.flops_by_op.get(k, 0))
+                                   for k in sorted(set(one.flops_by_op) | set(two.flops_by_op))})
 
 
 # ---------------------------------------------------------------------------------------------
