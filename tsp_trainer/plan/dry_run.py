@@ -14,6 +14,10 @@ executed on fake tensors for one chosen rank. Out come, for that rank:
   backward) and the peak of live bytes over forward + backward (saved activations + transient
   buffers), measured by `LiveTensorMemory` (tsp_trainer/tools/memory.py), a TorchDispatchMode that tracks
   the storages ops create.
+* the executed FLOPs: every matmul and attention kernel of the micro-step, counted by
+  `ExecutedFlops` (tsp_trainer/tools/flop_count.py: torch's FLOP counter with causal-aware attention
+  formulas; the CUDA route's fused calls report theirs from the footprint), set beside the
+  planner's `hardware_flops_per_token` (plan/flops.py).
 
 Two local adjustments make the real code run on fake tensors; none changes the parallel package:
 
@@ -352,6 +356,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     Returns a JSON-friendly report."""
     from tsp_trainer.plan.activations import activation_memory
     from tsp_trainer.plan.communication import model_parallel_comm
+    from tsp_trainer.plan.flops import hardware_flops_per_token
     from tsp_trainer.plan.layout import Layout
     from tsp_trainer.plan.precision import BF16
     from tsp_trainer.plan.state import grad_bytes, state_bytes
@@ -381,6 +386,9 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
         st = state_bytes(cfg, layout, prec)
+        flops = hardware_flops_per_token(cfg, layout, seq_len)
+        # this rank's executed FLOPs are its 1/D share of the replica's micro_batch * seq_len tokens
+        counted = res.flops * degree / (micro_batch * seq_len)
         # optimizer state and gradients from the measured parameter count (ZeRO over DP)
         measured_state = {"params": res.param_bytes,
                           "grads": grad_bytes(res.param_count, zero_stage, dp, prec),
@@ -399,7 +407,10 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             "activations_peak": res.peak_bytes, "activations_peak_model": act.peak,
             "peak_phase_model": act.peak_phase,
             "total_peak": sum(measured_state.values()) + res.peak_bytes,
-            "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info}
+            "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info,
+            "flops_per_token": {"counted": counted, "formula": flops["hardware"],
+                                "model": flops["model"]},
+            "flops_by_op": res.flops_by_op}
     return report
 
 
@@ -437,6 +448,11 @@ def format_dry_run(report: dict) -> str:
                    f"{r['activations_peak'] / gib:.2f} GiB (model {r['activations_peak_model'] / gib:.2f}, "
                    f"in its {r['peak_phase_model']} phase)")
         out.append(f"  peak per rank: {r['total_peak'] / gib:.2f} GiB = state + peak activations")
+        fl = r["flops_per_token"]
+        out.append(f"  executed FLOPs per token {fl['counted'] / 1e9:.2f} G counted (torch's FLOP counter), "
+                   f"{fl['formula'] / 1e9:.2f} G planner formula; model FLOPs {fl['model'] / 1e9:.2f} G; "
+                   f"executed / model {fl['counted'] / fl['model']:.3f} counted, "
+                   f"{fl['formula'] / fl['model']:.3f} formula")
         syncs = r.get("host_syncs", {})
         out.append(f"  host syncs per micro-step (model forward + backward): {sum(syncs.values())}"
                    + (f" ({', '.join(f'{k} {v}' for k, v in sorted(syncs.items()))})" if syncs else ""))

@@ -1,12 +1,12 @@
-"""Executed FLOPs of real code: torch's `FlopCounterMode` with attention formulas that count what
-the kernels execute.
+"""Executed FLOPs of real code: torch's flop_counter formulas (what `FlopCounterMode` counts) with
+attention formulas that count what the kernels execute.
 
 torch 2.13's flop_counter counts matmuls (mm, addmm, bmm, baddbmm) and the fused SDPA ops, but it
 counts every fused attention call as the full [n_q, n_k] rectangle ("We aren't accounting for
 causal attention here") and has no formula for CPU's flash kernel
 (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, the ops the CPU log-sum-exp
-route of model/attention_lse.py runs). `ExecutedFlops` replaces those formulas (FlopCounterMode's
-`custom_mapping`, nothing global is changed) by ones that count the score entries the kernel
+route of model/attention_lse.py runs). `ExecutedFlops` counts with torch's registry and these
+formulas in place of its attention ones (nothing global is changed), the score entries the kernel
 computes:
 
     visible(n_q, n_k) = n_q * n_k                           no mask
@@ -36,8 +36,11 @@ report theirs through `record_attention`.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 aten = torch.ops.aten
 
@@ -116,10 +119,9 @@ def _mask_type(value: int) -> str | None:
 
 
 def _formula(packet, count):
-    """A raw FlopCounterMode formula: count(bound arguments) -> FLOPs."""
+    """A raw flop_counter formula (tensors, not shapes): count(bound arguments) -> FLOPs."""
     def formula(*args, out_val=None, **kwargs):
         return int(round(count(_bind(packet, args, kwargs))))
-    formula._get_raw = True
     return formula
 
 
@@ -128,7 +130,7 @@ def _causal(a: dict, corner: str) -> str | None:
 
 
 def _attention_formulas() -> dict:
-    """The op packet -> formula table FlopCounterMode takes as custom_mapping."""
+    """The op packet -> formula table that overrides torch's attention entries."""
     table = {
         # SDPA's fused ops, [B, H, T, d]
         aten._scaled_dot_product_flash_attention: lambda a: _bhsd_flops(
@@ -170,8 +172,30 @@ def _attention_formulas() -> dict:
 _ACTIVE: list["ExecutedFlops"] = []
 
 
+class _CountingMode(TorchDispatchMode):
+    """FlopCounterMode's dispatch half, minus two things that change what runs (and so what the
+    dry run's memory tracker measures): its module tracker, which hooks every module's inputs and
+    outputs for backward, and its decomposition of ops without a formula, which allocates other
+    temporaries than the op's own kernel. Composite ops (linear, matmul, SDPA) reach a dispatch
+    mode already decomposed into the ops the formulas cover."""
+
+    def __init__(self, registry: dict):
+        super().__init__()
+        self.registry = registry
+        self.counts: dict = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func._overloadpacket
+        out = func(*args, **kwargs)
+        if packet in self.registry:
+            self.counts[packet] += self.registry[packet](*args, **kwargs, out_val=out)
+        return out
+
+
 class ExecutedFlops:
-    """Context manager: FLOPs of every matmul and attention kernel run inside.
+    """Context manager: FLOPs of every matmul and attention kernel run inside, with torch's
+    flop_counter formulas and this module's attention formulas in place of its own.
 
         with ExecutedFlops() as flops:
             loss.backward()
@@ -179,7 +203,7 @@ class ExecutedFlops:
     """
 
     def __init__(self):
-        self.mode = FlopCounterMode(display=False, custom_mapping=_attention_formulas())
+        self.mode = _CountingMode({**flop_registry, **_attention_formulas()})
 
     def __enter__(self) -> "ExecutedFlops":
         self.mode.__enter__()
@@ -192,15 +216,15 @@ class ExecutedFlops:
 
     def add(self, packet, flops: float) -> None:
         """Count `flops` under op `packet` (a call that ran without dispatching it)."""
-        self.mode.flop_counts["Global"][packet] += int(round(flops))
+        self.mode.counts[packet] += int(round(flops))
 
     @property
     def total(self) -> int:
-        return int(self.mode.get_total_flops())
+        return int(sum(self.mode.counts.values()))
 
     @property
     def by_op(self) -> dict[str, int]:
-        return {str(op): int(n) for op, n in self.mode.get_flop_counts().get("Global", {}).items()}
+        return {str(op): int(n) for op, n in self.mode.counts.items()}
 
 
 def record_attention(q_shape, k_shape, v_shape, *, causal: str | None, backward: bool) -> None:
