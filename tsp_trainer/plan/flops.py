@@ -91,6 +91,30 @@ def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str,
     return {p: f[p] * (runs[p] + BACKWARD_COST[p]) for p in PIECES}
 
 
+def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
+                       bytes_per_element: int = 2) -> dict[str, float]:
+    """Per token, the work of each kernel family the planner times (plan/efficiency.py): FLOPs of
+    GEMMs, of the flash attention forward (every run of the core) and backward, and the HBM bytes
+    of the memory-bound elementwise kernels (`elementwise_bytes_per_token`)."""
+    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout)
+    gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len).items() if p != "core")
+    return {"gemm": gemm, "attention_forward": f["core"] * runs["core"],
+            "attention_backward": f["core"] * BACKWARD_COST["core"],
+            "elementwise_bytes": elementwise_bytes_per_token(cfg, layout, bytes_per_element)}
+
+
+def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_element: int = 2) -> float:
+    """HBM bytes per token of the memory-bound kernels, an estimate: per layer and forward pass two
+    RMSNorms (read + write h each), two residual adds (read 2 h, write h), RoPE on q and k (read +
+    write), SwiGLU (read gate and up, write I): 10 h + 2 (H d + kv) + 3 I elements; backward about
+    twice a forward; the AC replay one forward more. The loss's fp32 logits: written, read by the
+    softmax, their gradient written: 3 V x 4 bytes."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    per_pass = 10 * h + 2 * (cfg.num_heads * cfg.head_dim + cfg.kv_hidden_size) + 3 * inter
+    passes = 3 + (1 if layout.activation_checkpointing else 0)
+    return float(cfg.num_layers * per_pass * passes * bytes_per_element + 3 * cfg.vocab_size * 4)
+
+
 def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
     """{"model": the MFU numerator, "hardware": what the layout executes (the HFU numerator)}
     per training token."""
@@ -118,5 +142,6 @@ def run_flops_per_token(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) 
     return flops["model"], flops["hardware"]
 
 
-__all__ = ["BACKWARD_COST", "BLOCK_PIECES", "PIECES", "checkpoint_replay", "executed_pieces", "forward_pieces",
+__all__ = ["BACKWARD_COST", "BLOCK_PIECES", "PIECES", "checkpoint_replay", "elementwise_bytes_per_token",
+           "executed_by_family", "executed_pieces", "forward_pieces",
            "forward_runs", "hardware_flops_per_token", "run_flops_layout", "run_flops_per_token"]
