@@ -129,42 +129,48 @@ def _causal(a: dict, corner: str) -> str | None:
     return corner if a.get("is_causal", False) else None
 
 
+# (forward op, backward op, the corner a causal call aligns to); q, k, v in SDPA's [B, H, T, d]
+_BHSD_OPS = (
+    (aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+     _BOTTOM_RIGHT),
+    (aten._scaled_dot_product_efficient_attention,
+     aten._scaled_dot_product_efficient_attention_backward, _TOP_LEFT),
+    (aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
+     _TOP_LEFT),
+    # CPU flash: model/attention_lse.py's two parts, and CPU SDPA's square causal calls
+    (aten._scaled_dot_product_flash_attention_for_cpu,
+     aten._scaled_dot_product_flash_attention_for_cpu_backward, _TOP_LEFT),
+)
+# the kernels under SDPA (lower-right CausalBias and varlen calls): (forward op, backward op, the
+# argument names of cu_seqlens q / k and max q / k); flash's causal is bottom-right, the
+# memory-efficient kernel names its mask in custom_mask_type
+_PACKED_OPS = (
+    (aten._flash_attention_forward, aten._flash_attention_backward,
+     ("cum_seq_q", "cum_seq_k", "max_q", "max_k")),
+    (aten._efficient_attention_forward, aten._efficient_attention_backward,
+     ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")),
+)
+
+
+def _packed_causal(a: dict) -> str | None:
+    if "custom_mask_type" in a:
+        return _mask_type(a["custom_mask_type"])
+    return _causal(a, _BOTTOM_RIGHT)
+
+
 def _attention_formulas() -> dict:
     """The op packet -> formula table that overrides torch's attention entries."""
-    table = {
-        # SDPA's fused ops, [B, H, T, d]
-        aten._scaled_dot_product_flash_attention: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _BOTTOM_RIGHT), backward=False),
-        aten._scaled_dot_product_flash_attention_backward: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _BOTTOM_RIGHT), backward=True),
-        aten._scaled_dot_product_efficient_attention: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _TOP_LEFT), backward=False),
-        aten._scaled_dot_product_efficient_attention_backward: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _TOP_LEFT), backward=True),
-        aten._scaled_dot_product_cudnn_attention: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _TOP_LEFT), backward=False),
-        aten._scaled_dot_product_cudnn_attention_backward: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _TOP_LEFT), backward=True),
-        # CPU flash (model/attention_lse.py's two parts, and CPU SDPA's square causal calls)
-        aten._scaled_dot_product_flash_attention_for_cpu: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _TOP_LEFT), backward=False),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda a: _bhsd_flops(
-            a, causal=_causal(a, _TOP_LEFT), backward=True),
-        # the kernels under SDPA: lower-right CausalBias and varlen (document masking) calls
-        aten._flash_attention_forward: lambda a: _packed_flops(
-            a, causal=_causal(a, _BOTTOM_RIGHT), backward=False, cu_q="cum_seq_q",
-            cu_k="cum_seq_k", max_q="max_q", max_k="max_k"),
-        aten._flash_attention_backward: lambda a: _packed_flops(
-            a, causal=_causal(a, _BOTTOM_RIGHT), backward=True, cu_q="cum_seq_q",
-            cu_k="cum_seq_k", max_q="max_q", max_k="max_k"),
-        aten._efficient_attention_forward: lambda a: _packed_flops(
-            a, causal=_mask_type(a["custom_mask_type"]), backward=False, cu_q="cu_seqlens_q",
-            cu_k="cu_seqlens_k", max_q="max_seqlen_q", max_k="max_seqlen_k"),
-        aten._efficient_attention_backward: lambda a: _packed_flops(
-            a, causal=_mask_type(a["custom_mask_type"]), backward=True, cu_q="cu_seqlens_q",
-            cu_k="cu_seqlens_k", max_q="max_seqlen_q", max_k="max_seqlen_k"),
-    }
-    return {packet: _formula(packet, count) for packet, count in table.items()}
+    table = {}
+    for forward, backward, corner in _BHSD_OPS:
+        for packet, is_backward in ((forward, False), (backward, True)):
+            table[packet] = _formula(packet, lambda a, c=corner, b=is_backward: _bhsd_flops(
+                a, causal=_causal(a, c), backward=b))
+    for forward, backward, (cu_q, cu_k, max_q, max_k) in _PACKED_OPS:
+        for packet, is_backward in ((forward, False), (backward, True)):
+            table[packet] = _formula(packet, lambda a, b=is_backward, n=(cu_q, cu_k, max_q, max_k):
+                                     _packed_flops(a, causal=_packed_causal(a), backward=b, cu_q=n[0],
+                                                   cu_k=n[1], max_q=n[2], max_k=n[3]))
+    return table
 
 
 # -- the counter ------------------------------------------------------------------------------
