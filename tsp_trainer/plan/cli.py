@@ -48,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", default=None,
                    help="comma-separated micro-batch sizes to try (default: all)")
     p.add_argument("--dtype", choices=sorted(PRECISIONS), default="bf16")
-    p.add_argument("--efficiency", type=float, default=_DEFAULT_ASSUMPTIONS.compute_efficiency,
-                   help="achieved fraction of peak FLOP/s (default %(default)s)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="one achieved fraction of peak FLOP/s for GEMMs and attention alike (default: "
+                        "the GPU's per-kernel-family table, plan/efficiency.py)")
+    p.add_argument("--efficiency-table", default=None, metavar="PATH",
+                   help="kernel efficiency table JSON (python -m tsp_trainer.plan.efficiency "
+                        "ACCEPTANCE.json --out PATH; default: the published table)")
     p.add_argument("--comm-efficiency", type=float, default=_DEFAULT_ASSUMPTIONS.comm_efficiency,
                    help="achieved fraction of link bandwidth (default %(default)s)")
     p.add_argument("--hbm-usable", type=float, default=_DEFAULT_ASSUMPTIONS.hbm_usable,
@@ -98,6 +102,44 @@ def _cluster(parser: argparse.ArgumentParser, args):
     except ValueError as err:
         _fail(parser, str(err))
     return nodes, hw
+
+
+def _assumptions(parser, args, hw) -> Assumptions:
+    """The planner's assumptions from the flags, each checked: one line naming the flag."""
+    from tsp_trainer.plan.efficiency import read_table
+
+    for flag, value in (("--efficiency", args.efficiency), ("--comm-efficiency", args.comm_efficiency),
+                        ("--hbm-usable", args.hbm_usable)):
+        if value is not None and not 0 < value <= 1:
+            _fail(parser, f"{flag}={value} must be in (0, 1]")
+    table = None
+    if args.efficiency_table:
+        try:
+            rows = read_table(args.efficiency_table)
+        except (OSError, ValueError) as err:
+            _fail(parser, f"--efficiency-table={args.efficiency_table}: {err}")
+        if hw.name not in rows:
+            _fail(parser, f"--efficiency-table={args.efficiency_table} has no row for --gpu={hw.name} "
+                          f"(rows: {', '.join(sorted(rows))})")
+        table = rows[hw.name]
+    return Assumptions(kernel_efficiency=table, compute_efficiency=args.efficiency,
+                       comm_efficiency=args.comm_efficiency, hbm_usable=args.hbm_usable)
+
+
+def _efficiencies(hw, assumptions: Assumptions):
+    from tsp_trainer.plan.predict import efficiencies
+
+    return efficiencies(hw, assumptions)
+
+
+def _efficiency_text(hw, assumptions: Assumptions) -> str:
+    """The compute efficiencies a prediction uses, for table headers."""
+    eff = _efficiencies(hw, assumptions)
+    if assumptions.compute_efficiency is not None:
+        return f"{eff.gemm:.0%} of peak FLOP/s"
+    return (f"GEMM {eff.gemm:.0%}, flash attention forward {eff.attention_forward:.0%} / backward "
+            f"{eff.attention_backward:.0%} of peak FLOP/s ({eff.source}), elementwise "
+            f"{eff.elementwise:.0%} of HBM bandwidth")
 
 
 def _fail(parser: argparse.ArgumentParser, message: str) -> None:
@@ -168,8 +210,7 @@ def _longest(parser, args, cfg) -> int:
     batch = 1 if args.global_batch is None else args.global_batch
     if batch < 1:
         _fail(parser, f"--global-batch={batch} must be >= 1 (sequences per optimizer step)")
-    assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
-                              hbm_usable=args.hbm_usable)
+    assumptions = _assumptions(parser, args, hw)
     schemes = _schemes(parser, args.schemes, SCHEMES)
     world = nodes * hw.gpus_per_node
     report = {"model": args.model, "gpu": hw.name, "nodes": nodes, "world_size": world,
@@ -201,18 +242,13 @@ def _plan(parser, args, cfg) -> int:
     if args.global_batch is None:
         _fail(parser, "--global-batch (sequences per optimizer step) is required to plan a job")
     nodes, hw = _cluster(parser, args)
-    for flag, value in (("--efficiency", args.efficiency), ("--comm-efficiency", args.comm_efficiency),
-                        ("--hbm-usable", args.hbm_usable)):
-        if not 0 < value <= 1:
-            _fail(parser, f"{flag}={value} must be in (0, 1]")
     micro = None
     if args.micro_batch:
         try:
             micro = tuple(int(x) for x in args.micro_batch.split(","))
         except ValueError:
             _fail(parser, f"--micro-batch={args.micro_batch!r} must be comma-separated integers")
-    assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
-                              hbm_usable=args.hbm_usable)
+    assumptions = _assumptions(parser, args, hw)
     schemes = _schemes(parser, args.schemes, SCHEMES)
     try:
         result = plan(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw, nodes=nodes,
@@ -227,15 +263,16 @@ def _plan(parser, args, cfg) -> int:
     header = (f"{args.model} at {args.seq_len} tokens, global batch {args.global_batch} sequences "
               f"({args.global_batch * args.seq_len:,} tokens/step) on {world} x {hw.name} "
               f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, AdamW, TSP recompute "
-              f"{'auto (every mode ranked)' if args.tsp_recompute == 'auto' else args.tsp_recompute}; assumed "
-              f"{assumptions.compute_efficiency:.0%} of peak FLOP/s and "
+               f"{'auto (every mode ranked)' if args.tsp_recompute == 'auto' else args.tsp_recompute}; "
+               f"assumed {_efficiency_text(hw, assumptions)} and "
               f"{assumptions.comm_efficiency:.0%} of link bandwidth; "
               f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
     print(format_table(result, header=header, top=args.top, capacity=capacity,
                        gpus_per_node=hw.gpus_per_node))
     request = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
                "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
-               "assumptions": asdict(assumptions), "schemes": list(schemes),
+               "assumptions": asdict(assumptions),
+               "kernel_efficiency": _efficiencies(hw, assumptions).as_dict(), "schemes": list(schemes),
                "tsp_recompute": args.tsp_recompute}
     if args.json:
         write_json(args.json, request, result, top=args.top)
