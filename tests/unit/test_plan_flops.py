@@ -112,7 +112,9 @@ def test_forward_runs_per_layout():
     tsp = forward_runs(Layout("tsp", 2))
     assert (tsp["qkv"], tsp["core"], tsp["o"], tsp["gate_up"], tsp["down"], tsp["head"]) == (2, 2, 1, 2, 1, 2)
     tsp_ac = forward_runs(Layout("tsp", 2, activation_checkpointing=True))
-    assert (tsp_ac["qkv"], tsp_ac["o"], tsp_ac["down"]) == (3, 2, 2)
+    # under checkpointing the replay is TSP's recompute: forward + replay, no third run
+    assert (tsp_ac["qkv"], tsp_ac["core"], tsp_ac["o"], tsp_ac["gate_up"], tsp_ac["down"], tsp_ac["head"]) == (
+        2, 2, 2, 2, 2, 2)
     tp_ac = forward_runs(Layout("tp", 2, activation_checkpointing=True))
     assert (tp_ac["qkv"], tp_ac["down"], tp_ac["head"]) == (2, 1, 1)
     assert forward_pieces(CFG, SEQ)["core"] == 2 * CFG.num_layers * SEQ * CFG.num_heads * CFG.head_dim
@@ -120,10 +122,12 @@ def test_forward_runs_per_layout():
 
 def test_the_trainer_logs_the_planner_flops_of_its_layout():
     cfg = load_config(None, ["parallel.scheme=tsp", "parallel.tsp_degree=2", "parallel.head_buckets=2",
-                             "parallel.tsp_recompute=selective"])
+                             "parallel.tsp_recompute=selective", "train.activation_checkpointing=false"])
     layout = run_flops_layout(cfg)
     assert (layout.scheme, layout.degree, layout.head_buckets, layout.tsp_recompute) == ("tsp", 2, 2, "selective")
     model, hardware = run_flops_per_token(cfg, CFG, SEQ)
     expected = hardware_flops_per_token(CFG, Layout("tsp", 2, tsp_recompute="selective"), SEQ)
     assert (model, hardware) == (expected["model"], expected["hardware"])
     assert hardware > model
+    with pytest.raises(ValueError, match="resolved"):         # auto is the trainer's to resolve first
+        run_flops_layout(load_config(None, ["parallel.scheme=tsp", "parallel.tsp_degree=2"]))

@@ -131,6 +131,12 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
     checkpointing, TSP's head buckets and recompute mode (not ZeRO or batch: they change no FLOP
     per token)."""
     p = cfg.parallel
+    unresolved = [k for k, v in (("train.activation_checkpointing", cfg.train.activation_checkpointing),
+                                 ("parallel.tsp_recompute", p.tsp_recompute),
+                                 ("parallel.head_buckets", p.head_buckets)) if v == "auto"]
+    if unresolved:
+        raise ValueError(f"{', '.join(unresolved)}=auto: the FLOPs need the resolved layout "
+                         "(plan/auto.py resolves it before the run is built)")
     axes = {"tp": p.tp_degree, "sp": p.sp_degree} if p.scheme == "tp_x_sp" else {}
     tsp = p.scheme == "tsp"
     return Layout(p.scheme, p.tsp_degree, activation_checkpointing=cfg.train.activation_checkpointing,
