@@ -4,6 +4,7 @@ there, with the training command fixed to `-m tsp_trainer train RECIPE [key=valu
 
     args = parse_launch_args(argv)          # RECIPE and overrides: args.recipe, args.overrides
     world = launch_world_size(args)         # the processes the job will start, all machines
+    machine = launch_machine_rank(args)     # 0: the launcher that checks the inputs
     code = run_launcher(args)               # the job's exit code (a failed rank's own code)
 
 Under `accelerate launch` a failing rank surfaces as torch elastic's ChildFailedError (a report of
@@ -67,6 +68,17 @@ def launch_world_size(args: argparse.Namespace) -> int:
     import torch
 
     return max(torch.cuda.device_count(), 1)
+
+
+def launch_machine_rank(args: argparse.Namespace) -> int:
+    """This launcher's machine (--machine_rank, else the config file's, else 0). Only machine 0's
+    tsp-launch checks the inputs: one check per job, as a single machine's, instead of one per
+    node verifying the same checkpoint (and moving a damaged one aside) at once, and refusing the
+    folder whose lease machine 0's rank 0 has just taken."""
+    if args.machine_rank is not None:
+        return args.machine_rank
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    return load_config_from_file(path).machine_rank if path is not None else 0
 
 
 def run_launcher(args: argparse.Namespace) -> int:
