@@ -134,6 +134,7 @@ class SlurmCluster:
     root: Path
     nodes: int
     pids: dict[str, int] = field(default_factory=dict)     # daemon name -> pid
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
 
     @property
     def env(self) -> dict[str, str]:
@@ -190,7 +191,6 @@ class SlurmCluster:
                                 start_new_session=True)
         log.close()
         self.pids[name] = proc.pid
-        self._procs = getattr(self, "_procs", {})
         self._procs[name] = proc
 
     def _check_alive(self, name: str) -> None:
@@ -239,9 +239,8 @@ class SlurmCluster:
             self._cancel_jobs()
         order = [n for n in self.pids if n.startswith("slurmd")] + \
                 [n for n in ("slurmctld", "munged") if n in self.pids]
-        procs = getattr(self, "_procs", {})
         for name in order:
-            proc = procs[name]
+            proc = self._procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
