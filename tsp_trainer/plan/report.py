@@ -48,6 +48,8 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
         lines.append(f"... {len(shown) - top} more (--top N to list them)")
     lines.append(f"({len(shown)} distinct layouts fit; each row shows the best ZeRO stage and head-bucket "
                  f"count of its scheme / D / AC / micro-batch; --json lists all {len(result.fitting)})")
+    if shown and shown[0].layout.offload_optimizer:
+        lines.append(optimizer_offload_note(shown[0]))
     lines.append("")
     lines.append(f"best layout per scheme (memory limit {capacity / GB:.1f} GB per GPU):")
     best = sorted(result.best_per_scheme().values(), key=lambda p: (not p.fits, -p.tokens_per_s))
@@ -62,6 +64,17 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
                  "comm % = share of the step spent in exposed communication; MFU counts model FLOPs "
                  "(causal attention halved) against dense bf16 peak.")
     return "\n".join(lines)
+
+
+def optimizer_offload_note(p: Prediction) -> str:
+    """What ZeRO-Offload costs the layout `p`: pinned host memory per node, and the CPU Adam step
+    and PCIe copies its step time includes."""
+    per_node = p.memory["host_optimizer_per_node"]
+    return (f"optimizer offloaded to the host (zero.offload_optimizer=cpu), layout 1: "
+            f"{per_node / GB:.1f} GB pinned host memory per node "
+            f"({p.memory['host_optimizer'] / GB:.1f} GB per GPU); per step {p.times['optimizer']:.3f} s "
+            f"of CPU Adam and {p.times['optimizer_pcie']:.3f} s of PCIe copies (fp32 gradients down, "
+            f"updated weights up), both in step s")
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> str:
