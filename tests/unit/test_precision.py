@@ -97,9 +97,12 @@ def test_deepspeed_accumulates_and_reduces_gradients_in_fp32():
 def test_optimizer_offload_config_is_deepspeeds_zero_offload():
     common = dict(micro_batch=1, grad_accum=1, dp_degree=1, zero_stage=2, max_grad_norm=1.0, bf16=True)
     assert "offload_optimizer" not in ds_config(**common)["zero_optimization"]
-    zero = ds_config(**common, offload_optimizer=True)["zero_optimization"]
-    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    assert zero["stage"] == 2
+    assert "zero_force_ds_cpu_optimizer" not in ds_config(**common)
+    cfg = ds_config(**common, offload_optimizer=True)
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert cfg["zero_optimization"]["stage"] == 2
+    # else Accelerate swaps our DeepSpeedCPUAdam for one in Adam (L2) mode (engine/deepspeed.py)
+    assert cfg["zero_force_ds_cpu_optimizer"] is False
 
 
 def test_bf16_without_zero_is_refused():

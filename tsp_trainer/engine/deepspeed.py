@@ -17,7 +17,7 @@ The rest of the contract with DeepSpeed: train_batch_size = micro x grad_accum x
 explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
 gradient_clipping written explicitly (DeepSpeed's default is 1.0); a torch AdamW (no JIT build of
 DeepSpeed's fused op), or with zero.offload_optimizer=cpu DeepSpeed's own DeepSpeedCPUAdam (its
-ZeRO-Offload refuses any other optimizer); bf16 on GPU, fp32 on CPU, gradients accumulated and
+ZeRO-Offload is built for it; Accelerate's swap of it is turned off, see ds_config); bf16 on GPU, fp32 on CPU, gradients accumulated and
 reduced in fp32 either way; the data loader is ours, never prepared.
 """
 
@@ -52,9 +52,17 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
     moments live on the host; under bf16 the reduced gradients still accumulate in an fp32
     partition on the device (n / dp elements) before each step copies them to the host."""
     zero = {"stage": zero_stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    offload = {}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # Accelerate 1.15's _prepare_deepspeed otherwise replaces any optimizer under offload by a
+        # new DeepSpeedCPUAdam (map_pytorch_optim_to_deepspeed), in Adam mode (L2 decay, not
+        # AdamW's) unless the original is a torch AdamW, and the Trainer's checkpoints would read
+        # the state of an optimizer nobody steps. Ours is already DeepSpeedCPUAdam, which
+        # DeepSpeed's own check accepts; prepare() checks that DeepSpeed steps it.
+        offload["zero_force_ds_cpu_optimizer"] = False
     return {
+        **offload,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch * grad_accum * dp_degree,
@@ -138,6 +146,10 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimize
     device_index = torch.cuda.current_device() if accelerator.device.type == "cuda" else None
     with bound_to_initialize(mpu, device_index):
         engine, opt = accelerator.prepare(model, optimizer)
+    if engine.basic_optimizer is not optimizer:
+        raise RuntimeError(f"DeepSpeed steps a {type(engine.basic_optimizer).__name__}, not the "
+                           f"{type(optimizer).__name__} handed to accelerator.prepare: Accelerate "
+                           "replaced it (has _prepare_deepspeed changed?)")
     expected = mpu.get_data_parallel_world_size()
     if engine.dp_world_size != expected:
         raise RuntimeError(f"DeepSpeed engine sees dp_world_size={engine.dp_world_size}, expected "
