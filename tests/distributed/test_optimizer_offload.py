@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed.fault_cases import faulty_train_rank, weights_equal
+from tests.distributed.fault_cases import assert_nan_step_is_skipped
 from tests.distributed.trainer_cases import assert_matches_reference, reference_run, train_rank
 from tests.helpers.dist import run_on_ranks
 
@@ -77,13 +77,8 @@ def test_nan_on_one_rank_skips_the_offloaded_update(tmp_path):
     offload path flags the overflow while copying the gradients to the host and agrees it over dp
     and tsp, so both ranks skip the CPU update (counted); with a constant learning rate the weights
     after 3 steps equal those after 2 clean steps."""
-    constant_lr = ["optim.warmup_steps=0", "optim.min_lr=3e-3", "zero.stage=1"] + OFFLOAD
-    out = run_on_ranks(faulty_train_rank, 2, constant_lr + ["train.steps=3", "train.nonfinite=skip",
-                                                            f"train.output_dir={tmp_path}/a"], ("nan", 3, 1))
-    for o in out:
-        assert o["skipped"] == [0, 0, 1]
-    clean = run_on_ranks(train_rank, 2, constant_lr + ["train.steps=2", f"train.output_dir={tmp_path}/b"])
-    assert weights_equal(out[0]["weights"], clean[0]["weights"])
+    assert_nan_step_is_skipped(2, ["optim.warmup_steps=0", "optim.min_lr=3e-3", "zero.stage=1"] + OFFLOAD,
+                               tmp_path)
 
 
 def test_cpu_adam_step_counter_replay_makes_a_restored_optimizer_bitwise():
