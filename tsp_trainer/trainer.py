@@ -91,9 +91,12 @@ class Trainer:
         with self._startup(f"model: {self.model_cfg.num_layers} layers, parallel.scheme={scheme}"):
             self.par = self._build_model()
             self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
-            self.optimizer = build_optimizer(self.par.model, cfg.optim)
+            offload = cfg.zero.offload_optimizer == "cpu"      # DeepSpeed's ZeRO-Offload wants its CPU Adam
+            self.optimizer = (ds_engine.build_offload_optimizer if offload else build_optimizer)(
+                self.par.model, cfg.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over dp {dp}"):
+        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over dp {dp}"
+                           + (", optimizer offloaded to the host" if offload else "")):
             self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                                TSPMpu(self.mesh))
         with self._startup("data: training loader" + (" and eval batches" if cfg.train.eval_every else "")):
@@ -166,7 +169,8 @@ class Trainer:
         c = self.cfg
         return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
                                    dp_degree=dp, zero_stage=c.zero.stage,
-                                   max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16)
+                                   max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16,
+                                   offload_optimizer=c.zero.offload_optimizer == "cpu")
 
     def _build_model(self) -> Parallelized:
         c = self.cfg

@@ -39,6 +39,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_bounds(cfg, "")
     _check_zero(cfg.zero.stage)
+    check_optimizer_offload(cfg.zero)
     check_precision(zero_stage=cfg.zero.stage, bf16=cfg.train.dtype == "bf16")
     if cfg.zero.stage == 0 and cfg.train.nonfinite == "skip":
         raise ValueError("train.nonfinite='skip' needs zero.stage 1 or 2 (their overflow check, agreed "
@@ -230,6 +231,15 @@ def _check_zero(stage: Any) -> None:
                          f"sharded weights; use zero.stage {named}")
     if stage not in stages or isinstance(stage, bool):
         raise ValueError(f"zero.stage={stage!r} must be {named} (DeepSpeed ZeRO stage over the DP axis)")
+
+
+def check_optimizer_offload(zero: ZeroSection) -> None:
+    """ZeRO-Offload moves the fp32 partition that ZeRO 1/2 build (master weights, AdamW moments,
+    fp32 gradients) to the host; ZeRO-0 builds none, so DeepSpeedCPUAdam would meet device weights."""
+    if zero.offload_optimizer == "cpu" and zero.stage == 0:
+        raise ValueError("zero.offload_optimizer='cpu' with zero.stage=0: DeepSpeed offloads the "
+                         "optimizer only under ZeRO 1 or 2 (stage 0 keeps no fp32 partition to move "
+                         "to the host); use zero.stage 1 or 2, or zero.offload_optimizer='none'")
 
 
 def check_precision(*, zero_stage: int, bf16: bool) -> None:
