@@ -468,13 +468,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="train.attention_kernel of part (b) (default: the recipe's)")
     p.add_argument("--out", default="gpu_acceptance.json", metavar="PATH")
     args = p.parse_args(argv)
+    allocator = apply_allocator_settings() if args.device == "cuda" else None   # before CUDA initialises
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu --tiny for the CPU twin")
     if args.steps < 1:
         p.error(f"--steps={args.steps} must be >= 1")
     if args.budget_s <= 0:
         p.error(f"--budget-s={args.budget_s} must be > 0")
-    allocator = apply_allocator_settings() if args.device == "cuda" else None   # before CUDA initialises
     budget = Budget(args.budget_s)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":

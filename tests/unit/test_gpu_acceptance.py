@@ -73,3 +73,36 @@ def test_cuda_without_a_gpu_is_a_clear_error(capsys):
         load_experiment("gpu_acceptance").main(["--device", "cuda"])
     assert info.value.code == 2
     assert "no CUDA device is visible; use --device cpu --tiny" in capsys.readouterr().err
+
+
+def test_bf16_master_step_is_adamw_on_fp32_masters_with_clipping():
+    """(e) against torch's AdamW on fp32 copies of the same weights and (bf16) gradients, clipped
+    over all of them, with tsp_trainer/optim.py's groups: same masters, bf16 weights their rounding."""
+    import torch
+
+    from tsp_trainer.config.schema import OptimSection
+    from tsp_trainer.optim import param_groups
+
+    script = load_experiment("gpu_acceptance")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)).to(torch.bfloat16)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    optim = OptimSection(lr=0.1)
+    step = script.Bf16MasterAdamW(model, optim, max_grad_norm=0.5)
+    ref_opt = torch.optim.AdamW(param_groups(ref, optim.weight_decay), lr=optim.lr,
+                                betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    for _ in range(2):
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn_like(p)
+            r.grad = p.grad.float()
+        step.step()
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 0.5)
+        ref_opt.step()
+    masters = torch.cat([m.detach() for _, m in step.groups])
+    decay, no_decay = param_groups(ref, optim.weight_decay)
+    expected = torch.cat([p.detach().flatten() for p in decay["params"] + no_decay["params"]])
+    torch.testing.assert_close(masters, expected, rtol=1e-6, atol=1e-7)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+    assert step.state_bytes() == 16 * sum(p.numel() for p in model.parameters())
