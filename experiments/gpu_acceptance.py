@@ -89,7 +89,8 @@ def apply_allocator_settings(environ=os.environ) -> dict:
 
 
 def recipe_layout(args) -> dict:
-    """The TSP layout of the run: the command line's values, else the recipe's."""
+    """The TSP layout of the run: the command line's values, else the recipe's (with --tiny: D = 4,
+    one head bucket, full recompute, activation checkpointing)."""
     from tsp_trainer.config.load import load_config
 
     cfg = load_config(RECIPE)
@@ -101,13 +102,15 @@ def recipe_layout(args) -> dict:
     given = {"head_buckets": args.head_buckets, "tsp_recompute": args.tsp_recompute,
              "activation_checkpointing": args.activation_checkpointing,
              "attention_kernel": args.attention_kernel}
-    if args.tiny:                      # seconds-sized: D = 4, the tiny model's 2 heads per shard in one bucket
-        layout.update(degree=4, head_buckets=1)
+    if args.tiny:      # seconds-sized: D = 4, the tiny model's 2 heads per shard in one bucket
+        layout.update(degree=4, head_buckets=1, tsp_recompute="full", activation_checkpointing=True)
     layout.update({k: v for k, v in given.items() if v is not None})
-    for key in ("head_buckets", "tsp_recompute", "activation_checkpointing"):
+    for key, dotted in (("head_buckets", "parallel.head_buckets"), ("tsp_recompute", "parallel.tsp_recompute"),
+                        ("activation_checkpointing", "train.activation_checkpointing")):
         if layout[key] == "auto":
-            raise SystemExit(f"gpu_acceptance: the recipe's {key}=auto is resolved by the trainer; "
-                             f"pass --{key.replace('_', '-')} with the value it resolves to")
+            raise SystemExit(f"gpu_acceptance: {dotted}=auto in {RECIPE.name}: this script takes the "
+                             f"layout explicitly; pass --{key.replace('_', '-')} with the value the "
+                             "trainer resolves it to")
     return layout
 
 

@@ -1,5 +1,5 @@
-"""tools/kernel_names.py: attention kernel families from recorded names, device kernels (as the CUDA
-profiler names them) and aten ops (the CPU twin)."""
+"""tools/kernel_names.py: attention kernel families from name lists, device kernels (in the form the
+CUDA profiler names them) and aten ops (the CPU twin, recorded here by the CPU profiler)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from tsp_trainer.tools.kernel_names import attention_kernel_family, classify_names, profiled_names
 
-# names as torch.profiler records them (demangled kernel names; template arguments shortened)
+# names in the form torch.profiler gives them (demangled kernel names, written from the kernels'
+# sources and FlashAttention's naming; template arguments shortened): no GPU has recorded these
 RECORDED = {
     "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
     "cutlass::bfloat16_t>, false, true, false, false, false, true, false, false>(Flash_fwd_params)": "fa2",
