@@ -44,7 +44,6 @@ at tiny sizes in tests/unit/test_gpu_acceptance.py, the GPU test in tests/gpu/te
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
