@@ -93,11 +93,20 @@ def recipe_layout(args) -> dict:
     from tsp_trainer.config.load import load_config
 
     cfg = load_config(RECIPE)
+    auto = None
+    if not args.tiny:                  # the recipe as the trainer's auto resolves it on this device
+        from tsp_trainer.plan.auto import choose_auto_settings
+
+        cuda = torch.cuda.is_available()
+        auto = choose_auto_settings(cfg, world_size=cfg.parallel.tsp_degree, cuda=cuda,
+                                    device=torch.device("cuda", 0) if cuda else None)
+        cfg = auto.apply(cfg) if auto is not None else cfg
     layout = {"degree": cfg.parallel.tsp_degree, "head_buckets": cfg.parallel.head_buckets,
               "tsp_recompute": cfg.parallel.tsp_recompute,
               "activation_checkpointing": cfg.train.activation_checkpointing,
               "attention_kernel": cfg.train.attention_kernel, "optim": cfg.optim,
-              "max_grad_norm": cfg.optim.max_grad_norm}
+              "max_grad_norm": cfg.optim.max_grad_norm,
+              "auto": None if auto is None else auto.line()}
     given = {"head_buckets": args.head_buckets, "tsp_recompute": args.tsp_recompute,
              "activation_checkpointing": args.activation_checkpointing,
              "attention_kernel": args.attention_kernel}
@@ -486,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = recipe_layout(args)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "peak_flops": peak, "torch": torch.__version__, "tiny": args.tiny, "budget_s": args.budget_s,
-              "allocator": allocator}
+              "allocator": allocator, "auto": layout["auto"]}
     if not args.skip_plain and budget.allows("plain", 0.0):
         s = sizes["plain"]
         report["plain"] = plain_model(device, s["name"], s["model"], s["seq_len"], s["dtype"], args.steps, peak)
