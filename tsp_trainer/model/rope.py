@@ -92,7 +92,10 @@ class Rotary:
         else:
             runs, tensor = positions, positions.tensor(device)
         docs = runs.documents
-        if docs is not None and docs.reset_positions:
+        reset = docs is not None and docs.reset_positions
+        check_fp32_positions(_largest_position(runs, docs) if reset else
+                             max((first + n - 1 for first, n in runs.runs), default=0))
+        if reset:
             tensor = rope_positions(runs.runs, docs, device=tensor.device)          # [B, T]
         cos, sin = rope_cos_sin(tensor, head_dim, theta, scaling)
         return cls(tensor, cos, sin, runs.query_runs(), docs)
@@ -100,6 +103,27 @@ class Rotary:
     @classmethod
     def for_model(cls, positions: "PositionRuns | torch.Tensor", cfg: ModelConfig, device=None) -> "Rotary":
         return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+
+# The angles are position x inv_freq in fp32 (as transformers computes them, bit for bit): an
+# integer position is exact in fp32 up to 2^24 = 16,777,216, so sequences (or, with
+# reset_positions, documents) of up to 2^24 tokens get their exact positions.
+FP32_EXACT_POSITIONS = 1 << 24
+
+
+def check_fp32_positions(largest: int) -> None:
+    """Refuse positions that fp32 angles cannot represent exactly (one host comparison)."""
+    if largest >= FP32_EXACT_POSITIONS:
+        raise ValueError(f"RoPE position {largest} is not exact in fp32 (the angles' dtype, as in "
+                         "transformers): positions must be < 2^24 = 16,777,216, so data.seq_len "
+                         "<= 16777216 (or documents that short with data.reset_positions=true)")
+
+
+def _largest_position(runs: PositionRuns, docs: Documents) -> int:
+    """The largest position restarted per document among the tokens in hand (from the plan
+    attention reuses: a segment's last query sits at k_stop - 1, its document starts at k_start)."""
+    return max((s.k_stop - 1 - s.k_start for row in docs.plan(runs.query_runs()) for s in row.segments),
+               default=0)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,
