@@ -6,6 +6,7 @@ table of N^2 or N x max_seq_len elements, or a dense mask, would fail the test."
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tsp_trainer.model.documents import (FEW_SEGMENTS, INT32_OFFSET_LIMIT, Docum
 from tsp_trainer.model.rope import FP32_EXACT_POSITIONS, PositionRuns, Rotary
 from tsp_trainer.parallel.zigzag import zigzag_runs
 
+REPO = Path(__file__).resolve().parents[2]
 N = 1 << 24           # 16,777,216 tokens in the sequence
 WORLD = 8             # TSP degree
 LOCAL = N // WORLD    # tokens per rank: two zigzag chunks of N / 16
@@ -179,3 +181,17 @@ def test_key_index_of_many_segments_equals_one_arange_per_segment():
     expected = [k for a, b in plan.key_ranges for k in range(a, b)]
     index = plan.key_index()
     assert index.dtype == torch.int64 and index.tolist() == expected
+
+
+def test_longest_recipe_fits_the_index_limits():
+    from tsp_trainer.config import load_config, validate_config
+
+    cfg = load_config(REPO / "recipes" / "llama3_8b_longest.yaml")
+    validate_config(cfg, world_size=WORLD)
+    seq, degree = cfg.data.seq_len, cfg.parallel.tsp_degree
+    assert (seq, degree, cfg.train.global_batch_size) == (7 << 20, WORLD, 1)
+    assert cfg.data.document_masking and cfg.train.dtype == "bf16"
+    assert seq % (2 * degree) == 0 and seq <= cfg.model.max_seq_len < FP32_EXACT_POSITIONS
+    # the most keys a rank gathers (one document over the whole row) stay within int32 offsets
+    keys = varlen_plan(plan_segments(zigzag_runs(seq, 0, degree).query_runs())).cu_k[-1]
+    assert keys == (2 * degree + 1) * (seq // (2 * degree)) < INT32_OFFSET_LIMIT
