@@ -14,11 +14,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tsp_trainer.config.model import RopeScaling
+from tsp_trainer.config.model import FP32_EXACT_POSITIONS, RopeScaling
 from tsp_trainer.data.packing import document_ids
 from tsp_trainer.model.documents import (FEW_SEGMENTS, INT32_OFFSET_LIMIT, Documents,
                                          device_offsets, plan_segments, rope_positions, varlen_plan)
-from tsp_trainer.model.rope import FP32_EXACT_POSITIONS, PositionRuns, Rotary
+from tsp_trainer.model.rope import PositionRuns, Rotary
 from tsp_trainer.parallel.zigzag import zigzag_runs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,3 +195,15 @@ def test_longest_recipe_fits_the_index_limits():
     # the most keys a rank gathers (one document over the whole row) stay within int32 offsets
     keys = varlen_plan(plan_segments(zigzag_runs(seq, 0, degree).query_runs())).cu_k[-1]
     assert keys == (2 * degree + 1) * (seq // (2 * degree)) < INT32_OFFSET_LIMIT
+
+
+def test_a_sequence_past_2_pow_24_is_refused_at_config_time_unless_positions_restart():
+    from tsp_trainer.config import load_config, validate_config
+
+    longer = ["data.seq_len=33554432", "model.max_seq_len=33554432"]
+    cfg = load_config(REPO / "recipes" / "llama3_8b_longest.yaml", longer)
+    with pytest.raises(ValueError, match=r"^data.seq_len=33554432 exceeds 2\^24 = 16777216: RoPE "):
+        validate_config(cfg, world_size=WORLD)
+    restart = load_config(REPO / "recipes" / "llama3_8b_longest.yaml",
+                          [*longer, "data.reset_positions=true"])
+    validate_config(restart, world_size=WORLD)

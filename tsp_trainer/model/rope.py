@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tsp_trainer.config.model import ModelConfig, RopeScaling
+from tsp_trainer.config.model import FP32_EXACT_POSITIONS, ModelConfig, RopeScaling
 from tsp_trainer.model.documents import Documents, rope_positions
 
 
@@ -105,14 +105,9 @@ class Rotary:
         return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
 
 
-# The angles are position x inv_freq in fp32 (as transformers computes them, bit for bit): an
-# integer position is exact in fp32 up to 2^24 = 16,777,216, so sequences (or, with
-# reset_positions, documents) of up to 2^24 tokens get their exact positions.
-FP32_EXACT_POSITIONS = 1 << 24
-
-
 def check_fp32_positions(largest: int) -> None:
-    """Refuse positions that fp32 angles cannot represent exactly (one host comparison)."""
+    """Refuse positions that fp32 angles cannot represent exactly (FP32_EXACT_POSITIONS; one host
+    comparison)."""
     if largest >= FP32_EXACT_POSITIONS:
         raise ValueError(f"RoPE position {largest} is not exact in fp32 (the angles' dtype, as in "
                          "transformers): positions must be < 2^24 = 16,777,216, so data.seq_len "
