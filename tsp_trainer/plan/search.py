@@ -54,8 +54,10 @@ def _key(p: Prediction):
 def ranking_key(p: Prediction, capacity: float):
     """The one ranking of tsp-plan and of the trainer's `auto` settings (plan/auto.py): layouts
     whose predicted peak (model state + activation peak) fits `capacity` bytes first, then the
-    shorter predicted step, then less memory."""
-    return (p.memory["total"] > capacity, p.step_time, p.memory["total"])
+    shorter predicted step, then less compute (a step the model predicts bound by overlapped
+    communication ties across recompute modes; where compute and transfers share the cores, as on
+    CPU, the mode that recomputes least is the fastest), then less memory."""
+    return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"], p.memory["total"])
 
 
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
