@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--degrees", default="2,4")
     p.add_argument("--seq-lens", default="4096,8192")
-    p.add_argument("--modes", default="full,selective,none")
+    p.add_argument("--modes", default="auto,full,selective,none",
+                   help="tsp-bench --tsp-recompute values; auto: the trainer's default choice")
     p.add_argument("--steps", type=int, default=3, help="timed steps per launch (>= 3 for a median)")
     p.add_argument("--json", default=None, help="write the cells here")
     args = p.parse_args(argv)

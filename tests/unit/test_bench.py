@@ -168,3 +168,24 @@ def test_replot_draws_a_throughput_panel_only_for_timed_runs(tmp_path, name, pan
     height, width = matplotlib.image.imread(out).shape[:2]
     # 5 in of width per panel at 110 dpi (legends below the axes add height, not width)
     assert round(width / (5 * 110)) == panels, (width, height)
+
+
+def test_tsp_recompute_auto_is_the_trainers_rule_and_explicit_values_win(monkeypatch, capsys):
+    """--tsp-recompute auto (the default) takes the trainer's rule: with memory to spare the mode
+    that computes least (none), with a budget that only full fits, full; explicit values stay."""
+    from tsp_trainer.plan import auto
+
+    argv = "--model tiny --seq-len 256 --degree 2 --schemes tsp,tp"
+    assert _spec(argv).tsp_recompute == "none"
+    assert "tsp-bench: auto: tsp_recompute=none" in capsys.readouterr().out
+    assert _spec(argv + " --tsp-recompute selective").tsp_recompute == "selective"
+    assert _spec(argv + " --activation-checkpointing").tsp_recompute == "full"   # the only one with AC
+    model = _spec(argv + " --tsp-recompute full").model
+    peaks = {}
+    for mode in ("full", "none"):
+        lay = auto.Layout("tsp", 2, dp=1, zero_stage=0, micro_batch=1, grad_accum=1, tsp_recompute=mode)
+        peaks[mode] = auto.predict(model, lay, 256, auto.ranking_profile(False), prec=auto.PRECISIONS["fp32"],
+                                   device="cpu").memory["total"]
+    tight = auto.Budget((peaks["full"] + peaks["none"]) / 2, "test")      # full fits, none does not
+    monkeypatch.setattr(auto, "device_budget", lambda **kw: tight)
+    assert _spec(argv).tsp_recompute in ("full", "selective") and peaks["full"] < tight.bytes < peaks["none"]

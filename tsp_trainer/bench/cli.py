@@ -11,6 +11,7 @@ process starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import platform
@@ -23,8 +24,10 @@ from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_
                                       write_plot)
 from tsp_trainer.bench.run import scheme_rank, single_process
 from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
+from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import MODEL_SIZES
 from tsp_trainer.config.schema import DType, TspRecompute, resolved_dtype
+from tsp_trainer.plan.auto import choose_bench_recompute
 from tsp_trainer.tools import launch
 
 _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
@@ -48,10 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp: S = D / T")
     p.add_argument("--tp-sequence-parallel", action="store_true", help="tp_x_sp: Megatron SP inside tp")
     p.add_argument("--head-buckets", type=int, default=1, help="tsp: K/V all-gather buckets")
-    p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecompute), default="full",
-                   help="tsp: full (save X_p only), selective (keep each shard's attention output) "
-                        "or none (also keep the MLP's gate/up pre-activations: backward re-runs no "
-                        "forward GEMM)")
+    p.add_argument("--tsp-recompute", choices=("auto",) + typing.get_args(TspRecompute), default="auto",
+                   help="tsp: auto (default: the trainer's choice, the fastest mode whose predicted "
+                        "peak fits this device's memory), full (save X_p only), selective (keep each "
+                        "shard's attention output) or none (also keep the MLP's gate/up "
+                        "pre-activations: backward re-runs no forward GEMM)")
     p.add_argument("--steps", type=int, default=3, help="timed steps (0: memory and bytes only)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps; the first measures memory")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -87,13 +91,25 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     spec = BenchSpec(model_name=args.model, model=model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                      degree=args.degree, schemes=schemes, tp_degree=tp, sp_degree=sp,
                      tp_sequence_parallel=args.tp_sequence_parallel, head_buckets=args.head_buckets,
-                     tsp_recompute=args.tsp_recompute,
+                     tsp_recompute="full" if args.tsp_recompute == "auto" else args.tsp_recompute,
                      steps=args.steps, warmup=args.warmup, backend=backend,
                      dtype=resolved_dtype(args.dtype, cuda=backend == "nccl"), threads=threads,
                      activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,
                      seed=args.seed, interleave=not args.no_interleave, profile=args.profile)
     validate(spec, cuda_devices=cuda)
+    if args.tsp_recompute == "auto":             # resolved once the rest is known to be valid
+        spec = dataclasses.replace(spec, tsp_recompute=_tsp_recompute(args, model, cuda=backend == "nccl"))
     return spec
+
+
+def _tsp_recompute(args: argparse.Namespace, model: ModelConfig, *, cuda: bool) -> str:
+    """--tsp-recompute auto resolved as the trainer resolves it (plan/auto.py), said once."""
+    mode, budget = choose_bench_recompute(
+        model, degree=args.degree, seq_len=args.seq_len, micro_batch=args.micro_batch,
+        head_buckets=args.head_buckets, activation_checkpointing=args.activation_checkpointing,
+        dtype=resolved_dtype(args.dtype, cuda=cuda), cuda=cuda)
+    print(f"tsp-bench: auto: tsp_recompute={mode} (the trainer's rule against {budget.source})", flush=True)
+    return mode
 
 
 def _two_axes(args, schemes) -> tuple[int | None, int | None]:

@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from tsp_trainer.config import TrainConfig
+from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
 from tsp_trainer.plan.layout import TSP_RECOMPUTE, Layout
@@ -190,6 +190,11 @@ def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None)
     """This process's budget (module docstring)."""
     if cfg.train.memory_budget_gib is not None:
         return Budget(cfg.train.memory_budget_gib * GIB, "train.memory_budget_gib")
+    return device_budget(world_size=world_size, cuda=cuda, device=device)
+
+
+def device_budget(*, world_size: int, cuda: bool, device=None) -> Budget:
+    """The device's usable memory per process: a GPU's, or the host's shared by the processes."""
     if cuda:
         import torch
 
@@ -225,5 +230,21 @@ def ranking_profile(cuda: bool, device=None) -> HardwareProfile:
     return PROFILES[RANKING_PROFILE]
 
 
+def choose_bench_recompute(model: ModelConfig, *, degree: int, seq_len: int, micro_batch: int,
+                           head_buckets: int, activation_checkpointing: bool, dtype: str,
+                           cuda: bool) -> tuple[str, Budget]:
+    """tsp-bench's `--tsp-recompute auto`: the trainer's rule (`ranking_key` over
+    `memory_variants`) for one TSP group of `degree` processes (dp 1) with the bench's buckets and
+    checkpointing as given; (mode, the budget it was chosen against)."""
+    budget = device_budget(world_size=degree, cuda=cuda)
+    base = Layout("tsp", degree, dp=1, zero_stage=0 if dtype == "fp32" else 1, micro_batch=micro_batch,
+                  grad_accum=1)
+    layouts = memory_variants(model, base, recompute=TSP_RECOMPUTE, checkpointing=(activation_checkpointing,),
+                              buckets=(head_buckets,))
+    preds = [predict(model, lay, seq_len, ranking_profile(cuda), prec=PRECISIONS[dtype],
+                     device="cuda" if cuda else "cpu") for lay in layouts]
+    return min(preds, key=lambda p: ranking_key(p, budget.bytes)).layout.tsp_recompute, budget
+
+
 __all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_auto_settings",
-           "choose_memory_settings", "memory_budget", "uses_auto"]
+           "choose_bench_recompute", "choose_memory_settings", "device_budget", "memory_budget", "uses_auto"]
