@@ -89,7 +89,7 @@ def _is_cpu_adam(optimizer) -> bool:
 def fresh_adam_step(optimizer, step: int):
     """The "step" entry of a new Adam state, in the type `optimizer` keeps it: a float tensor for
     torch AdamW, a Python int for DeepSpeedCPUAdam (its C++ op takes the count as an integer)."""
-    return step if _is_cpu_adam(optimizer) else torch.tensor(float(step))
+    return step if _is_cpu_adam(optimizer) else torch.tensor(float(step), device="cpu")   # host, as torch Adam keeps it
 
 
 def replay_cpu_adam_steps(optimizer, step: int) -> None:
