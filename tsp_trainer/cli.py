@@ -231,7 +231,9 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
 
 def launch_main(argv: list[str] | None = None) -> None:
     """tsp-launch [accelerate launch options] RECIPE [key=value ...]: the checks of tsp-train in
-    this process at the launcher's world size, then Accelerate's launcher on `-m tsp_trainer train`."""
+    this process at the launcher's world size (on machine 0 only: the job's ranks, and machine 0's
+    exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
+    `-m tsp_trainer train`."""
     _quiet_known_warnings()
     from tsp_trainer.engine.launch import (launch_first_rank, launch_world_size, parse_launch_args,
                                            run_launcher)

@@ -35,7 +35,7 @@ from tsp_trainer.model.attention_route import use_attention_kernel
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
-                                       make_sinks, model_and_hardware_flops_per_token)
+                                       make_sinks)
 from tsp_trainer.observability.wandb_sink import check_wandb_credentials
 from tsp_trainer.optim import build_optimizer, build_scheduler
 from tsp_trainer.parallel.loss import global_count, reduce_loss_sum
@@ -43,6 +43,8 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
+from tsp_trainer.plan.auto import choose_auto_settings
+from tsp_trainer.plan.flops import run_flops_per_token
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
 from tsp_trainer.run.placement import Placement, gather_placement
 from tsp_trainer.run.preemption import agree_on_batches
@@ -72,6 +74,12 @@ class Trainer:
             self.attention = run_attention_kernel(cfg, self.model_cfg, device=self.device)
             use_attention_kernel(self.attention)           # before check_device_support reads it
             self.log.info(f"attention kernel: {self.attention.kernel} ({self.attention.reason})")
+            self.memory = inputs.memory or choose_auto_settings(   # on a GPU: its memory, its rules
+                cfg, world_size=world_size, cuda=cuda, device=self.device,
+                refuses=lambda c: check_device_support(c, self.model_cfg, device=self.device))
+            if self.memory is not None:                    # the auto settings, as saved and logged
+                cfg = self.cfg = self.memory.apply(cfg)
+                self.log.info(self.memory.line())
             check_device_support(cfg, self.model_cfg, device=self.device)   # still before any group
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
@@ -134,14 +142,12 @@ class Trainer:
         peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else detect_peak_flops(self.device)
         self.metrics = StepRecorder(world=self.mesh.world, peak_flops=peak, device=self.device,
                                     rank_stats_every=cfg.logging.rank_stats_every,
-                                    flops=model_and_hardware_flops_per_token(
-                                        self.model_cfg, cfg.data.seq_len,
-                                        recompute=cfg.train.activation_checkpointing))
+                                    flops=run_flops_per_token(cfg, self.model_cfg, cfg.data.seq_len))
         facts = run_facts(cfg, world_size=world_size, device=str(self.device),
                           peak_tflops=None if peak is None else peak / 1e12)
-        self.sinks = self._build_sinks(config={**cfg.to_dict(),
-                                               "run": {**facts, "attention_kernel": self.attention.kernel,
-                                                       "nodes": list(self.placement.nodes)}})
+        auto = {"auto": self.memory.facts()} if self.memory else {}
+        self.sinks = self._build_sinks(config={**cfg.to_dict(), "run": {
+            **facts, "attention_kernel": self.attention.kernel, "nodes": list(self.placement.nodes), **auto}})
         self._data_epoch = 0                                  # last training-data pass logged
         for line in self.data_plan.notes + self.loader.describe():
             self.log.info(line)
@@ -240,8 +246,7 @@ class Trainer:
             grad_norm=None if grad_norm is None else float(grad_norm),
             skipped_steps=self.state.skipped_steps, tokens_seen=self.state.tokens_seen,
             checkpoint_stall_s=self.checkpoints.take_stall_s(),
-            flops=model_and_hardware_flops_per_token(self.model_cfg, seq_len,
-                                                     recompute=c.train.activation_checkpointing))
+            flops=run_flops_per_token(c, self.model_cfg, seq_len))
         return {**metrics, **self._data_metrics(seq_len)}
 
     def _read_step_batches(self) -> list[dict]:

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from tests.distributed.trainer_cases import config
+from tests.distributed.trainer_cases import config, record_wandb
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.config import load_config
 from tsp_trainer.observability.flops import flops_per_token
@@ -17,28 +17,11 @@ pytestmark = pytest.mark.distributed
 
 
 def _captured_wandb_rank(rank, world, overrides):
-    """Run with logging.wandb_mode=offline, wandb.init replaced by a recorder (wandb 0.31 has no
-    reader for its offline files): what the Trainer hands W&B."""
-    import wandb
-
+    """Run with logging.wandb_mode=offline, wandb.init replaced by a recorder: what the Trainer
+    hands W&B."""
     from tsp_trainer.trainer import Trainer
 
-    seen = {"defined": {}, "logged": []}
-
-    class Run:
-        def define_metric(self, name, summary=None):
-            seen["defined"][name] = summary
-
-        def log(self, metrics, step):
-            seen["logged"].append((step, metrics))
-
-        def finish(self):
-            pass
-
-    def init(**kwargs):
-        seen["config"] = kwargs["config"]
-        return Run()
-    wandb.init = init
+    seen = record_wandb()
     history = Trainer(config(overrides), world_size=world, global_rank=rank).fit()
     return {"seen": seen, "history": history}
 
@@ -65,8 +48,12 @@ def test_metrics_names_mfu_and_resolved_config(tmp_path):
     assert [s for s, _ in seen["logged"]] == [1, 2, 3] and "perf/mfu" in seen["logged"][-1][1]
     assert seen["defined"]["train/loss"] == "min"
     wb = seen["config"]
-    assert wb["run"] == {"world_size": 2, "dp_degree": 1, "tsp_degree": 2, "device": "cpu",
-                         "peak_tflops": 0.5, "attention_kernel": "cpu", "nodes": [0, 0]}
+    assert {k: v for k, v in wb["run"].items() if k != "auto"} == {
+        "world_size": 2, "dp_degree": 1, "tsp_degree": 2, "device": "cpu", "peak_tflops": 0.5,
+        "attention_kernel": "cpu", "nodes": [0, 0]}
+    # the auto settings resolved against the host's memory (tests/distributed/test_auto_settings_run.py)
+    assert wb["run"]["auto"]["memory_budget_source"].startswith("host MemAvailable")
+    assert wb["parallel"]["tsp_recompute"] in ("full", "selective", "none")
     assert wb["model"]["hidden_size"] == 64 and wb["model"]["num_layers"] == 1   # named size resolved
     assert wb["train"]["dtype"] == "fp32" and wb["parallel"]["dp_degree"] == 1
     # config.yaml says the same and loads back to the resolved config

@@ -109,7 +109,7 @@ def test_activation_checkpointing_matches_single_process(degree, kv_heads, bucke
     ids, labels = make_batch(cfg, 2, seq_len)
     ref = reference(cfg, 7, ids, labels, steps=2, optim="sgd")
     outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd", mode,
-                        True)
+                        "auto", True)
     _assert_parity(ref, outs)
     for o in outs:
         for name, w in ref["weights"].items():

@@ -52,6 +52,31 @@ def captured_log():
         logger.setLevel(level)
 
 
+def record_wandb() -> dict:
+    """Replace wandb.init in this process by a recorder (wandb 0.31 has no reader for its offline
+    files): the returned dict fills with the run's "config", its "defined" metrics and the
+    (step, metrics) pairs "logged"."""
+    import wandb
+
+    seen = {"defined": {}, "logged": []}
+
+    class Run:
+        def define_metric(self, name, summary=None):
+            seen["defined"][name] = summary
+
+        def log(self, metrics, step):
+            seen["logged"].append((step, metrics))
+
+        def finish(self):
+            pass
+
+    def init(**kwargs):
+        seen["config"] = kwargs["config"]
+        return Run()
+    wandb.init = init
+    return seen
+
+
 def train_rank(rank, world, overrides, return_weights=True):
     from tsp_trainer.trainer import Trainer
 

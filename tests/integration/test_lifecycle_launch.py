@@ -188,22 +188,29 @@ def test_input_errors_are_one_line_from_rank_0_before_start_up(tmp_path):
 
 
 def test_slurm_script_forwards_the_preemption_signal_and_requeues(tmp_path):
-    """The sbatch script under stand-ins for srun and scontrol: USR1 to the batch shell (SLURM's
-    --signal=B:USR1 lead time) reaches the srun step as SIGTERM; once the step has exited the job
-    requeues itself. Without a signal a failing step's status is the script's."""
+    """The sbatch script under stand-ins for srun, scancel and scontrol: USR1 to the batch shell
+    (SLURM's --signal=B:USR1 lead time) reaches the srun step as SIGTERM (scancel --signal=TERM
+    JOB: the steps' processes); once the step has exited the job requeues itself. Without a signal
+    a failing step's status is the script's. (Under a real SLURM: tests/integration/
+    test_slurm_cluster.py.)"""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "scontrol").write_text('#!/bin/bash\nif [ "$1" = show ]; then echo node0; '
                                    'else echo "$*" >> "$LOG"; fi\n')
+    # scancel stand-in: SIGTERM to the step (the srun stand-in's pid).
+    (fake / "scancel").write_text('#!/bin/bash\necho "scancel $*" >> "$LOG"\n'
+                                  'kill -TERM "$(cat "$LOG.srun")"\n')
     # srun stand-in: the "trainer" saves on SIGTERM (after a moment) and exits 75.
     (fake / "srun").write_text('#!/bin/bash\ntrap \'sleep 0.5; echo saved >> "$LOG"; exit 75\' TERM\n'
+                               'echo $$ > "$LOG.srun"\n'
                                'echo started >> "$LOG"\nfor i in $(seq 300); do sleep 0.1; done\n'
                                'exit ${SRUN_STATUS:-0}\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     log = tmp_path / "log"
     env = _env(PATH=f"{fake}:{os.environ['PATH']}", LOG=str(log), SLURM_JOB_ID="42",
-               SLURM_JOB_NODELIST="node0", SLURM_SUBMIT_DIR=str(tmp_path), REPO=str(tmp_path))
+               SLURM_JOB_NODELIST="node0", SLURM_NNODES="1", SLURM_SUBMIT_DIR=str(tmp_path),
+               REPO=str(tmp_path))
     script = str(REPO / "launch" / "slurm_7b_128k_1024gpu.sbatch")
     job = subprocess.Popen(["bash", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
     while not (log.exists() and "started" in log.read_text()):
@@ -211,7 +218,8 @@ def test_slurm_script_forwards_the_preemption_signal_and_requeues(tmp_path):
     job.send_signal(signal.SIGUSR1)
     stdout, _ = job.communicate(timeout=60)
     assert job.returncode == 0, stdout
-    assert log.read_text().splitlines() == ["started", "saved", "requeue 42"], log.read_text()
+    assert log.read_text().splitlines() == ["started", "scancel --signal=TERM 42", "saved",
+                                            "requeue 42"], log.read_text()
     assert "caught USR1" in stdout
     log.unlink()
     (fake / "srun").write_text('#!/bin/bash\necho started >> "$LOG"\nexit 3\n')

@@ -4,7 +4,8 @@ so the fake default process group never touches the pytest process).
 
 The ledger of one step must equal the analytic communication model exactly; saved activations
 must agree to 1% and the peak to 10% (plan/activations.py, device="cpu": the fake tensors take
-the CPU attention path)."""
+the CPU attention path), and the executed FLOPs torch's FLOP counter counts to the planner's
+hardware FLOPs within 2% (plan/flops.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def _check(report: dict, schemes=("tsp", "tp", "tp_sp")) -> None:
         assert shapes["norm.weight"] == [cfg.hidden_size]
         assert r["activations_stored"] == pytest.approx(r["activations_stored_model"], rel=0.01)
         assert r["activations_peak"] == pytest.approx(r["activations_peak_model"], rel=0.10)
+        # executed FLOPs: torch's FLOP counter on the real code against the planner's formula
+        flops = r["flops_per_token"]
+        assert flops["counted"] == pytest.approx(flops["formula"], rel=0.02)
+        assert flops["counted"] > 1.2 * flops["model"]          # AC replays the blocks
     tsp, tp = report["schemes"]["tsp"], report["schemes"]["tp"]
     assert tsp["activations_stored"] * 4 < tp["activations_stored"]     # TSP shards the sequence
     assert tsp["comm"]["all_gather/attn.kv"]["count"] > 0 and "all_reduce/attn.tp" not in tsp["comm"]

@@ -265,13 +265,16 @@ def test_head_buckets():
 
 
 def test_tsp_recompute():
-    """parallel.tsp_recompute: full (default) or selective; selective is TSP's, and refused with a
-    whole-layer checkpoint or activation offload (each with the reason and what to set)."""
-    assert TrainConfig().parallel.tsp_recompute == "full"
+    """parallel.tsp_recompute: auto (default), full or selective; selective is TSP's, and refused
+    with a whole-layer checkpoint or activation offload (each with the reason and what to set);
+    auto takes either (plan/auto.py chooses a mode the rules allow)."""
+    assert TrainConfig().parallel.tsp_recompute == "auto"
+    validate_config(valid(parallel__scheme="tp", train__activation_checkpointing="auto"))
+    validate_config(valid(parallel__tsp_recompute="selective", train__activation_checkpointing="auto"))
     validate_config(valid(parallel__tsp_recompute="selective"))
-    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'full', 'selective', 'none'",
+    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'auto', 'full', 'selective', 'none'",
            load_config, None, ["parallel.tsp_recompute=partial"])
-    raises("parallel.tsp_recompute='partial' is not one of 'full', 'selective', 'none'", validate_config,
+    raises("parallel.tsp_recompute='partial' is not one of 'auto', 'full', 'selective', 'none'", validate_config,
            valid(parallel__tsp_recompute="partial"))
     raises("parallel.tsp_recompute='selective' with parallel.scheme='tp': only parallel.scheme='tsp' "
            "recomputes by shard; set parallel.tsp_recompute=full", validate_config,
@@ -294,7 +297,7 @@ def test_tsp_recompute_none_is_refused_where_selective_is():
     list all three."""
     validate_config(valid(parallel__tsp_recompute="none"))
     assert load_config(None, ["parallel.tsp_recompute=none"]).parallel.tsp_recompute == "none"
-    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'full', 'selective', 'none'",
+    raises("config key 'parallel.tsp_recompute'='partial' must be one of 'auto', 'full', 'selective', 'none'",
            load_config, None, ["parallel.tsp_recompute=partial"])
     raises("parallel.tsp_recompute='none' with parallel.scheme='sp': only parallel.scheme='tsp' "
            "recomputes by shard; set parallel.tsp_recompute=full", validate_config,

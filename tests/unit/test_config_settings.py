@@ -14,7 +14,7 @@ from tsp_trainer.config import validate
 from tsp_trainer.config.model import MODEL_SIZES
 from tsp_trainer.config.reference import config_reference, config_sections
 from tsp_trainer.config.schema import (DataFormat, DType, OptimSection, ParallelSection, Scheme,
-                                       TrainConfig, TspRecompute)
+                                       TrainConfig, TspRecomputeSetting)
 from tsp_trainer.config.settings import Bound, bound_of, field_of, leaf_keys, setting
 from tsp_trainer.config.validate import validate_config
 
@@ -116,7 +116,10 @@ def test_help_config_prints_every_key_and_exits_0(capsys):
 def test_docs_config_md_is_what_help_config_markdown_prints():
     # Regenerate with: tsp-train --help-config --markdown > docs/config.md
     assert DOCS.read_text() == config_reference(markdown=True)
-    assert "| `parallel.tsp_recompute` | str | `full` | one of full, selective, none |" in DOCS.read_text()
+    text = DOCS.read_text()
+    assert "| `parallel.tsp_recompute` | str | `auto` | one of auto, full, selective, none |" in text
+    assert "| `parallel.head_buckets` | int or str | `auto` | auto or >= 1 |" in text
+    assert "| `train.activation_checkpointing` | bool or str | `auto` | auto, true or false |" in text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +138,7 @@ def test_cli_choices_are_the_schema_types():
     from tsp_trainer.eval.cli import build_parser as eval_parser
     from tsp_trainer.plan.cli import build_parser as plan_parser
 
-    assert _choices(plan_parser(), "--tsp-recompute") == typing.get_args(TspRecompute)
+    assert _choices(plan_parser(), "--tsp-recompute") == typing.get_args(TspRecomputeSetting)
     assert _choices(bench_parser(), "--tsp-recompute") == ("full", "selective", "none")
     assert _choices(bench_parser(), "--dtype") == typing.get_args(DType)
     assert _choices(eval_parser(), "--scheme", "passkey") == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")

@@ -4,7 +4,8 @@ checks the recipe at, and the exit code it gives from torch elastic's report of 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from tsp_trainer.engine.launch import exit_code, first_failure, launch_world_size, parse_launch_args
+from tsp_trainer.engine.launch import (exit_code, first_failure, launch_world_size,
+                                       parse_launch_args)
 
 CPU_CONFIG = "launch/accelerate/cpu_4proc.yaml"
 
@@ -52,3 +53,17 @@ def test_only_signals_give_128_plus_the_signal(tmp_path):
                                            0: _failure(0, -15, 6, tmp_path)})
     assert first_failure(err) == (1, 137, 2)
     assert (exit_code(75), exit_code(-15)) == (75, 143)
+
+
+@pytest.mark.parametrize("machine,checked", [("0", 1), ("1", 0)])
+def test_only_machine_0s_launcher_checks_the_inputs(monkeypatch, machine, checked):
+    from tsp_trainer import cli
+    from tsp_trainer.engine import launch
+
+    calls = []
+    monkeypatch.setattr(cli, "_check_inputs_or_exit", lambda *a, **k: calls.append(k["world"]))
+    monkeypatch.setattr(launch, "run_launcher", lambda args: 0)
+    with pytest.raises(SystemExit) as exc:
+        cli.launch_main(["--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "8",
+                         "--machine_rank", machine, "recipes/tiny_cpu.yaml"])
+    assert exc.value.code == 0 and calls == [8] * checked

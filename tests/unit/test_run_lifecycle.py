@@ -330,3 +330,30 @@ def test_wandb_sink_skips_logged_steps_and_marks_preemption(tmp_path, monkeypatc
     multi.mark_preempting()
     multi.close()
     assert sent == [6, 7] and marked == ["abcd0123"]
+
+
+def test_wandb_sink_outlives_its_killed_service(tmp_path, monkeypatch, capsys):
+    """A signal to every process of the job (SLURM) also stops wandb-core: the next log fails with
+    ConnectionResetError. The sink says so once and sends nothing more; training goes on to its
+    checkpoint (tests/integration/test_slurm_cluster.py runs it under SLURM)."""
+    import wandb
+
+    from tsp_trainer.observability import WandbSink
+
+    calls = []
+
+    def lost(run, data, step=None, **kw):
+        calls.append(step)
+        raise ConnectionResetError("Connection lost")
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", lost)
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "mark_preempting", lambda run: calls.append("mark"))
+    sink = WandbSink("p", run_name="n", config={}, mode="offline", dir=tmp_path, run_id="abcd0124")
+    for step in (1, 2, 3):
+        sink.log(step, {"loss": 1.0})
+    sink.mark_preempting()
+    sink.close()
+    err = capsys.readouterr().err
+    assert calls == [1]
+    assert err.count("W&B logging stops at step 1: its wandb-core process is gone "
+                     "(ConnectionResetError: Connection lost)") == 1, err

@@ -114,6 +114,13 @@ def _yaml(value: Any) -> str:
 def _allowed(f: dataclasses.Field, kind: Any) -> str:
     """The Literal's choices, the setting's choices (each item's, for a list) or its bound."""
     literals = [a for a in (kind, *typing.get_args(kind)) if typing.get_origin(a) is Literal]
+    others = [a for a in typing.get_args(kind) if a is not type(None) and a not in literals]
+    if literals and typing.get_origin(kind) is not Literal and others:
+        # `int | Literal["auto"]`, `bool | Literal["auto"]`: the word, or the other type's rule
+        words = ", ".join(map(str, typing.get_args(literals[0])))
+        if bool in others:
+            return f"{words}, true or false"
+        return f"{words} or {bound_of(f).text()}" if bound_of(f) is not None else words
     if literals:
         words = ", ".join(map(str, typing.get_args(literals[0])))
         if bound_of(f) is not None:          # a number or a word (int | Literal["auto"])

@@ -19,6 +19,9 @@ from tsp_trainer.config.settings import setting
 
 Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
 TspRecompute = Literal["full", "selective", "none"]
+# "auto": the planner's memory model chooses the value at start-up (plan/auto.py)
+Auto = Literal["auto"]
+TspRecomputeSetting = Literal["auto", TspRecompute]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub"]
 LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
@@ -104,13 +107,16 @@ class ParallelSection:
     scheme: Scheme = setting("tsp", doc="TSP, or one of the baselines it is compared with (Megatron "
                                         "TP, TP + SP, context parallelism, T x S on two sub-axes)")
     tsp_degree: int = setting(1, min=1, doc="D: ranks of one model-parallel group, inner mesh axis")
-    head_buckets: int = setting(1, min=1, doc="TSP: K/V all-gathers per weight shard (bounds the "
-                                              "K/V buffer)")
-    tsp_recompute: TspRecompute = setting(
-        "full", doc="TSP backward: full recomputes projections + attention and the MLP's gate/up "
+    head_buckets: int | Auto = setting("auto", min=1, doc="TSP: K/V all-gathers per weight shard (bounds the "
+                                                     "K/V buffer); auto = chosen at start-up with "
+                                                     "tsp_recompute")
+    tsp_recompute: TspRecomputeSetting = setting(
+        "auto", doc="TSP backward: full recomputes projections + attention and the MLP's gate/up "
                     "from X_p; selective keeps q, k/v, attention outputs (~5 X_p more per layer) and "
                     "skips the attention recompute; none also keeps the MLP's gate/up "
-                    "pre-activations (+2 B S/D I elements per layer): backward re-runs no forward GEMM")
+                    "pre-activations (+2 B S/D I elements per layer): backward re-runs no forward GEMM; "
+                    "auto = the fastest of these, checkpointing and head buckets whose predicted "
+                    "peak fits train.memory_budget_gib (docs/planner.md)")
     loss_chunk_tokens: int | Literal["auto"] = setting(
         "auto", min=1, doc="local tokens the LM head's loss takes at a time (fp32 logits [chunk, "
                            "V/D]); auto: all at once unless that block exceeds 1 GiB, else the "
@@ -236,7 +242,11 @@ class TrainSection:
     attention_kernel: AttentionKernel = setting(
         "auto", doc="CUDA attention: auto = the first of fa3, fa4, fa2 installed that takes the run; "
                     "CPU runs take auto only (docs/trainer.md)")
-    activation_checkpointing: bool = setting(False, doc="recompute each block in backward")
+    activation_checkpointing: bool | Auto = setting("auto", doc="recompute each block in backward; auto = "
+                                                                "only when nothing faster fits")
+    memory_budget_gib: float | None = setting(
+        None, above=0, doc="memory per process the auto settings must fit (GiB); null = the GPU's "
+                           "memory less the planner's reserve, on CPU available host memory / processes")
     offload_activations: bool = setting(False, doc="blocks' saved tensors to host memory "
                                                    "(model/offload.py)")
     eval_every: int = setting(0, min=0, doc="optimizer steps between evaluations; 0 = off")

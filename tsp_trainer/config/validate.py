@@ -52,7 +52,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_lifecycle(cfg)
     p = cfg.parallel
     check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=cfg.data.seq_len,
-                          head_buckets=p.head_buckets, tp_degree=p.tp_degree, sp_degree=p.sp_degree)
+                          head_buckets=shape_buckets(p), tp_degree=p.tp_degree, sp_degree=p.sp_degree)
     _check_tsp_recompute(cfg)
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
@@ -101,6 +101,12 @@ def check_sliding_window(model_cfg: ModelConfig, seq_len: int, *, key: str = "da
                          f"equals the windowed one only up to the window; use {key} <= {window}")
 
 
+def shape_buckets(parallel: ParallelSection) -> int:
+    """parallel.head_buckets for the shape rules: `auto` chooses among the counts that divide the
+    K/V heads per shard (plan/auto.py), of which 1 always does."""
+    return 1 if parallel.head_buckets == "auto" else parallel.head_buckets
+
+
 def resolve_dp_degree(parallel: ParallelSection, world_size: int | None) -> int | None:
     """DP degree = world_size // tsp_degree; checks `parallel.dp_degree` when both are known."""
     if world_size is None:
@@ -132,6 +138,11 @@ def _check_choices(cfg: TrainConfig) -> None:
             if choices and value not in choices:
                 raise ValueError(f"{section.name}.{name}={value!r} is not one of "
                                  f"{', '.join(map(repr, choices))}; pick one of them")
+            words = literal_words(kind)
+            if not choices and words and isinstance(value, str) and value not in words:
+                kinds = [a.__name__ for a in typing.get_args(kind) if isinstance(a, type)]
+                raise ValueError(f"{section.name}.{name}={value!r} must be "
+                                 f"{' or '.join(map(repr, words))} or a {' or '.join(kinds)}")
 
 
 def _check_bounds(section: Any, prefix: str) -> None:
@@ -146,19 +157,20 @@ def _check_bounds(section: Any, prefix: str) -> None:
             for i, item in enumerate(value):
                 _check_bounds(item, f"{key}[{i}].")
         elif (bound_of(f) is not None and not (value is None and _optional(kind))
-              and not _named_choice(value, kind)):
+              and value not in literal_words(kind)):
             _require_bound(key, value, bound_of(f), integer=_number_kind(kind) is int)
+
+
+def literal_words(kind: Any) -> tuple:
+    """The Literal choices inside a union such as `int | Literal["auto"]` (parallel.head_buckets)."""
+    if typing.get_origin(kind) is Literal:
+        return ()
+    return tuple(w for a in typing.get_args(kind) if typing.get_origin(a) is Literal
+                 for w in typing.get_args(a))
 
 
 def _optional(kind: Any) -> bool:
     return type(None) in typing.get_args(kind)
-
-
-def _named_choice(value: Any, kind: Any) -> bool:
-    """Whether `value` is a word a `number | Literal[...]` key takes ("auto"): the number's bound
-    does not apply to it."""
-    return any(typing.get_origin(a) is Literal and value in typing.get_args(a)
-               for a in typing.get_args(kind))
 
 
 def _number_kind(kind: Any) -> type:
@@ -324,13 +336,13 @@ def _check_tsp_recompute(cfg: TrainConfig) -> None:
     only full names it) nor under an offload that would not see them. (The CUDA kernel rules are
     checked by the Trainer, which knows the device.)"""
     mode, scheme = cfg.parallel.tsp_recompute, cfg.parallel.scheme
-    if mode == "full":
+    if mode in ("full", "auto"):             # auto: plan/auto.py chooses a mode these rules take
         return
     kept = _TSP_KEPT[mode]
     if scheme != "tsp":
         raise ValueError(f"parallel.tsp_recompute={mode!r} with parallel.scheme={scheme!r}: only "
                          "parallel.scheme='tsp' recomputes by shard; set parallel.tsp_recompute=full")
-    if cfg.train.activation_checkpointing:
+    if cfg.train.activation_checkpointing is True:
         raise ValueError(f"parallel.tsp_recompute={mode!r} with train.activation_checkpointing=true: "
                          f"the checkpoint recomputes the whole layer, and its replay keeps the "
                          f"{kept} {mode} keeps for one block's backward in every mode, so the "
@@ -390,7 +402,7 @@ def check_eval_length(model: ModelConfig, parallel: ParallelSection, length: int
     """An evaluation sequence of `length` tokens must split like a training one under the layout
     (zigzag: 2D chunks; Megatron SP: D blocks) and fit a source model's attention window."""
     check_parallel_shapes(model, scheme=parallel.scheme, degree=parallel.tsp_degree, seq_len=length,
-                          head_buckets=parallel.head_buckets, tp_degree=parallel.tp_degree,
+                          head_buckets=shape_buckets(parallel), tp_degree=parallel.tp_degree,
                           sp_degree=parallel.sp_degree, seq_key=key)
     check_sliding_window(model, length, key=key)
 
@@ -469,7 +481,7 @@ def _check_length_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
                              "longest sequence the run is planned for; raise data.seq_len")
         try:
             check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=st.seq_len,
-                                  head_buckets=p.head_buckets, tp_degree=p.tp_degree,
+                                  head_buckets=shape_buckets(p), tp_degree=p.tp_degree,
                                   sp_degree=p.sp_degree)
         except ValueError as err:
             raise ValueError(str(err).replace("data.seq_len=", f"{key}.seq_len=")) from None

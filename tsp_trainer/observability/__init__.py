@@ -10,7 +10,6 @@ from tsp_trainer.observability.flops import (
     block_matmul_params,
     flops_per_token,
     matmul_params,
-    model_and_hardware_flops_per_token,
 )
 from tsp_trainer.observability.log import configure_logging, get_logger
 from tsp_trainer.observability.metric_names import METRICS, PANEL_GROUPS, MetricDef, metric_def
@@ -42,6 +41,6 @@ __all__ = [
     "NullSink",
     "ProgressBar", "StepMetrics", "WandbSink", "attention_flops_per_token", "block_matmul_params",
     "configure_logging", "detect_peak_flops", "flops_per_token", "format_console_line", "get_logger",
-    "make_sinks", "matmul_params", "model_and_hardware_flops_per_token", "peak_flops_for",
+    "make_sinks", "matmul_params", "peak_flops_for",
     "peak_memory_bytes", "reset_peak_memory",
 ]

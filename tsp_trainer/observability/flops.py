@@ -23,10 +23,10 @@ S is the full (unsharded) sequence length: under TSP or context parallelism each
 tokens but every query still attends over the whole causal prefix. Document masking in packed
 sequences does less work than this; like everyone else we count the full causal window.
 
-Model FLOPs (MFU) count the math the model needs. Hardware FLOPs (HFU) also count what activation
-checkpointing recomputes: `recompute=True` adds one more forward of the decoder blocks (their matmuls
-and attention; the LM head is not inside a checkpointed block), i.e. 4x forward for the blocks, as in
-Megatron's 96*B*s*L*h^2 * (1 + s/(6h) + V/(16*L*h)) with full recompute.
+Model FLOPs (MFU) count the math the model needs. Hardware FLOPs (HFU), what a layout really
+executes with its recomputation (activation checkpointing's replay, TSP's own recompute, the flash
+backward's rebuilt scores), are the planner's `plan/flops.py::hardware_flops_per_token`, proven equal
+to torch's FLOP counter on the real code; the trainer logs both from there.
 """
 
 from __future__ import annotations
@@ -54,30 +54,17 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal_half: bo
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, training: bool = True, causal_half: bool = True,
-                    causal_full: bool = False, recompute: bool = False) -> float:
+                    causal_full: bool = False) -> float:
     """FLOPs per token of one forward (training=False) or forward + backward (training=True).
 
     Args:
         seq_len: the full sequence length S the attention term is computed for.
         causal_half: count causal attention as half the S x S square (default; see module docstring).
         causal_full: alias for causal_half=False, the full square (Megatron's older formula).
-        recompute: activation checkpointing is on; add one forward of the decoder blocks (hardware
-            FLOPs, for HFU). Has no effect when training=False (nothing is recomputed in a forward).
     """
     half = causal_half and not causal_full
     block_fwd = 2 * block_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal_half=half)
     head_fwd = 2 * cfg.vocab_size * cfg.hidden_size
     if not training:
         return float(block_fwd + head_fwd)
-    total = 3 * (block_fwd + head_fwd)
-    if recompute:
-        total += block_fwd
-    return float(total)
-
-
-def model_and_hardware_flops_per_token(cfg: ModelConfig, seq_len: int, *, recompute: bool,
-                                       causal_half: bool = True) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) per training token: the numerators of MFU and HFU."""
-    model = flops_per_token(cfg, seq_len, causal_half=causal_half)
-    hardware = flops_per_token(cfg, seq_len, causal_half=causal_half, recompute=recompute)
-    return model, hardware
+    return float(3 * (block_fwd + head_fwd))

@@ -5,7 +5,10 @@ that an online run has credentials, before any process group or file exists.
 
 Modes: "online" (needs network and a login), "offline" (writes <dir>/wandb/offline-run-*, upload
 later with `wandb sync`), "disabled" (no files, no child process). Offline runs start a wandb-core
-child that exits with the training process. `dir` is always passed, so
+child that exits with the training process. A scheduler that signals every process of the job
+(SLURM's preemption, `scancel --signal=TERM`) stops wandb-core too, while the trainer goes on to
+its checkpoint: the sink then says so once and logs nothing more (metrics.jsonl keeps every step;
+the requeued job logs on to the same run). `dir` is always passed, so
 nothing lands in the working directory; wandb-core's own debug logs go to the user cache dir unless
 WANDB_CACHE_DIR points elsewhere (a launch-script concern).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any, Mapping
 
 from tsp_trainer.observability.tables import MetricTable
@@ -134,19 +138,34 @@ class WandbSink:
         self.skip_through_step = skip_through_step
         define_metrics(self.run)
         self._closed = False
+        self._service_gone = False
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if self._closed:
             raise RuntimeError("WandbSink.log called after close")
         if self.skip_through_step is not None and step <= self.skip_through_step:
             return        # replayed after a resume: logged before, with the same values (exact resume)
-        self.run.log(_loggable(metrics, self._wandb), step=int(step))
+        self._call(f"step {step}", self.run.log, _loggable(metrics, self._wandb), step=int(step))
 
     def mark_preempting(self) -> None:
         """Tell W&B the run stops for a preemption (shown as such, and resumed by the relaunch)."""
-        self.run.mark_preempting()
+        self._call("the preemption mark", self.run.mark_preempting)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.run.finish()
+            self._call("the end of the run", self.run.finish)
+
+    def _call(self, what: str, fn, *args, **kwargs) -> None:
+        """fn(*args, **kwargs) on the run, unless its wandb-core process is gone (killed by a signal
+        meant for the whole job: the connection to it fails with an OSError): one line, then
+        nothing more is sent."""
+        if self._service_gone:
+            return
+        try:
+            fn(*args, **kwargs)
+        except OSError as err:             # ConnectionResetError / BrokenPipeError: no service
+            self._service_gone = True
+            print(f"tsp-train: warning: W&B logging stops at {what}: its wandb-core process is gone "
+                  f"({type(err).__name__}: {err}); metrics.jsonl keeps every step", file=sys.stderr,
+                  flush=True)

@@ -5,9 +5,11 @@
     tsp-plan --dry-run            # the 7B 128K recipe at world 1,024 on fake tensors (one process)
     tsp-plan --model llama3_8b --gpu h100 --nodes 1 --max-seq-len   # longest context per scheme
 
-The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, head buckets,
-micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted tokens/s
-(plan/predict.py; docs/planner.md). Impossible requests (nothing fits, a global batch no layout can
+The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, TSP recompute
+mode, head buckets, micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted
+step time (plan/predict.py; docs/planner.md): for one scheme, D and batch split, the top row's
+recompute mode, checkpointing and head buckets are what the trainer's `auto` settings choose
+(plan/auto.py). Impossible requests (nothing fits, a global batch no layout can
 split) exit with code 2 and say why.
 """
 
@@ -19,7 +21,7 @@ import typing
 from dataclasses import asdict
 
 from tsp_trainer.config.model import MODEL_SIZES
-from tsp_trainer.config.schema import TspRecompute
+from tsp_trainer.config.schema import TspRecompute, TspRecomputeSetting
 from tsp_trainer.plan.layout import SCHEMES
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions
@@ -46,8 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", default=None,
                    help="comma-separated micro-batch sizes to try (default: all)")
     p.add_argument("--dtype", choices=sorted(PRECISIONS), default="bf16")
-    p.add_argument("--efficiency", type=float, default=_DEFAULT_ASSUMPTIONS.compute_efficiency,
-                   help="achieved fraction of peak FLOP/s (default %(default)s)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="one achieved fraction of peak FLOP/s for GEMMs and attention alike (default: "
+                        "the GPU's per-kernel-family table, plan/efficiency.py)")
+    p.add_argument("--efficiency-table", default=None, metavar="PATH",
+                   help="kernel efficiency table JSON (python -m tsp_trainer.plan.efficiency "
+                        "ACCEPTANCE.json --out PATH; default: the published table)")
     p.add_argument("--comm-efficiency", type=float, default=_DEFAULT_ASSUMPTIONS.comm_efficiency,
                    help="achieved fraction of link bandwidth (default %(default)s)")
     p.add_argument("--hbm-usable", type=float, default=_DEFAULT_ASSUMPTIONS.hbm_usable,
@@ -57,12 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report the longest sequence each scheme fits (without and with activation "
                         "offload to host memory; --global-batch defaults to 1) instead of ranking "
                         "layouts at --seq-len")
-    p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecompute), default="full",
-                   help="TSP's parallel.tsp_recompute: full (default; backward recomputes projections, "
-                        "attention and the MLP's gate/up from X_p), selective (keeps q, k/v and "
-                        "attention outputs, ~5 X_p more per layer) or none (also keeps gate/up, "
-                        "2 B S/D I elements more per layer; backward re-runs no forward GEMM); no "
-                        "activation checkpointing or offload with selective or none")
+    p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecomputeSetting), default="auto",
+                   help="TSP's parallel.tsp_recompute: auto (default: rank every mode, as the "
+                        "trainer's auto does), full (backward recomputes projections, attention and "
+                        "the MLP's gate/up from X_p), selective (keeps q, k/v and attention outputs, "
+                        "~5 X_p more per layer) or none (also keeps gate/up, 2 B S/D I elements more "
+                        "per layer; backward re-runs no forward GEMM); no activation checkpointing or "
+                        "offload with selective or none. --max-seq-len and --dry-run take auto as full")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
     g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
@@ -97,6 +104,44 @@ def _cluster(parser: argparse.ArgumentParser, args):
     return nodes, hw
 
 
+def _assumptions(parser, args, hw) -> Assumptions:
+    """The planner's assumptions from the flags, each checked: one line naming the flag."""
+    from tsp_trainer.plan.efficiency import read_table
+
+    for flag, value in (("--efficiency", args.efficiency), ("--comm-efficiency", args.comm_efficiency),
+                        ("--hbm-usable", args.hbm_usable)):
+        if value is not None and not 0 < value <= 1:
+            _fail(parser, f"{flag}={value} must be in (0, 1]")
+    table = None
+    if args.efficiency_table:
+        try:
+            rows = read_table(args.efficiency_table)
+        except (OSError, ValueError) as err:
+            _fail(parser, f"--efficiency-table={args.efficiency_table}: {err}")
+        if hw.name not in rows:
+            _fail(parser, f"--efficiency-table={args.efficiency_table} has no row for --gpu={hw.name} "
+                          f"(rows: {', '.join(sorted(rows))})")
+        table = rows[hw.name]
+    return Assumptions(kernel_efficiency=table, compute_efficiency=args.efficiency,
+                       comm_efficiency=args.comm_efficiency, hbm_usable=args.hbm_usable)
+
+
+def _efficiencies(hw, assumptions: Assumptions):
+    from tsp_trainer.plan.predict import efficiencies
+
+    return efficiencies(hw, assumptions)
+
+
+def _efficiency_text(hw, assumptions: Assumptions) -> str:
+    """The compute efficiencies a prediction uses, for table headers."""
+    eff = _efficiencies(hw, assumptions)
+    if assumptions.compute_efficiency is not None:
+        return f"{eff.gemm:.0%} of peak FLOP/s"
+    return (f"GEMM {eff.gemm:.0%}, flash attention forward {eff.attention_forward:.0%} / backward "
+            f"{eff.attention_backward:.0%} of peak FLOP/s ({eff.source}), elementwise "
+            f"{eff.elementwise:.0%} of HBM bandwidth")
+
+
 def _fail(parser: argparse.ArgumentParser, message: str) -> None:
     parser.print_usage(sys.stderr)
     print(f"tsp-plan: error: {message}", file=sys.stderr)
@@ -116,6 +161,17 @@ def _model(parser, name: str, seq_len: int):
     except ValueError as err:
         _fail(parser, str(err))
     return cfg.replace(max_seq_len=max(seq_len, cfg.max_seq_len))
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    """--tsp-recompute as the modes to rank: auto ranks all of them."""
+    return typing.get_args(TspRecompute) if text == "auto" else (text,)
+
+
+def _one_mode(text: str) -> str:
+    """--tsp-recompute for --max-seq-len and --dry-run, which take one mode: auto is full (the
+    least memory, the longest sequence; the dry run's activation checkpointing needs it)."""
+    return "full" if text == "auto" else text
 
 
 def _schemes(parser, text: str | None, default) -> tuple[str, ...]:
@@ -150,11 +206,11 @@ def _longest(parser, args, cfg) -> int:
     from tsp_trainer.plan.longest import format_longest, longest_seq_len
 
     nodes, hw = _cluster(parser, args)
+    args.tsp_recompute = _one_mode(args.tsp_recompute)
     batch = 1 if args.global_batch is None else args.global_batch
     if batch < 1:
         _fail(parser, f"--global-batch={batch} must be >= 1 (sequences per optimizer step)")
-    assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
-                              hbm_usable=args.hbm_usable)
+    assumptions = _assumptions(parser, args, hw)
     schemes = _schemes(parser, args.schemes, SCHEMES)
     world = nodes * hw.gpus_per_node
     report = {"model": args.model, "gpu": hw.name, "nodes": nodes, "world_size": world,
@@ -186,23 +242,19 @@ def _plan(parser, args, cfg) -> int:
     if args.global_batch is None:
         _fail(parser, "--global-batch (sequences per optimizer step) is required to plan a job")
     nodes, hw = _cluster(parser, args)
-    for flag, value in (("--efficiency", args.efficiency), ("--comm-efficiency", args.comm_efficiency),
-                        ("--hbm-usable", args.hbm_usable)):
-        if not 0 < value <= 1:
-            _fail(parser, f"{flag}={value} must be in (0, 1]")
     micro = None
     if args.micro_batch:
         try:
             micro = tuple(int(x) for x in args.micro_batch.split(","))
         except ValueError:
             _fail(parser, f"--micro-batch={args.micro_batch!r} must be comma-separated integers")
-    assumptions = Assumptions(compute_efficiency=args.efficiency, comm_efficiency=args.comm_efficiency,
-                              hbm_usable=args.hbm_usable)
+    assumptions = _assumptions(parser, args, hw)
     schemes = _schemes(parser, args.schemes, SCHEMES)
     try:
         result = plan(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw, nodes=nodes,
                       schemes=schemes, prec=PRECISIONS[args.dtype], assumptions=assumptions,
-                      max_degree=args.max_degree, micro_batches=micro, tsp_recompute=args.tsp_recompute)
+                      max_degree=args.max_degree, micro_batches=micro,
+                      tsp_recompute=_modes(args.tsp_recompute))
     except PlanError as err:
         print(f"tsp-plan: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -211,15 +263,16 @@ def _plan(parser, args, cfg) -> int:
     header = (f"{args.model} at {args.seq_len} tokens, global batch {args.global_batch} sequences "
               f"({args.global_batch * args.seq_len:,} tokens/step) on {world} x {hw.name} "
               f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, AdamW, TSP recompute "
-              f"{args.tsp_recompute}; assumed "
-              f"{assumptions.compute_efficiency:.0%} of peak FLOP/s and "
+               f"{'auto (every mode ranked)' if args.tsp_recompute == 'auto' else args.tsp_recompute}; "
+               f"assumed {_efficiency_text(hw, assumptions)} and "
               f"{assumptions.comm_efficiency:.0%} of link bandwidth; "
               f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
     print(format_table(result, header=header, top=args.top, capacity=capacity,
                        gpus_per_node=hw.gpus_per_node))
     request = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
                "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
-               "assumptions": asdict(assumptions), "schemes": list(schemes),
+               "assumptions": asdict(assumptions),
+               "kernel_efficiency": _efficiencies(hw, assumptions).as_dict(), "schemes": list(schemes),
                "tsp_recompute": args.tsp_recompute}
     if args.json:
         write_json(args.json, request, result, top=args.top)
@@ -241,6 +294,7 @@ def _dry_run(parser, args, cfg) -> int:
     if not 0 <= args.rank < world:
         _fail(parser, f"--rank={args.rank} must be in [0, {world})")
     schemes = _schemes(parser, args.schemes, ("tsp", "tp", "tp_sp"))
+    args.tsp_recompute = _one_mode(args.tsp_recompute)
     if args.tsp_recompute != "full" and not args.no_activation_checkpointing:
         _fail(parser, f"--tsp-recompute={args.tsp_recompute} needs --no-activation-checkpointing (the "
                       f"dry run checkpoints every scheme by default, and the trainer refuses "

@@ -14,6 +14,10 @@ executed on fake tensors for one chosen rank. Out come, for that rank:
   backward) and the peak of live bytes over forward + backward (saved activations + transient
   buffers), measured by `LiveTensorMemory` (tsp_trainer/tools/memory.py), a TorchDispatchMode that tracks
   the storages ops create.
+* the executed FLOPs: every matmul and attention kernel of the micro-step, counted by
+  `ExecutedFlops` (tsp_trainer/tools/flop_count.py: torch's FLOP counter with causal-aware attention
+  formulas; the CUDA route's fused calls report theirs from the footprint), set beside the
+  planner's `hardware_flops_per_token` (plan/flops.py).
 
 Two local adjustments make the real code run on fake tensors; none changes the parallel package:
 
@@ -62,6 +66,7 @@ from torch.utils._pytree import tree_leaves
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.tools.flop_count import ExecutedFlops, record_attention
 from tsp_trainer.tools.host_sync import HostSyncCounter
 from tsp_trainer.tools.memory import LiveTensorMemory
 
@@ -134,6 +139,8 @@ class _FusedFootprint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, calls: dict[str, int]):
         calls["forward"] += 1
+        # FLOPs of the flash call it stands for (bottom-right causal: the prefix, or the square)
+        record_attention(q.shape, k.shape, v.shape, causal="bottom_right", backward=False)
         out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -144,6 +151,7 @@ class _FusedFootprint(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, _, _ = ctx.saved_tensors
         ctx.calls["backward"] += 1
+        record_attention(q.shape, k.shape, v.shape, causal="bottom_right", backward=True)
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
@@ -213,6 +221,8 @@ class StepResult:
     seconds: float
     info: dict = field(default_factory=dict)
     host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (tsp_trainer/tools/host_sync.py)
+    flops: int = 0                                # executed FLOPs of the micro-step (tools/flop_count.py)
+    flops_by_op: dict[str, int] = field(default_factory=dict)  # "aten.mm" -> FLOPs
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -277,7 +287,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         tracker.ignore(*params, *(p.grad for p in params), *batch)
         syncs = HostSyncCounter(mesh.device)
         path = cuda_attention_path() if attention == "cuda" else contextlib.nullcontext({})
-        with path as fused_calls, mode, RealPassthrough(), tracker, syncs:
+        with path as fused_calls, mode, RealPassthrough(), tracker, syncs, ExecutedFlops() as counted:
             loss_sum, count = par.loss_sum(*batch)
             tracker.mark("forward")
             total = global_count(count, par.token_comms)
@@ -299,7 +309,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
                       param_bytes=param_bytes, param_count=param_count,
                       comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
-                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind))
+                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind),
+                      flops=counted.total, flops_by_op=counted.by_op)
 
 
 def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwargs) -> StepResult:
@@ -337,7 +348,10 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
                       stored_bytes=lin(one.stored_bytes, two.stored_bytes),
                       peak_bytes=lin(one.peak_bytes, two.peak_bytes),
                       seconds=one.seconds + two.seconds, info=info,
-                      host_syncs={k: v for k, v in syncs.items() if v})
+                      host_syncs={k: v for k, v in syncs.items() if v},
+                      flops=lin(one.flops, two.flops),
+                      flops_by_op={k: lin(one.flops_by_op.get(k, 0), two.flops_by_op.get(k, 0))
+                                   for k in sorted(set(one.flops_by_op) | set(two.flops_by_op))})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +371,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     Returns a JSON-friendly report."""
     from tsp_trainer.plan.activations import activation_memory
     from tsp_trainer.plan.communication import model_parallel_comm
+    from tsp_trainer.plan.flops import hardware_flops_per_token
     from tsp_trainer.plan.layout import Layout
     from tsp_trainer.plan.precision import BF16
     from tsp_trainer.plan.state import grad_bytes, state_bytes
@@ -386,6 +401,9 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
         st = state_bytes(cfg, layout, prec)
+        flops = hardware_flops_per_token(cfg, layout, seq_len)
+        # this rank's executed FLOPs are its 1/D share of the replica's micro_batch * seq_len tokens
+        counted = res.flops * degree / (micro_batch * seq_len)
         # optimizer state and gradients from the measured parameter count (ZeRO over DP)
         measured_state = {"params": res.param_bytes,
                           "grads": grad_bytes(res.param_count, zero_stage, dp, prec),
@@ -404,7 +422,10 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             "activations_peak": res.peak_bytes, "activations_peak_model": act.peak,
             "peak_phase_model": act.peak_phase,
             "total_peak": sum(measured_state.values()) + res.peak_bytes,
-            "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info}
+            "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info,
+            "flops_per_token": {"counted": counted, "formula": flops["hardware"],
+                                "model": flops["model"]},
+            "flops_by_op": res.flops_by_op}
     return report
 
 
@@ -442,6 +463,11 @@ def format_dry_run(report: dict) -> str:
                    f"{r['activations_peak'] / gib:.2f} GiB (model {r['activations_peak_model'] / gib:.2f}, "
                    f"in its {r['peak_phase_model']} phase)")
         out.append(f"  peak per rank: {r['total_peak'] / gib:.2f} GiB = state + peak activations")
+        fl = r["flops_per_token"]
+        out.append(f"  executed FLOPs per token {fl['counted'] / 1e9:.2f} G counted (torch's FLOP counter), "
+                   f"{fl['formula'] / 1e9:.2f} G planner formula; model FLOPs {fl['model'] / 1e9:.2f} G; "
+                   f"executed / model {fl['counted'] / fl['model']:.3f} counted, "
+                   f"{fl['formula'] / fl['model']:.3f} formula")
         syncs = r.get("host_syncs", {})
         out.append(f"  host syncs per micro-step (model forward + backward): {sum(syncs.values())}"
                    + (f" ({', '.join(f'{k} {v}' for k, v in sorted(syncs.items()))})" if syncs else ""))

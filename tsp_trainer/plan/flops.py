@@ -1,39 +1,157 @@
 """FLOPs per token of one training step: the model FLOPs MFU is quoted in and the hardware FLOPs a
-scheme really executes, recomputation included."""
+layout really executes, recomputation included (equal to torch's FLOP counter on the dry run's
+fake tensors within 2%, every scheme and mode: tests/unit/test_plan_flops.py).
+
+A step is made of forward pieces, each with its forward FLOPs per token f (per layer; L, h, I, V,
+H query heads of head_dim d, kv = K/V channels, S the full sequence):
+
+    qkv      2 h (H d + 2 kv)        the q, k, v projections
+    core     2 S H d                 Q K^T and P V over the causal half (S/2 keys on average)
+    o        2 H d h                 the output projection
+    gate_up  4 h I                   the MLP's gate and up projections
+    down     2 I h                   the MLP's down projection
+    head     2 V h                   the LM head (once, not per layer)
+
+Executed FLOPs = sum over pieces of f * (forward runs + backward cost), where
+
+* forward runs (`forward_runs`) = 1, + 1 for each time the layout re-runs that piece: activation
+  checkpointing replays the block once in backward (`checkpoint_replay`: every piece under TSP,
+  all but down elsewhere); without checkpointing TSP's own recompute re-runs qkv and core
+  (tsp_recompute=full) and gate_up (full and selective) inside its backward (under checkpointing
+  the replay is that recompute: its items and gate/up serve the block's backward), and its
+  vocab-parallel loss rebuilds the logits (head); SP-style context attention (S_p > 1 outside TSP) re-runs the core in its
+  backward;
+* backward cost = 2 for a GEMM (dX and dW) and 2.5 for the attention core: the flash backward
+  rebuilds the scores (Q K^T once more) before dP, dV, dQ, dK (tools/flop_count.py).
+
+Model FLOPs (the MFU numerator, observability/flops.py) count 3 f per piece: no recompute, the
+attention backward at 2 x its forward.
+"""
 
 from __future__ import annotations
 
-from tsp_trainer.config import ModelConfig
-from tsp_trainer.observability.flops import (attention_flops_per_token, block_matmul_params,
-                                             flops_per_token)
+from tsp_trainer.config import ModelConfig, TrainConfig
+from tsp_trainer.observability.flops import flops_per_token
 from tsp_trainer.plan.layout import Layout
+
+BLOCK_PIECES = ("qkv", "core", "o", "gate_up", "down")
+PIECES = BLOCK_PIECES + ("head",)
+
+# backward FLOPs of a piece in units of its forward: GEMMs dX + dW; flash attention's backward
+# recomputes Q K^T, then dP = dO V^T, dV, dQ, dK (5 score-sized matmuls against the forward's 2)
+BACKWARD_COST = {"qkv": 2.0, "core": 2.5, "o": 2.0, "gate_up": 2.0, "down": 2.0, "head": 2.0}
+
+
+def forward_pieces(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of each piece, all layers (module docstring)."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len} must be a positive number of tokens")
+    L, h, inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    q_channels = cfg.num_heads * cfg.head_dim
+    return {"qkv": 2 * L * h * (q_channels + 2 * cfg.kv_hidden_size),
+            "core": 2 * L * seq_len * q_channels,
+            "o": 2 * L * q_channels * h,
+            "gate_up": 4 * L * h * inter,
+            "down": 2 * L * inter * h,
+            "head": 2 * cfg.vocab_size * h}
+
+
+def forward_runs(layout: Layout) -> dict[str, int]:
+    """How many times one micro-step runs each piece's forward under `layout` (module docstring)."""
+    runs = dict.fromkeys(PIECES, 1)
+    tsp = layout.scheme == "tsp"
+    if layout.activation_checkpointing:
+        for piece in checkpoint_replay(layout):
+            runs[piece] += 1
+    _, s_p, _ = layout.axes
+    if tsp:
+        runs["head"] += 1                            # the vocab ring rebuilds each logits block
+        # TSP's backward re-runs from X_p what its mode does not keep; under checkpointing the
+        # replay is that recompute (its items and gate/up serve the block's backward)
+        recomputes = not layout.activation_checkpointing
+        if recomputes and not layout.keeps_attention:
+            runs["qkv"] += 1
+            runs["core"] += 1
+        if recomputes and not layout.keeps_mlp:
+            runs["gate_up"] += 1
+    elif s_p > 1:                                    # context attention recomputes its core
+        runs["core"] += 1
+    return runs
+
+
+def checkpoint_replay(layout: Layout) -> tuple[str, ...]:
+    """The pieces activation checkpointing's replay runs again. Non-reentrant checkpointing stops
+    the replay once it has rebuilt the last tensor backward needs: in the plain block that is the
+    down projection's input, so down itself is not replayed. TSP's MLP is one autograd Function
+    (the ring), whose forward the replay runs whole."""
+    if layout.scheme == "tsp":
+        return BLOCK_PIECES
+    return tuple(p for p in BLOCK_PIECES if p != "down")
+
+
+def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
+    """Executed FLOPs per token of each piece: f * (forward runs + backward cost)."""
+    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout)
+    return {p: f[p] * (runs[p] + BACKWARD_COST[p]) for p in PIECES}
+
+
+def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
+                       bytes_per_element: int = 2) -> dict[str, float]:
+    """Per token, the work of each kernel family the planner times (plan/efficiency.py): FLOPs of
+    GEMMs, of the flash attention forward (every run of the core) and backward, and the HBM bytes
+    of the memory-bound elementwise kernels (`elementwise_bytes_per_token`)."""
+    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout)
+    gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len).items() if p != "core")
+    return {"gemm": gemm, "attention_forward": f["core"] * runs["core"],
+            "attention_backward": f["core"] * BACKWARD_COST["core"],
+            "elementwise_bytes": elementwise_bytes_per_token(cfg, layout, bytes_per_element)}
+
+
+def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_element: int = 2) -> float:
+    """HBM bytes per token of the memory-bound kernels, an estimate: per layer and forward pass two
+    RMSNorms (read + write h each), two residual adds (read 2 h, write h), RoPE on q and k (read +
+    write), SwiGLU (read gate and up, write I): 10 h + 2 (H d + kv) + 3 I elements; backward about
+    twice a forward; the AC replay one forward more. The loss's fp32 logits: written, read by the
+    softmax, their gradient written: 3 V x 4 bytes."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    per_pass = 10 * h + 2 * (cfg.num_heads * cfg.head_dim + cfg.kv_hidden_size) + 3 * inter
+    passes = 3 + (1 if layout.activation_checkpointing else 0)
+    return float(cfg.num_layers * per_pass * passes * bytes_per_element + 3 * cfg.vocab_size * 4)
 
 
 def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
-    """Model FLOPs (observability/flops.py: causal attention halved, backward = 2 x forward) and the
-    FLOPs the code really executes, + what its backward recomputes. TSP with full recompute saves
-    only X_p: its attention backward re-runs the q/k/v projections and the attention forward
-    (not W_o: dW_o and dA need only A and dy) and its MLP backward the gate and up projections (not
-    W_down); with tsp_recompute=selective the attention part is kept, only gate/up are re-run;
-    with tsp_recompute=none gate/up are kept too and backward re-runs no forward GEMM. SP-style
-    context attention recomputes the attention core; activation checkpointing replays each block
-    once more (every matmul)."""
-    model = flops_per_token(cfg, seq_len)
-    block_fwd = 2 * block_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
-    core_fwd = attention_flops_per_token(cfg, seq_len)
-    _, s_p, _ = layout.axes
-    extra = 0.0
-    if layout.scheme == "tsp":
-        L, h = cfg.num_layers, cfg.hidden_size
-        qkv_proj = 2 * L * h * (cfg.num_heads * cfg.head_dim + 2 * cfg.kv_hidden_size)
-        gate_up = 2 * L * 2 * h * cfg.intermediate_size
-        extra += ((0 if layout.keeps_mlp else gate_up)
-                  + (0 if layout.keeps_attention else qkv_proj + core_fwd))
-    elif s_p > 1:
-        extra += core_fwd
-    if layout.activation_checkpointing:
-        extra += block_fwd
-    return {"model": model, "hardware": model + extra}
+    """{"model": the MFU numerator, "hardware": what the layout executes (the HFU numerator)}
+    per training token."""
+    return {"model": flops_per_token(cfg, seq_len),
+            "hardware": float(sum(executed_pieces(cfg, layout, seq_len).values()))}
 
 
-__all__ = ["hardware_flops_per_token"]
+def run_flops_layout(cfg: TrainConfig) -> Layout:
+    """The layout of a training run, as far as its FLOPs go: scheme, degrees, activation
+    checkpointing, TSP's head buckets and recompute mode (not ZeRO or batch: they change no FLOP
+    per token)."""
+    p = cfg.parallel
+    unresolved = [k for k, v in (("train.activation_checkpointing", cfg.train.activation_checkpointing),
+                                 ("parallel.tsp_recompute", p.tsp_recompute),
+                                 ("parallel.head_buckets", p.head_buckets)) if v == "auto"]
+    if unresolved:
+        raise ValueError(f"{', '.join(unresolved)}=auto: the FLOPs need the resolved layout "
+                         "(plan/auto.py resolves it before the run is built)")
+    axes = {"tp": p.tp_degree, "sp": p.sp_degree} if p.scheme == "tp_x_sp" else {}
+    tsp = p.scheme == "tsp"
+    return Layout(p.scheme, p.tsp_degree, activation_checkpointing=cfg.train.activation_checkpointing,
+                  offload_activations=cfg.train.offload_activations,
+                  head_buckets=p.head_buckets if tsp else 1,
+                  tsp_recompute=p.tsp_recompute if tsp else "full", **axes)
+
+
+def run_flops_per_token(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(model, hardware) FLOPs per training token of a run at `seq_len`: the numerators of the
+    MFU and HFU the trainer logs, from `hardware_flops_per_token` of the run's layout."""
+    flops = hardware_flops_per_token(model_cfg, run_flops_layout(cfg), seq_len)
+    return flops["model"], flops["hardware"]
+
+
+__all__ = ["BACKWARD_COST", "BLOCK_PIECES", "PIECES", "checkpoint_replay", "elementwise_bytes_per_token",
+           "executed_by_family", "executed_pieces", "forward_pieces",
+           "forward_runs", "hardware_flops_per_token", "run_flops_layout", "run_flops_per_token"]

@@ -45,7 +45,7 @@ def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
     layouts = candidate_layouts(model, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
-                                micro_batches=(1,), tsp_recompute=tsp_recompute)
+                                micro_batches=(1,), tsp_recompute=(tsp_recompute,))
     best = None
     for lay in layouts:
         if offload:                   # always full: longest_seq_len refuses the others first

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.activations import ActivationEstimate, activation_memory
 from tsp_trainer.plan.communication import WIRE_FACTOR, data_parallel_comm, model_parallel_comm
-from tsp_trainer.plan.flops import hardware_flops_per_token
+from tsp_trainer.plan.efficiency import KernelEfficiency, kernel_efficiency
+from tsp_trainer.plan.flops import executed_by_family, hardware_flops_per_token
 from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
@@ -23,7 +24,10 @@ from tsp_trainer.plan.state import state_bytes
 class Assumptions:
     """The planner's free parameters (docs/planner.md section 4 explains each)."""
 
-    compute_efficiency: float = 0.45       # achieved fraction of peak FLOP/s (GEMMs + attention)
+    # achieved fraction of peak per kernel family (plan/efficiency.py); None = the GPU's published row
+    kernel_efficiency: KernelEfficiency | None = None
+    # one fraction of peak for every FLOP family instead (GEMMs and attention alike); None = the table
+    compute_efficiency: float | None = None
     comm_efficiency: float = 0.75          # achieved fraction of link bandwidth (bus bandwidth)
     hbm_usable: float = 0.92               # of HBM, for tensors and the reserve (allocator slack)
     op_latency_s: float = 15e-6            # fixed cost of one collective / P2P op (launch + sync)
@@ -67,20 +71,23 @@ OVERLAPPABLE_TAGS = ("attn.weights", "attn.wgrad", "mlp.weights", "mlp.weights.g
 
 def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile, *,
             global_batch: int | None = None, prec: Precision = BF16,
-            assumptions: Assumptions = Assumptions()) -> Prediction:
-    """Memory, communication and time of one optimizer step of `layout` on `hw`."""
+            assumptions: Assumptions = Assumptions(), device: str = "cuda") -> Prediction:
+    """Memory, communication and time of one optimizer step of `layout` on `hw`. device: the
+    attention path whose activations are counted ("cuda", or "cpu" for a CPU run's memory)."""
     st = state_bytes(cfg, layout, prec)
-    act = activation_memory(cfg, layout, seq_len, prec, device="cuda")
-    reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name)
+    act = activation_memory(cfg, layout, seq_len, prec, device=device)
+    # the libraries' reserve (NCCL, cuBLAS, flash buffers, CUDA context) exists only on a GPU
+    reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name) if device == "cuda" else {"total": 0}
     memory = _memory(st, act, reserved)
     capacity = hw.hbm_bytes * assumptions.hbm_usable
 
     mp = model_parallel_comm(cfg, layout, seq_len, prec)
     dp = data_parallel_comm(cfg, layout, prec)
-    eff_c, eff_n = assumptions.compute_efficiency, assumptions.comm_efficiency
+    eff_n = assumptions.comm_efficiency
     flops = hardware_flops_per_token(cfg, layout, seq_len)
     tokens_micro = layout.micro_batch * seq_len                    # per replica
-    t_compute = flops["hardware"] * tokens_micro / layout.degree / (hw.peak_flops * eff_c)
+    t_compute = compute_seconds_per_token(cfg, layout, seq_len, hw, assumptions, prec) \
+        * tokens_micro / layout.degree
     overlappable, exposed = _model_parallel_seconds(mp, layout, hw, assumptions)
     # activation offload: every block's saved tensors go to the host in forward and come back in
     # backward on a side stream, overlapped with compute (model/offload.py)
@@ -104,6 +111,25 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
                       tokens_per_s=tps, tokens_per_s_per_gpu=per_gpu,
                       mfu=flops["model"] * per_gpu / hw.peak_flops,
                       hfu=flops["hardware"] * per_gpu / hw.peak_flops)
+
+
+def efficiencies(hw: HardwareProfile, assumptions: Assumptions = Assumptions()) -> KernelEfficiency:
+    """The kernel efficiencies a prediction uses: the assumptions' table row (or the GPU's published
+    one), with every FLOP family set to `compute_efficiency` when that is given."""
+    eff = assumptions.kernel_efficiency or kernel_efficiency(hw.name)
+    return eff if assumptions.compute_efficiency is None else eff.with_single(assumptions.compute_efficiency)
+
+
+def compute_seconds_per_token(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
+                              assumptions: Assumptions = Assumptions(), prec: Precision = BF16) -> float:
+    """Seconds of compute per training token on one GPU's worth of work (divide by D for a rank):
+    each kernel family's work at its achieved rate (plan/efficiency.py)."""
+    eff = efficiencies(hw, assumptions)
+    work = executed_by_family(cfg, layout, seq_len, bytes_per_element=prec.act)
+    return (work["gemm"] / (hw.peak_flops * eff.gemm)
+            + work["attention_forward"] / (hw.peak_flops * eff.attention_forward)
+            + work["attention_backward"] / (hw.peak_flops * eff.attention_backward)
+            + work["elementwise_bytes"] / (hw.hbm_bw * eff.elementwise))
 
 
 def _memory(st: dict[str, int], act: ActivationEstimate, reserved: dict[str, int]) -> dict[str, int]:
@@ -179,4 +205,5 @@ def _optimizer_seconds(param_count: int, layout: Layout, prec: Precision, hw: Ha
     return shard * (2 * prec.optimizer + (prec.grad_accum or prec.grad) + prec.weight) / hw.hbm_bw
 
 
-__all__ = ["OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "predict"]
+__all__ = ["OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "compute_seconds_per_token", "efficiencies",
+           "predict"]

@@ -28,12 +28,13 @@ _COLS = ["#", "scheme", "D", "DP", "ZeRO", "AC", "nb", "mb x ga", "state GB", "a
 
 
 def distinct(preds: list[Prediction]) -> list[Prediction]:
-    """One row per (scheme, D, AC, micro-batch): the first in ranking order (fastest, then the
-    least memory among equally fast ZeRO stages / head-bucket counts)."""
+    """One row per (scheme, D, AC / TSP recompute mode, micro-batch): the first in ranking order
+    (fastest, then the least memory among equally fast ZeRO stages / head-bucket counts)."""
     seen, out = set(), []
     for p in preds:
         lay = p.layout
-        key = (_family(lay), lay.degree, lay.activation_checkpointing, lay.micro_batch)
+        key = (_family(lay), lay.degree, lay.activation_checkpointing, lay.tsp_recompute,
+               lay.micro_batch)
         if key not in seen:
             seen.add(key)
             out.append(p)
@@ -48,7 +49,8 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
     if len(shown) > top:
         lines.append(f"... {len(shown) - top} more (--top N to list them)")
     lines.append(f"({len(shown)} distinct layouts fit; each row shows the best ZeRO stage and head-bucket "
-                 f"count of its scheme / D / AC / micro-batch; --json lists all {len(result.fitting)})")
+                 f"count of its scheme / D / AC or recompute mode / micro-batch; --json lists all "
+                 f"{len(result.fitting)})")
     lines.append("")
     lines.append(f"best layout per scheme (memory limit {capacity / GB:.1f} GB per GPU):")
     best = sorted(result.best_per_scheme().values(), key=lambda p: (not p.fits, -p.tokens_per_s))

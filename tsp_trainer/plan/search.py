@@ -1,14 +1,15 @@
-"""Enumerate the layouts of a job (scheme, D, DP, ZeRO stage, activation checkpointing, head
-buckets, micro-batch, grad accumulation), predict each one, keep those that fit in memory and rank
-them by predicted tokens/s."""
+"""Enumerate the layouts of a job (scheme, D, DP, ZeRO stage, activation checkpointing, TSP
+recompute mode, head buckets, micro-batch, grad accumulation), predict each one, keep those that
+fit in memory and rank them by predicted step time (`ranking_key`, which the trainer's `auto`
+settings share: plan/auto.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
-from tsp_trainer.plan.layout import SCHEMES, Layout
+from tsp_trainer.plan.layout import SCHEMES, TSP_RECOMPUTE, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -46,8 +47,36 @@ def _best_key(p: Prediction):
 
 
 def _key(p: Prediction):
-    """Ranking: fitting layouts first, then higher tokens/s, then less memory."""
-    return (not p.fits, -p.tokens_per_s, p.memory["total"])
+    """tsp-plan's ranking: `ranking_key` against the profile's usable HBM."""
+    return ranking_key(p, p.capacity)
+
+
+def ranking_key(p: Prediction, capacity: float):
+    """The one ranking of tsp-plan and of the trainer's `auto` settings (plan/auto.py): layouts
+    whose predicted peak (model state + activation peak) fits `capacity` bytes first, then the
+    shorter predicted step, then less memory."""
+    return (p.memory["total"] > capacity, p.step_time, p.memory["total"])
+
+
+def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
+                    checkpointing=(False, True), buckets: tuple[int, ...] | None = None) -> list[Layout]:
+    """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
+    takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
+    buckets, so the baselines vary checkpointing alone). A pair the trainer refuses (Layout's
+    rules) is left out. buckets=None: every divisor of the K/V heads per weight shard."""
+    tsp = base.scheme == "tsp"
+    modes = recompute if tsp else ("full",)
+    counts = (buckets or _buckets(cfg, base.degree)) if tsp else (1,)
+    out = []
+    for nb in counts:
+        for mode in modes:
+            for ac in checkpointing:
+                try:
+                    out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
+                                       head_buckets=nb))
+                except ValueError:                          # refused by the trainer
+                    continue
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -58,10 +87,10 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       schemes=SCHEMES, max_degree: int = 64, zero_stages=(0, 1, 2),
                       micro_batches: tuple[int, ...] | None = None,
                       rejected: dict[str, str] | None = None,
-                      tsp_recompute: str = "full") -> list[Layout]:
+                      tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
-    degree divides the global batch (in sequences). TSP layouts use `tsp_recompute`; selective
-    and none ones come without activation checkpointing (the trainer refuses the pair)."""
+    degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
+    activation checkpointing and head-bucket count the trainer takes (`memory_variants`)."""
     rejected = rejected if rejected is not None else {}
     out: list[Layout] = []
     for scheme in schemes:
@@ -79,21 +108,14 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                 except ValueError as err:
                     rejected[f"{scheme} D={d} {axes or ''}".strip()] = str(err)
                     continue
-                buckets = _buckets(cfg, d) if scheme == "tsp" else [1]
                 per_replica = global_batch // dp
                 mbs = [m for m in _divisors(per_replica) if micro_batches is None or m in micro_batches]
-                for nb in buckets:
-                    for extra in _layout_axes(scheme, axes):
-                        for mb in mbs:
-                            for zero in (zero_stages if dp > 1 else zero_stages[:1]):
-                                for ac in (False, True):
-                                    if ac and scheme == "tsp" and tsp_recompute != "full":
-                                        continue           # refused by the trainer
-                                    mode = {"tsp_recompute": tsp_recompute} if scheme == "tsp" else {}
-                                    out.append(Layout(scheme, d, dp=dp, zero_stage=zero,
-                                                      activation_checkpointing=ac, head_buckets=nb,
-                                                      micro_batch=mb, grad_accum=per_replica // mb,
-                                                      **extra, **mode))
+                for extra in _layout_axes(scheme, axes):
+                    for mb in mbs:
+                        for zero in (zero_stages if dp > 1 else zero_stages[:1]):
+                            base = Layout(scheme, d, dp=dp, zero_stage=zero, micro_batch=mb,
+                                          grad_accum=per_replica // mb, **extra)
+                            out += memory_variants(cfg, base, recompute=tsp_recompute)
     return out
 
 
@@ -119,8 +141,9 @@ def _buckets(cfg: ModelConfig, d: int) -> list[int]:
 def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfile, nodes: int,
          schemes=SCHEMES, prec: Precision = BF16, assumptions: Assumptions = Assumptions(),
          max_degree: int = 64, micro_batches: tuple[int, ...] | None = None,
-         tsp_recompute: str = "full") -> PlanResult:
-    """Predict every candidate layout; raise PlanError when none exists or none fits."""
+         tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE) -> PlanResult:
+    """Predict every candidate layout; raise PlanError when none exists or none fits.
+    tsp_recompute: the TSP recompute modes to rank (default all, as `auto` does)."""
     world = nodes * hw.gpus_per_node
     if global_batch < 1:
         raise PlanError(f"--global-batch={global_batch} must be >= 1 (sequences per optimizer step)")
@@ -137,8 +160,13 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
             f"DP = GPUs / D of some valid layout (possible DP: {', '.join(map(str, dps))}; D is "
             f"limited by the model's heads, KV heads, intermediate size and vocabulary, and by "
             f"--seq-len={seq_len}); use e.g. --global-batch={_suggest(global_batch, dps)}")
-    preds = [predict(cfg, lay, seq_len, hw, global_batch=global_batch, prec=prec, assumptions=assumptions)
-             for lay in layouts]
+    preds = []
+    for lay in layouts:
+        try:
+            preds.append(predict(cfg, lay, seq_len, hw, global_batch=global_batch, prec=prec,
+                                 assumptions=assumptions))
+        except ValueError as err:              # a recompute mode the CUDA kernel rules refuse
+            rejected[lay.label()] = str(err)
     preds.sort(key=_key)
     fitting = [p for p in preds if p.fits]
     result = PlanResult(candidates=preds, fitting=fitting, rejected=rejected)

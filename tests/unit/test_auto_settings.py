@@ -1,0 +1,177 @@
+"""`auto` for parallel.tsp_recompute, train.activation_checkpointing and parallel.head_buckets
+(plan/auto.py): the fastest candidate whose predicted peak fits train.memory_budget_gib, explicit
+values as written, one-line refusals when nothing fits, and tsp-plan's top row as the same choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tsp_trainer import cli
+from tsp_trainer.config import load_config
+from tsp_trainer.config.schema import TrainConfig, TrainSection
+from tsp_trainer.config.validate import validate_config
+from tsp_trainer.plan import cli as plan_cli
+from tsp_trainer.plan.auto import (GIB, AutoSettingsError, Budget, choose_auto_settings,
+                                   choose_memory_settings, run_layout)
+from tsp_trainer.plan.hardware import get_profile
+from tsp_trainer.plan.precision import FP32
+from tsp_trainer.plan.predict import Assumptions, predict
+from tsp_trainer.plan.search import memory_variants
+
+# 1B at 8K tokens on D=2 (fp32, the CPU path): compute dominates the predicted step, so the modes
+# that recompute less are predicted faster and need more memory
+ONE_B = ["model.size=1b", "parallel.tsp_degree=2", "data.seq_len=8192", "data.micro_batch_size=1",
+         "train.grad_accum=1", "parallel.head_buckets=1"]
+
+
+def _cfg(*overrides: str) -> TrainConfig:
+    return load_config(None, [*ONE_B, *overrides])
+
+
+def _peaks(cfg: TrainConfig) -> dict[tuple[str, bool], int]:
+    """(recompute mode, checkpointing) -> the planner's predicted peak (model state + activation
+    peak) of each candidate, on the CPU path the resolver uses for a CPU run."""
+    model = cfg.model.to_model_config()
+    out = {}
+    for lay in memory_variants(model, run_layout(cfg, 2), buckets=(1,)):
+        p = predict(model, lay, cfg.data.seq_len, get_profile("h100"), prec=FP32, device="cpu")
+        out[(lay.tsp_recompute, lay.activation_checkpointing)] = p.memory["total"]
+    return out
+
+
+def _resolve(budget_bytes: float, *overrides: str):
+    cfg = _cfg(f"train.memory_budget_gib={budget_bytes / GIB!r}", *overrides)
+    return choose_auto_settings(cfg, world_size=2, cuda=False)
+
+
+def test_the_budget_decides_none_selective_or_checkpointing_with_full():
+    """Budgets between the candidates' predicted peaks give, in turn: none (room for everything),
+    selective (room for its kept attention, not the MLP's gate/up), full without checkpointing,
+    and only checkpointing with full recompute."""
+    peaks = _peaks(_cfg())
+    ac, full, sel, keep = (peaks[("full", True)], peaks[("full", False)], peaks[("selective", False)],
+                           peaks[("none", False)])
+    assert set(peaks) == {("full", True), ("full", False), ("selective", False), ("none", False)}
+    assert ac < full < sel < keep                   # the premise: less recompute, more memory
+
+    def chosen(budget):
+        c = _resolve(budget)
+        return c.tsp_recompute, c.activation_checkpointing, c.head_buckets
+
+    assert chosen(keep) == ("none", False, 1)
+    assert chosen((sel + keep) / 2) == ("selective", False, 1)
+    assert chosen((full + sel) / 2) == ("full", False, 1)
+    assert chosen((ac + full) / 2) == ("full", True, 1)
+    c = _resolve((ac + full) / 2)
+    assert c.peak == ac and c.budget.bytes == pytest.approx((ac + full) / 2, rel=1e-12)
+
+
+def test_explicit_values_win():
+    """An explicit key stays as written; auto chooses only the others around it."""
+    room = 1000 * GIB
+    c = _resolve(room, "parallel.tsp_recompute=full")
+    assert (c.tsp_recompute, c.activation_checkpointing) == ("full", False)
+    c = _resolve(room, "train.activation_checkpointing=true")
+    assert (c.tsp_recompute, c.activation_checkpointing) == ("full", True)   # the only mode AC takes
+    c = _resolve(room, "parallel.tsp_recompute=selective")
+    assert (c.tsp_recompute, c.activation_checkpointing) == ("selective", False)
+    assert choose_auto_settings(_cfg("parallel.tsp_recompute=full", "train.activation_checkpointing=false"),
+                                world_size=2, cuda=False) is None         # nothing left to choose
+    # a baseline varies checkpointing alone; TSP's keys resolve to full and 1
+    tp = load_config(None, ["model.size=1b", "parallel.scheme=tp", "parallel.tsp_degree=2",
+                            "data.seq_len=8192", "data.micro_batch_size=1", f"train.memory_budget_gib={1000}"])
+    c = choose_auto_settings(tp, world_size=2, cuda=False)
+    assert (c.tsp_recompute, c.activation_checkpointing, c.head_buckets) == ("full", False, 1)
+
+
+def test_nothing_fits_names_the_budget_and_the_smallest_peak():
+    peaks = _peaks(_cfg())
+    smallest = min(peaks.values())
+    with pytest.raises(AutoSettingsError) as info:
+        _resolve(smallest / 2)
+    message = str(info.value)
+    assert "\n" not in message and info.value.agreed
+    assert f"nothing fits the memory budget of {smallest / 2 / GIB:.1f} GiB per process " \
+           "(train.memory_budget_gib)" in message
+    assert f"the smallest predicted peak is {smallest / GIB:.1f} GiB (tsp_recompute=full, " \
+           "activation_checkpointing=true, head_buckets=1)" in message
+
+
+def test_tsp_check_exits_2_when_nothing_fits(capsys, tmp_path):
+    """`python -m tsp_trainer check` (the input checks of tsp-train) refuses a budget nothing fits
+    in, with one line and exit 2, before the run folder exists."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        cli.check_main(["--world-size", "4", "recipes/tiny_cpu.yaml", "train.memory_budget_gib=1e-4",
+                        f"train.output_dir={out}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tsp-check: error: auto settings: nothing fits the "
+                                               "memory budget of 0.1 MiB per process")
+    assert not out.exists()
+
+
+def test_start_line_names_values_peak_and_budget():
+    c = choose_memory_settings(_cfg(), world_size=2, budget=Budget(20 * GIB, "train.memory_budget_gib"),
+                               cuda=False)
+    assert c.line() == (f"auto: tsp_recompute=none, activation_checkpointing=false, head_buckets=1 "
+                        f"(predicted peak {c.peak / GIB:.1f} GiB of 20.0 GiB budget: "
+                        "train.memory_budget_gib)")
+    applied = c.apply(_cfg())
+    assert (applied.parallel.tsp_recompute, applied.train.activation_checkpointing,
+            applied.parallel.head_buckets) == ("none", False, 1)
+
+
+def test_auto_values_load_and_validate():
+    """`auto` is each key's default and loads from YAML; other words are refused with the rule."""
+    cfg = load_config(None, [])
+    assert (cfg.parallel.tsp_recompute, cfg.train.activation_checkpointing, cfg.parallel.head_buckets,
+            cfg.train.memory_budget_gib) == ("auto", "auto", "auto", None)
+    validate_config(cfg)
+    assert load_config(None, ["parallel.head_buckets=2"]).parallel.head_buckets == 2
+    with pytest.raises(ValueError, match=r"'parallel.head_buckets'='many' must be an int or one of 'auto'"):
+        load_config(None, ["parallel.head_buckets=many"])
+    with pytest.raises(ValueError, match=r"train.activation_checkpointing='maybe' must be 'auto' or a bool"):
+        validate_config(TrainConfig(train=TrainSection(activation_checkpointing="maybe")))
+    with pytest.raises(ValueError, match=r"train.memory_budget_gib=0.0 must be > 0"):
+        validate_config(load_config(None, ["train.memory_budget_gib=0.0"]))
+    with pytest.raises(ValueError, match=r"parallel.head_buckets=0 must be an integer >= 1"):
+        validate_config(load_config(None, ["parallel.head_buckets=0"]))
+
+
+def test_tsp_plan_top_row_is_the_resolvers_choice(tmp_path):
+    """tsp-plan ranks recompute modes, checkpointing and head buckets by default; the trainer's
+    resolver, given the top row's scheme, D, ZeRO stage and batch split and the GPU's usable memory
+    as its budget, chooses the same recompute mode, checkpointing and head buckets."""
+    out = tmp_path / "plan.json"
+    assert plan_cli.main(["--model", "7b", "--seq-len", "131072", "--global-batch", "8", "--gpu", "h100",
+                          "--nodes", "1", "--schemes", "tsp", "--json", str(out)]) == 0
+    top = json.loads(out.read_text())["ranked"][0]["layout"]
+    assert top["tsp_recompute"] == "selective" and not top["activation_checkpointing"]
+    cfg = load_config(None, ["model.size=7b", f"parallel.tsp_degree={top['degree']}",
+                             f"zero.stage={top['zero_stage']}", "data.seq_len=131072",
+                             f"data.micro_batch_size={top['micro_batch']}",
+                             f"train.grad_accum={top['grad_accum']}", "train.dtype=bf16"])
+    hw = get_profile("h100")
+    budget = Budget(hw.hbm_bytes * Assumptions().hbm_usable, "h100")
+    c = choose_memory_settings(cfg, world_size=8, budget=budget, cuda=True, hw=hw)
+    assert (c.tsp_recompute, c.activation_checkpointing, c.head_buckets) == (
+        top["tsp_recompute"], top["activation_checkpointing"], top["head_buckets"])
+
+
+def test_gpu_budget_is_the_devices_memory_times_the_usable_share(monkeypatch):
+    """On a GPU the budget is mem_get_info's total x Assumptions.hbm_usable (not the free memory,
+    which differs between ranks), and the ranking takes the GPU's own profile by its name."""
+    import torch
+
+    from tsp_trainer.plan.auto import memory_budget, ranking_profile
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    budget = memory_budget(_cfg(), world_size=2, cuda=True)
+    assert budget.bytes == 80 * GIB * 0.92 and budget.source == "GPU memory 80.0 GiB x 0.92 usable"
+    assert ranking_profile(True).name == "h200" and ranking_profile(False).name == "h100"
+    explicit = memory_budget(_cfg("train.memory_budget_gib=12.5"), world_size=2, cuda=True)
+    assert (explicit.bytes, explicit.source) == (12.5 * GIB, "train.memory_budget_gib")

@@ -1,0 +1,229 @@
+"""`auto` for parallel.tsp_recompute, train.activation_checkpointing and parallel.head_buckets: the
+fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
+process (model state + the activation peak of activations.py and transients.py) fits the memory
+budget. An explicit value stays as written; `auto` chooses the others around it.
+
+    choice = choose_auto_settings(cfg, world_size=world, cuda=cuda)   # None: nothing is auto
+    cfg = choice.apply(cfg)                    # ValueError above: nothing fits the budget
+    log.info(choice.line())                    # auto: tsp_recompute=selective, ... (predicted peak ...)
+
+One ranking with tsp-plan: the candidates are `search.memory_variants` of the run's layout and
+`search.ranking_key` orders them, so for the same scheme, D, batch split and budget tsp-plan's top
+row is this choice. The ranking reads a hardware profile's rates (the GPU's own when it is a known
+one, else RANKING_PROFILE); among variants of one layout only their ratios matter: more recompute
+costs FLOPs, more head buckets cost collective latency.
+
+The budget per process: train.memory_budget_gib when set; on a GPU its memory
+(torch.cuda.mem_get_info's total) times the planner's usable share (Assumptions.hbm_usable, the rest
+reserved for allocator slack, NCCL and the CUDA context); on CPU the host's MemAvailable
+(/proc/meminfo, rounded down to whole GiB) shared by the job's processes (a CPU job runs on one
+host). The GPU budget is the same on every rank of a job on one GPU model, so every rank chooses
+alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from tsp_trainer.config import TrainConfig
+from tsp_trainer.config.schema import resolved_dtype
+from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
+from tsp_trainer.plan.layout import TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.precision import PRECISIONS
+from tsp_trainer.plan.predict import Assumptions, Prediction, predict
+from tsp_trainer.plan.search import memory_variants, ranking_key
+
+AUTO = "auto"
+GIB = 2 ** 30
+RANKING_PROFILE = "h100"        # rates for the ranking when the device is no known GPU (CPU runs)
+
+
+class AutoSettingsError(ValueError):
+    """No candidate of the `auto` settings fits the budget. Every rank computes the same budget and
+    candidates, so every rank raises it: the CLI prints it from rank 0 only (`agreed`)."""
+
+    agreed = True
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: float                # per process
+    source: str                 # where it came from, for the start-up line and the error
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The values `auto` resolved to (explicit ones included as written) and the predicted peak
+    of the run under them (the largest over data.seq_len_schedule's stages)."""
+
+    tsp_recompute: str
+    activation_checkpointing: bool
+    head_buckets: int
+    peak: float
+    budget: Budget
+
+    def values(self) -> str:
+        ac = str(self.activation_checkpointing).lower()
+        return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
+                f"head_buckets={self.head_buckets}")
+
+    def line(self) -> str:
+        """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`."""
+        return (f"auto: {self.values()} (predicted peak {gib_text(self.peak)} of "
+                f"{gib_text(self.budget.bytes)} budget: {self.budget.source})")
+
+    def apply(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` with the three keys set to this choice (what the run saves and logs)."""
+        return dataclasses.replace(
+            cfg, parallel=dataclasses.replace(cfg.parallel, tsp_recompute=self.tsp_recompute,
+                                              head_buckets=self.head_buckets),
+            train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing))
+
+    def facts(self) -> dict:
+        """The W&B run facts of the choice."""
+        return {"predicted_peak_gib": round(self.peak / GIB, 3),
+                "memory_budget_gib": round(self.budget.bytes / GIB, 3),
+                "memory_budget_source": self.budget.source}
+
+
+def gib_text(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def uses_auto(cfg: TrainConfig) -> bool:
+    return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets,
+                    cfg.train.activation_checkpointing)
+
+
+def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
+                         refuses: Callable[[TrainConfig], None] | None = None) -> MemoryChoice | None:
+    """The `auto` settings of `cfg` resolved on this machine (None when none is auto): the budget
+    of `memory_budget`, the GPU's profile for the ranking. refuses: raises ValueError for a
+    candidate config this device cannot run (the Trainer passes its CUDA route rules)."""
+    if not uses_auto(cfg):
+        return None
+    budget = memory_budget(cfg, world_size=world_size, cuda=cuda, device=device)
+    return choose_memory_settings(cfg, world_size=world_size, budget=budget, cuda=cuda,
+                                  hw=ranking_profile(cuda, device), refuses=refuses)
+
+
+def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget, cuda: bool,
+                           hw: HardwareProfile | None = None,
+                           refuses: Callable[[TrainConfig], None] | None = None) -> MemoryChoice:
+    """The fastest candidate (ranking_key) whose predicted peak fits `budget`; AutoSettingsError
+    naming the budget and the smallest predicted peak when none does."""
+    hw = hw or PROFILES[RANKING_PROFILE]
+    ranked, refusal = [], None
+    for layout in _candidates(cfg, world_size):
+        chosen = _choice(layout, peak=0.0, budget=budget)
+        try:
+            if refuses is not None:
+                refuses(chosen.apply(cfg))
+            worst = _worst_stage(cfg, layout, hw, cuda)
+        except ValueError as err:          # the device's kernel rules refuse this mode
+            refusal = refusal or err
+            continue
+        ranked.append(worst)
+    if not ranked:
+        raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
+                                "parallel.tsp_recompute, train.activation_checkpointing and "
+                                "parallel.head_buckets explicitly")
+    ranked.sort(key=lambda p: ranking_key(p, budget.bytes))
+    best = ranked[0]
+    if best.memory["total"] > budget.bytes:
+        smallest = min(ranked, key=lambda p: p.memory["total"])
+        raise AutoSettingsError(
+            f"auto settings: nothing fits the memory budget of {gib_text(budget.bytes)} per process "
+            f"({budget.source}): the smallest predicted peak is {gib_text(smallest.memory['total'])} "
+            f"({_choice(smallest.layout, 0.0, budget).values()}); use more model-parallel ranks "
+            "(parallel.tsp_degree), a shorter data.seq_len, a smaller data.micro_batch_size, or a "
+            "larger train.memory_budget_gib if the device has it")
+    return _choice(best.layout, peak=best.memory["total"], budget=budget)
+
+
+def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
+    """The planner's Layout of a run of `cfg` on `world_size` processes (recompute, checkpointing
+    and buckets at Layout's defaults: memory_variants varies them)."""
+    p = cfg.parallel
+    return Layout(p.scheme, p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
+                  sp=p.sp_degree, zero_stage=cfg.zero.stage, micro_batch=cfg.data.micro_batch_size,
+                  grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations)
+
+
+def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
+    """The run's layout under every value of the auto keys (the explicit ones fixed)."""
+    p, ac = cfg.parallel, cfg.train.activation_checkpointing
+    return memory_variants(cfg.model.to_model_config(), run_layout(cfg, world_size),
+                           recompute=TSP_RECOMPUTE if p.tsp_recompute == AUTO else (p.tsp_recompute,),
+                           checkpointing=(False, True) if ac == AUTO else (ac,),
+                           buckets=None if p.head_buckets == AUTO else (p.head_buckets,))
+
+
+def _stages(cfg: TrainConfig) -> list[tuple[int, int]]:
+    """(seq_len, micro-batch) of every stage of data.seq_len_schedule, or of the whole run."""
+    d = cfg.data
+    return ([(s.seq_len, s.micro_batch_size or d.micro_batch_size) for s in d.seq_len_schedule]
+            or [(d.seq_len, d.micro_batch_size)])
+
+
+def _worst_stage(cfg: TrainConfig, layout: Layout, hw: HardwareProfile, cuda: bool) -> Prediction:
+    """The prediction of `layout` at the stage with the largest predicted peak."""
+    model = cfg.model.to_model_config()
+    prec = PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)]
+    preds = []
+    for seq_len, micro in _stages(cfg):
+        stage = dataclasses.replace(layout, micro_batch=micro)
+        preds.append(predict(model.replace(max_seq_len=max(seq_len, model.max_seq_len)), stage,
+                             seq_len, hw, prec=prec, device="cuda" if cuda else "cpu"))
+    return max(preds, key=lambda p: p.memory["total"])
+
+
+def _choice(layout: Layout, peak: float, budget: Budget) -> MemoryChoice:
+    return MemoryChoice(layout.tsp_recompute, layout.activation_checkpointing, layout.head_buckets,
+                        peak=peak, budget=budget)
+
+
+def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None) -> Budget:
+    """This process's budget (module docstring)."""
+    if cfg.train.memory_budget_gib is not None:
+        return Budget(cfg.train.memory_budget_gib * GIB, "train.memory_budget_gib")
+    if cuda:
+        import torch
+
+        _, total = torch.cuda.mem_get_info(device)
+        usable = Assumptions().hbm_usable
+        return Budget(total * usable, f"GPU memory {gib_text(total)} x {usable:g} usable")
+    available = host_available_bytes() // GIB * GIB
+    return Budget(available / world_size,
+                  f"host MemAvailable {gib_text(available)} / {world_size} processes")
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def ranking_profile(cuda: bool, device=None) -> HardwareProfile:
+    """The profile whose rates rank the candidates: the GPU's own when its name matches one."""
+    if cuda:
+        import torch
+
+        name = torch.cuda.get_device_name(device).lower()
+        matches = [key for key in PROFILES if key in name]
+        if matches:
+            return PROFILES[max(matches, key=len)]
+    return PROFILES[RANKING_PROFILE]
+
+
+__all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_auto_settings",
+           "choose_memory_settings", "memory_budget", "uses_auto"]
