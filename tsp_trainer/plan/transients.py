@@ -101,7 +101,7 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": (2 * own + sel + mlp_kept + e * n * h + cast + acc
-                       + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
+                       + _mlp_ring_backward_shards(w_mlp, ew, mlp_kept, d_) + bwd_mids * mid),
            # ring of vocab shards: one fp32 logits block [c, V/D] (its exp / softmax computed in
            # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
            # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
@@ -165,14 +165,19 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     return {"fwd": fwd, "bwd": bwd, "kv_bucket": kv}
 
 
-def _mlp_ring_backward_shards(w: int, ew: int) -> int:
+def _mlp_ring_backward_shards(w: int, ew: int, kept: int = 0, degree: int = 1) -> int:
     """Bytes of packed MLP shards alive in a step of the reverse ring (tsp/mlp.py,
     tsp/ring.py::ring_backward_into): the shard in use and the one arriving (2 w) and two fp32
     accumulators (the one being filled, the one arriving; the sent one is reused as the next
     receive buffer); weight gradients go straight into the accumulator (in bf16 through one
-    weight-sized product at a time)."""
+    weight-sized product at a time). The first step has no accumulator arriving yet: with `kept`
+    gate/up bytes (all D steps'), that step holds them all and the next has freed a D-th of them,
+    so the second accumulator counts only where it outweighs that D-th."""
     acc = w * 4 // ew
-    return 2 * w + 2 * acc + (w // 3 if ew != 4 else 0)
+    second = acc if not kept else max(0, acc - kept // max(degree, 1))
+    if degree == 1:
+        second = 0
+    return 2 * w + acc + second + (w // 3 if ew != 4 else 0)
 
 
 def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
