@@ -128,18 +128,25 @@ TILED = [("tp", 2, "gqa", {}, 5), ("tp", 4, "tied", {}, 7), ("tp_sp", 2, "tied",
 @pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED,
                          ids=[f"{s}-d{w}-{c}-chunk{k}" for s, w, c, _, k in TILED])
 def test_tiled_loss_parity_and_ledger(scheme, world, cfg_name, options, chunk):
+    for out in _tiled_parity_and_ledger(scheme, world, cfg_name, options, "loss_chunk_tokens", chunk):
+        assert out["loss_collectives"] == (3 if out["info"]["tp_degree"] > 1 else 0)
+
+
+def _tiled_parity_and_ledger(scheme, world, cfg_name, options, key, chunk):
+    """Run with `key` (loss_chunk_tokens or mlp_chunk_tokens) = chunk: each rank's chunk, loss,
+    gradients and ledger against one process and the closed form; the ranks' results."""
     cfg = CFGS[cfg_name]
     ids, labels, ref = _reference(cfg_name)
-    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, "loss_chunk_tokens": chunk},
+    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, key: chunk},
                            ids, labels, ref["logits"])
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     for rank, out in enumerate(results):
-        assert out["loss_chunk"] == chunk
+        assert out[key.removesuffix("_tokens")] == chunk
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"rank {rank} loss"
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
         assert out["ledger"] == expected_comm
-        assert out["loss_collectives"] == (3 if out["info"]["tp_degree"] > 1 else 0)
+    return results
 
 
 # parallel.mlp_chunk_tokens forcing several chunks of the TP region's tokens in the MLP's local
@@ -153,17 +160,7 @@ TILED_MLP = [("tp", 2, "llama_bias", {}, 5), ("tp", 4, "qwen2", {}, 7), ("tp_sp"
 @pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED_MLP,
                          ids=[f"{s}-d{w}-{c}-chunk{k}" for s, w, c, _, k in TILED_MLP])
 def test_tiled_mlp_parity_and_ledger(scheme, world, cfg_name, options, chunk):
-    cfg = CFGS[cfg_name]
-    ids, labels, ref = _reference(cfg_name)
-    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, "mlp_chunk_tokens": chunk},
-                           ids, labels, ref["logits"])
-    expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
-    for rank, out in enumerate(results):
-        assert out["mlp_chunk"] == chunk
-        assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"rank {rank} loss"
-        for name, grad in ref["grads"].items():
-            torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
-        assert out["ledger"] == expected_comm
+    _tiled_parity_and_ledger(scheme, world, cfg_name, options, "mlp_chunk_tokens", chunk)
 
 
 def test_the_table_of_schemes_is_the_configs_scheme_type():

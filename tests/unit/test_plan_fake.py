@@ -102,13 +102,12 @@ TILED_MLP = [(("tsp", 2, {}), False), (("tsp", 2, {}), True), (("tsp", 4, {}), F
                          ids=[f"{_ids(c)}-{'AC' if ac else 'noAC'}" for c, ac in TILED_MLP])
 def test_the_mlp_phase_model_follows_the_chunk(case, ac, dtype):
     scheme, degree, kw = case
-    prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
-    res = run_step(BIG_MLP, scheme, world_size=degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
-                   activation_checkpointing=ac, rank=0, mlp_chunk_tokens=64, **kw)
-    whole = run_step(BIG_MLP, scheme, world_size=degree, degree=degree, seq_len=SEQ,
-                     dtype=torch_dtype, activation_checkpointing=ac, rank=0, **kw)
+    step = dict(world_size=degree, degree=degree, seq_len=SEQ, activation_checkpointing=ac, rank=0,
+                dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, **kw)
+    res, whole = (run_step(BIG_MLP, scheme, mlp_chunk_tokens=c, **step) for c in (64, "auto"))
     layout = _layout(scheme, degree, kw, activation_checkpointing=ac)
-    act = activation_memory(BIG_MLP, layout, SEQ, prec, device="cpu", mlp_chunk_tokens=64)
+    act = activation_memory(BIG_MLP, layout, SEQ, BF16 if dtype == "bf16" else FP32, device="cpu",
+                            mlp_chunk_tokens=64)
     assert act.terms["mlp_chunk_tokens"] == 64
     assert res.peak_bytes < 0.9 * whole.peak_bytes               # the tiling is real
     assert act.stored == pytest.approx(res.stored_bytes, rel=0.01)
