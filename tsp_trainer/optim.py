@@ -19,10 +19,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adamw_hyperparameters(cfg: OptimSection) -> dict:
+    """lr, betas and eps, as torch AdamW and DeepSpeedCPUAdam (engine/deepspeed.py) both take them;
+    the weight decay is per param group (param_groups)."""
+    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     # torch AdamW, not DeepSpeed's FusedAdam: no JIT build, same math under ZeRO 1/2.
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), **adamw_hyperparameters(cfg))
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:

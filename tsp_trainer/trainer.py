@@ -46,7 +46,7 @@ from tsp_trainer.parallel.schemes import Parallelized, parallelize
 from tsp_trainer.plan.auto import choose_auto_settings
 from tsp_trainer.plan.flops import run_flops_per_token
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
-from tsp_trainer.run.placement import Placement, gather_placement
+from tsp_trainer.run.placement import place_ranks
 from tsp_trainer.run.preemption import agree_on_batches
 from tsp_trainer.run.session import open_run_folder
 
@@ -86,14 +86,17 @@ class Trainer:
             self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
                                                           timeout_s=cfg.train.collective_timeout_s)
             self.mesh = build_mesh(tsp, timeout_s=cfg.train.collective_timeout_s, device=self.device)
-            self.placement = self._place_ranks()
+            self.placement = place_ranks(self.mesh.world, self.mesh.dims, self.log)
         scheme = cfg.parallel.scheme
         with self._startup(f"model: {self.model_cfg.num_layers} layers, parallel.scheme={scheme}"):
             self.par = self._build_model()
             self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
-            self.optimizer = build_optimizer(self.par.model, cfg.optim)
+            offload = cfg.zero.offload_optimizer == "cpu"      # DeepSpeed's ZeRO-Offload wants its CPU Adam
+            self.optimizer = (ds_engine.build_offload_optimizer if offload else build_optimizer)(
+                self.par.model, cfg.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over dp {dp}"):
+        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over dp {dp}"
+                           + (", optimizer offloaded to the host" if offload else "")):
             self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                                TSPMpu(self.mesh))
         with self._startup("data: training loader" + (" and eval batches" if cfg.train.eval_every else "")):
@@ -118,17 +121,6 @@ class Trainer:
         started = time.perf_counter()
         yield
         self.log.info(f"start-up: {phase} ({time.perf_counter() - started:.1f} s)")
-
-    def _place_ranks(self) -> Placement:
-        """Collective: every rank's node and host, logged once; a TSP group spanning nodes is a
-        warning (its every layer's collectives would cross the network)."""
-        placement = gather_placement(self.mesh.world)
-        self.log.info(f"placement: {placement.describe(self.mesh.dims)}")
-        split = placement.split_tsp_groups(self.mesh.dims)
-        if split and self.mesh.rank == 0:
-            self.log.warning(f"tsp groups {split} span nodes: give every node a multiple of "
-                             f"parallel.tsp_degree={self.mesh.dims.tsp} processes")
-        return placement
 
     def _open_run(self, inputs: CheckedInputs, *, world_size: int, global_rank: int) -> None:
         """The run folder and its identity, metrics and sinks, data notes, lifecycle guards."""
@@ -166,7 +158,8 @@ class Trainer:
         c = self.cfg
         return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
                                    dp_degree=dp, zero_stage=c.zero.stage,
-                                   max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16)
+                                   max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16,
+                                   offload_optimizer=c.zero.offload_optimizer == "cpu")
 
     def _build_model(self) -> Parallelized:
         c = self.cfg

@@ -70,3 +70,18 @@ def _inject(trainer, kind, at_step):
 
 def weights_equal(a, b) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def assert_nan_step_is_skipped(world: int, overrides: list[str], out_dir) -> None:
+    """Step 3's loss is NaN on rank 1 only: every rank skips that update (counted), so with a
+    constant learning rate in `overrides` the weights after 3 steps equal those after 2 clean
+    steps."""
+    from tests.distributed.trainer_cases import train_rank
+    from tests.helpers.dist import run_on_ranks
+
+    out = run_on_ranks(faulty_train_rank, world, overrides + ["train.steps=3", "train.nonfinite=skip",
+                                                              f"train.output_dir={out_dir}/a"], ("nan", 3, 1))
+    for o in out:
+        assert o["skipped"] == [0, 0, 1]
+    clean = run_on_ranks(train_rank, world, overrides + ["train.steps=2", f"train.output_dir={out_dir}/b"])
+    assert weights_equal(out[0]["weights"], clean[0]["weights"])

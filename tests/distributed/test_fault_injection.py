@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.distributed.fault_cases import faulty_train_rank, weights_equal
+from tests.distributed.fault_cases import assert_nan_step_is_skipped, faulty_train_rank, weights_equal
 from tests.distributed.trainer_cases import train_rank
 from tests.helpers.dist import run_on_ranks
 
@@ -57,12 +57,7 @@ CONSTANT_LR = ["optim.warmup_steps=0", "optim.min_lr=3e-3", "checkpoint.every=2"
 def test_nan_on_one_rank_is_skipped_everywhere(tmp_path):
     """Step 3's loss is NaN on rank 1 only. Every rank skips that update (counted), so with a
     constant learning rate the weights after 3 steps equal those after 2 clean steps."""
-    out = run_on_ranks(faulty_train_rank, 4, CONSTANT_LR + ["train.steps=3", "train.nonfinite=skip",
-                                                            f"train.output_dir={tmp_path}/a"], ("nan", 3, 1))
-    for o in out:
-        assert o["skipped"] == [0, 0, 1]
-    clean = run_on_ranks(train_rank, 4, CONSTANT_LR + ["train.steps=2", f"train.output_dir={tmp_path}/b"])
-    assert weights_equal(out[0]["weights"], clean[0]["weights"])
+    assert_nan_step_is_skipped(4, CONSTANT_LR, tmp_path)
 
 
 def test_nan_with_stop_policy_stops_before_update_and_never_checkpoints(tmp_path):

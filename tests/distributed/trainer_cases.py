@@ -89,6 +89,26 @@ def train_rank(rank, world, overrides, return_weights=True):
             "recompute": getattr(trainer.par.model.layers[0].self_attn, "recompute", None)}
 
 
+def assert_matches_reference(outs, reference) -> None:
+    """Every rank's losses (rtol 1e-6) and rank 0's clipped gradient norms (rtol 1e-5) and weights
+    (rtol 1e-5, atol 1e-4, and 99.9% of the elements within 1e-6 + 1e-5 |w|) equal
+    reference_run's (losses, weights, norms); the tolerances are argued by the callers."""
+    import pytest
+
+    ref_losses, ref_weights, ref_norms = reference
+    assert outs[0]["grad_norms"] == pytest.approx(ref_norms, rel=1e-5)
+    for o in outs:
+        assert o["losses"] == pytest.approx(ref_losses, rel=1e-6)
+    close, total = 0, 0
+    for name, w in ref_weights.items():
+        got = outs[0]["weights"][name]
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-4, msg=name)
+        close += int(((got - w).abs() <= 1e-6 + 1e-5 * w.abs()).sum())
+        total += w.numel()
+    assert close / total > 0.999
+    assert ref_losses[-1] < ref_losses[0]                       # it trains
+
+
 def reference_run(overrides, *, dp_degree: int):
     """One process, plain PyTorch: the same init, optimizer, schedule and clipping, on the global
     batch formed by concatenating what each DP rank's loader yields."""

@@ -217,6 +217,16 @@ def test_zero_stage():
     raises("train.nonfinite='skip' needs zero.stage 1 or 2", validate_config, valid(zero__stage=0))
 
 
+def test_optimizer_offload_needs_zero_1_or_2():
+    message = raises("zero.offload_optimizer='cpu' with zero.stage=0", validate_config,
+                     valid(zero__stage=0, zero__offload_optimizer="cpu", train__nonfinite="stop"))
+    assert "use zero.stage 1 or 2, or zero.offload_optimizer='none'" in message
+    for stage in (1, 2):
+        validate_config(valid(zero__stage=stage, zero__offload_optimizer="cpu"))
+    raises("zero.offload_optimizer='nvme' is not one of 'none', 'cpu'", validate_config,
+           valid(zero__offload_optimizer="nvme"))
+
+
 def test_model_errors_name_model_keys():
     raises("model.size='13b' is not a known size", validate_config, valid(model__size="13b"))
     raises("model.hidden_size=102 must be divisible by model.num_heads=4", validate_config,

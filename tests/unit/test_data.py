@@ -147,11 +147,11 @@ def test_pack_documents_exact_windows_eos_and_long_document_split():
 def test_token_packer_keeps_pending_tokens_for_resume():
     packer = TokenPacker(seq_len=3, eos_id=0)
     packer.add_document([5, 6, 7, 8, 9])
-    assert packer.num_ready() == 1 and packer.pop_window() == [5, 6, 7, 8]
+    assert packer.num_ready() == 1 and packer.pop_window().tolist() == [5, 6, 7, 8]
     assert packer.pending() == [8, 9, 0] and packer.num_ready() == 0
     resumed = TokenPacker(seq_len=3, eos_id=0, pending=packer.pending())
     resumed.add_document([1])
-    assert resumed.pop_window() == [8, 9, 0, 1]
+    assert resumed.pop_window().tolist() == [8, 9, 0, 1]
 
 
 def test_loader_labels_are_next_tokens_with_eos_between_documents(tok):

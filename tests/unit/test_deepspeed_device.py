@@ -69,7 +69,7 @@ def test_prepare_hands_initialize_the_current_device(monkeypatch):
 
         def prepare(self, model, optimizer):
             seen.append(deepspeed.initialize.keywords)
-            return types.SimpleNamespace(dp_world_size=2), optimizer
+            return types.SimpleNamespace(dp_world_size=2, basic_optimizer=optimizer), optimizer
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ds_engine.prepare(FakeAccelerator("cuda:0"), torch.nn.Linear(1, 1), None, mpu)
@@ -77,3 +77,19 @@ def test_prepare_hands_initialize_the_current_device(monkeypatch):
     assert seen[0]["mpu"] is mpu and seen[0]["args"].device_rank == 0
     assert seen[1]["mpu"] is mpu and seen[1]["args"] is None
     assert not isinstance(deepspeed.initialize, functools.partial)      # unbound afterwards
+
+
+def test_prepare_refuses_an_optimizer_accelerate_replaced():
+    """Under optimizer offload Accelerate may swap the optimizer for its own DeepSpeedCPUAdam
+    (engine/deepspeed.py ds_config): prepare() stops when DeepSpeed steps another object."""
+    mpu = types.SimpleNamespace(get_data_parallel_world_size=lambda: 1)
+
+    class SwappingAccelerator:
+        device = torch.device("cpu")
+
+        def prepare(self, model, optimizer):
+            return types.SimpleNamespace(dp_world_size=1, basic_optimizer=object()), optimizer
+
+    with pytest.raises(RuntimeError, match="Accelerate replaced it"):
+        ds_engine.prepare(SwappingAccelerator(), torch.nn.Linear(1, 1), torch.optim.SGD(
+            torch.nn.Linear(1, 1).parameters(), lr=0.1), mpu)

@@ -55,15 +55,17 @@ def test_only_signals_give_128_plus_the_signal(tmp_path):
     assert (exit_code(75), exit_code(-15)) == (75, 143)
 
 
-@pytest.mark.parametrize("machine,checked", [("0", 1), ("1", 0)])
-def test_only_machine_0s_launcher_checks_the_inputs(monkeypatch, machine, checked):
+@pytest.mark.parametrize("machine,first_rank", [("0", 0), ("1", 4)])
+def test_every_machines_launcher_checks_the_inputs_as_its_first_rank(monkeypatch, machine, first_rank):
+    """Each machine's tsp-launch checks (one line and exit 2 on every node), as that machine's first
+    rank: only machine 0's rank 0 verifies the resume checkpoint and takes the folder's lease."""
     from tsp_trainer import cli
     from tsp_trainer.engine import launch
 
     calls = []
-    monkeypatch.setattr(cli, "_check_inputs_or_exit", lambda *a, **k: calls.append(k["world"]))
+    monkeypatch.setattr(cli, "_check_inputs_or_exit", lambda *a, **k: calls.append((k["world"], k["rank"])))
     monkeypatch.setattr(launch, "run_launcher", lambda args: 0)
     with pytest.raises(SystemExit) as exc:
         cli.launch_main(["--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "8",
                          "--machine_rank", machine, "recipes/tiny_cpu.yaml"])
-    assert exc.value.code == 0 and calls == [8] * checked
+    assert exc.value.code == 0 and calls == [(8, first_rank)]

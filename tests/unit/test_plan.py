@@ -68,6 +68,44 @@ def test_state_bytes_bf16_zero_stages():
     assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * n, 4 * n, 8 * n)   # no master
 
 
+def test_optimizer_offload_moves_master_and_moments_to_the_host():
+    """ZeRO-Offload: the fp32 master and the moments leave the GPU (12 B / param under bf16,
+    sharded over DP); the gradients stay where ZeRO accumulates them; the host holds master,
+    moments, the fp32 gradient partition and the weight-dtype copy sent back (18 B / param bf16,
+    20 B fp32: ZeRO's fp32 master is a clone even when the weights are fp32)."""
+    n = param_count(SMALL, Layout("tsp", 2))
+    for stage, dp in ((1, 1), (2, 4)):
+        on = state_bytes(SMALL, Layout("tsp", 2, dp=dp, zero_stage=stage), BF16)
+        off = state_bytes(SMALL, Layout("tsp", 2, dp=dp, zero_stage=stage, offload_optimizer=True), BF16)
+        assert (off["params"], off["grads"], off["optimizer"]) == (on["params"], on["grads"], 0)
+        assert on["optimizer"] == -(-12 * n // dp) and on["host_optimizer"] == 0
+        assert off["host_optimizer"] == -(-18 * n // dp)
+    fp32 = state_bytes(SMALL, Layout("tsp", 2, zero_stage=1, offload_optimizer=True), FP32)
+    assert (fp32["optimizer"], fp32["host_optimizer"]) == (0, 20 * n)
+    with pytest.raises(ValueError, match="offload_optimizer with zero_stage=0"):
+        Layout("tsp", 2, zero_stage=0, offload_optimizer=True)
+    assert " Z1+cpuopt " in Layout("tsp", 2, offload_optimizer=True).label()
+
+
+def test_optimizer_offload_time_and_memory():
+    """8B on 8 H100, TSP D=8, DP 1: offload frees the 12 B / param of AdamW state per GPU and
+    costs the PCIe copies (fp32 gradient down, bf16 weights up at 75% of 64 GB/s) and the CPU Adam
+    step (30 B / param over half of the node's 614 GB/s DRAM bandwidth, shared by 8 GPUs)."""
+    hw, cfg = get_profile("h100"), model_config("llama3_8b")
+    lay = dict(scheme="tsp", degree=8, zero_stage=1, activation_checkpointing=True)
+    on = predict(cfg, Layout(**lay), 65536, hw)
+    off = predict(cfg, Layout(**lay, offload_optimizer=True), 65536, hw)
+    n = param_count(cfg, Layout(**lay))
+    assert on.memory["total"] - off.memory["total"] == 12 * n
+    assert off.memory["host_optimizer"] == 18 * n
+    assert off.memory["host_optimizer_per_node"] == 8 * 18 * n
+    assert off.times["optimizer_pcie"] == pytest.approx(n * 6 / (64e9 * 0.75))
+    assert off.times["optimizer"] == pytest.approx(n * 30 / (614e9 / 8 * 0.5))
+    assert on.times["optimizer_pcie"] == 0
+    assert off.step_time - on.step_time == pytest.approx(
+        off.times["optimizer"] + off.times["optimizer_pcie"] - on.times["optimizer"])
+
+
 # -- activations ----------------------------------------------------------------------------------
 
 def test_tsp_saved_activations_closed_form():
@@ -335,6 +373,20 @@ def test_plan_with_kept_activations(capsys, mode, lighter, marker):
     assert f"TSP recompute {mode}" in out and marker in out
 
 
+def test_cli_optimizer_offload(capsys):
+    """tsp-plan --zero-offload-optimizer cpu: every layout offloads (ZeRO 1 or 2), the header says
+    so and a note gives the host memory and the CPU / PCIe seconds of the top layout."""
+    argv = ["--model", "llama3_8b", "--seq-len", "65536", "--global-batch", "8", "--gpu", "h100",
+            "--schemes", "tsp", "--top", "3"]
+    assert cli.main(argv + ["--zero-offload-optimizer", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW offloaded to the host (ZeRO-Offload)" in out
+    assert "GB pinned host memory per node" in out and "of CPU Adam and" in out
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert "AdamW offloaded" not in plain and "of CPU Adam and" not in plain
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--global-batch", "1", "--seq-len", "4194304", "--gpu", "h100"], r"nothing fits"),
     (["--global-batch", "3", "--seq-len", "4096", "--nodes", "4", "--max-degree", "8"],
@@ -352,6 +404,8 @@ def test_plan_with_kept_activations(capsys, mode, lighter, marker):
     (["--dry-run", "--tsp-recompute", "none"],
      r"--tsp-recompute=none needs --no-activation-checkpointing .* refuses none with"),
     (["--global-batch", "8", "--tsp-recompute", "partial"], r"invalid choice: 'partial'"),
+    (["--dry-run", "--zero-offload-optimizer", "cpu"],
+     r"--zero-offload-optimizer=cpu is not modelled by --dry-run"),
 ])
 def test_cli_errors_exit_2_with_a_clear_message(argv, match, capsys):
     with pytest.raises(SystemExit) as info:

@@ -44,6 +44,17 @@ def test_tsp_reaches_further_than_tp_and_offload_further_still():
     assert tp < tsp < tsp_off and tsp < tsp_h200
 
 
+def test_optimizer_offload_lengthens_the_longest_sequence():
+    """With AdamW's state on the host every layout has 12 B / param more HBM for activations, so
+    the longest sequence grows; its best layout offloads and reports the host bytes."""
+    base = longest_seq_len(CFG, "tsp", hw=H100, nodes=1)
+    off = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload_optimizer=True)
+    assert off.seq_len > base.seq_len
+    assert off.best.layout.offload_optimizer and off.best.layout.zero_stage >= 1
+    assert off.best.memory["optimizer"] == 0 and off.best.memory["host_optimizer"] > 0
+    assert not base.best.layout.offload_optimizer
+
+
 def test_offload_keeps_two_layers_on_the_gpu_and_the_rest_on_the_host():
     s = 131072
     lay = dict(scheme="tsp", degree=8, activation_checkpointing=True)

@@ -94,6 +94,17 @@ def test_deepspeed_accumulates_and_reduces_gradients_in_fp32():
         assert cfg["communication_data_type"] == "fp32"
 
 
+def test_optimizer_offload_config_is_deepspeeds_zero_offload():
+    common = dict(micro_batch=1, grad_accum=1, dp_degree=1, zero_stage=2, max_grad_norm=1.0, bf16=True)
+    assert "offload_optimizer" not in ds_config(**common)["zero_optimization"]
+    assert "zero_force_ds_cpu_optimizer" not in ds_config(**common)
+    cfg = ds_config(**common, offload_optimizer=True)
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert cfg["zero_optimization"]["stage"] == 2
+    # else Accelerate swaps our DeepSpeedCPUAdam for one in Adam (L2) mode (engine/deepspeed.py)
+    assert cfg["zero_force_ds_cpu_optimizer"] is False
+
+
 def test_bf16_without_zero_is_refused():
     cfg = load_config("recipes/tiny_cpu.yaml", ["train.dtype=bf16", "zero.stage=0", "train.nonfinite=stop"])
     with pytest.raises(ValueError, match=r"zero.stage=0 with bf16 .*use zero.stage 1 or 2"):

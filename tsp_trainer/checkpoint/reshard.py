@@ -33,8 +33,9 @@ from typing import Callable
 
 import torch
 
-from tsp_trainer.engine.zero_state import (full_state_on_owner, link_optimizer_state,
-                                           set_full_fp32, set_full_optimizer_state)
+from tsp_trainer.engine.zero_state import (fresh_adam_step, full_state_on_owner, link_optimizer_state,
+                                           replay_cpu_adam_steps, set_full_fp32,
+                                           set_full_optimizer_state)
 from tsp_trainer.checkpoint.shards import (read_extra, read_local_state_dict, shard_file_name,
                                            shard_layout, write_layout_file)
 from tsp_trainer.parallel.schemes import Parallelized
@@ -197,11 +198,12 @@ def load_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.opt
 
 def _init_adam_state(optimizer, params, steps: list[int], moments) -> None:
     """Create the optimizer's state for its (flat) params, as AdamW's first step would, and link
-    ZeRO's per-parameter views onto it."""
+    ZeRO's per-parameter views onto it (DeepSpeedCPUAdam: its step counter replayed too)."""
     for group, step in zip(optimizer.param_groups, steps):
         for flat in group["params"]:
-            optimizer.state[flat] = {"step": torch.tensor(float(step)),
+            optimizer.state[flat] = {"step": fresh_adam_step(optimizer, step),
                                      **{k: torch.zeros_like(flat) for k in moments}}
+    replay_cpu_adam_steps(optimizer, max(steps, default=0))
     link_optimizer_state(optimizer, params)
 
 

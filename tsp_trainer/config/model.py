@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 FAMILIES = ("llama", "mistral", "qwen2")
+# RoPE angles are position x inv_freq in fp32 (model/rope.py, as transformers computes them): an
+# integer position is exact in fp32 up to 2^24, so sequences (with data.reset_positions,
+# documents) of up to 2^24 = 16,777,216 tokens get their exact positions.
+FP32_EXACT_POSITIONS = 1 << 24
 
 # rope_type -> (required keys, optional keys), as transformers' RotaryEmbeddingConfigMixin
 # validates them (modeling_rope_utils.py, transformers 5.24). "default" is RoPE without scaling

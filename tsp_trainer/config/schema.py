@@ -27,6 +27,7 @@ LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
 AttentionKernel = Literal["auto", "fa2", "fa3", "fa4", "cudnn"]
 NonFinite = Literal["skip", "stop"]
+OffloadOptimizer = Literal["none", "cpu"]
 WandbMode = Literal["disabled", "offline", "online"]
 WandbReplay = Literal["skip", "rewind"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
@@ -228,6 +229,10 @@ class ZeroSection:
 
     stage: int = setting(1, choices=ZERO_STAGES, doc="DeepSpeed ZeRO stage; 3 is refused (no parity "
                                                      "test covers ZeRO-3 with sharded weights)")
+    offload_optimizer: OffloadOptimizer = setting(
+        "none", doc="cpu: DeepSpeed's ZeRO-Offload keeps the fp32 master weights, AdamW moments and "
+                    "the fp32 gradient partition in pinned host memory and runs the update with "
+                    "DeepSpeedCPUAdam; needs zero.stage 1 or 2 (docs/long_context.md)")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import os
 import typing
 from typing import Any, Literal
 
-from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.config.model import FP32_EXACT_POSITIONS, ModelConfig
 from tsp_trainer.config.schema import ModelSection, ParallelSection, Scheme, TrainConfig, ZeroSection
 from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, list_of_sections
 
@@ -39,6 +39,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_bounds(cfg, "")
     _check_zero(cfg.zero.stage)
+    check_optimizer_offload(cfg.zero)
     check_precision(zero_stage=cfg.zero.stage, bf16=cfg.train.dtype == "bf16")
     if cfg.zero.stage == 0 and cfg.train.nonfinite == "skip":
         raise ValueError("train.nonfinite='skip' needs zero.stage 1 or 2 (their overflow check, agreed "
@@ -105,6 +106,16 @@ def shape_buckets(parallel: ParallelSection) -> int:
     """parallel.head_buckets for the shape rules: `auto` chooses among the counts that divide the
     K/V heads per shard (plan/auto.py), of which 1 always does."""
     return 1 if parallel.head_buckets == "auto" else parallel.head_buckets
+
+
+def check_exact_positions(seq_len: int, *, reset_positions: bool, key: str = "data.seq_len") -> None:
+    """Positions count across the whole sequence unless they restart per document: past 2^24 the
+    fp32 RoPE angles would round positions (FP32_EXACT_POSITIONS)."""
+    if seq_len > FP32_EXACT_POSITIONS and not reset_positions:
+        raise ValueError(f"{key}={seq_len} exceeds 2^24 = {FP32_EXACT_POSITIONS}: RoPE positions "
+                         "past it are not exact in fp32 (the angles' dtype, as in transformers); "
+                         "use at most 16777216 tokens or data.reset_positions=true with shorter "
+                         "documents")
 
 
 def resolve_dp_degree(parallel: ParallelSection, world_size: int | None) -> int | None:
@@ -230,6 +241,15 @@ def _check_zero(stage: Any) -> None:
                          f"sharded weights; use zero.stage {named}")
     if stage not in stages or isinstance(stage, bool):
         raise ValueError(f"zero.stage={stage!r} must be {named} (DeepSpeed ZeRO stage over the DP axis)")
+
+
+def check_optimizer_offload(zero: ZeroSection) -> None:
+    """ZeRO-Offload moves the fp32 partition that ZeRO 1/2 build (master weights, AdamW moments,
+    fp32 gradients) to the host; ZeRO-0 builds none, so DeepSpeedCPUAdam would meet device weights."""
+    if zero.offload_optimizer == "cpu" and zero.stage == 0:
+        raise ValueError("zero.offload_optimizer='cpu' with zero.stage=0: DeepSpeed offloads the "
+                         "optimizer only under ZeRO 1 or 2 (stage 0 keeps no fp32 partition to move "
+                         "to the host); use zero.stage 1 or 2, or zero.offload_optimizer='none'")
 
 
 def check_precision(*, zero_stage: int, bf16: bool) -> None:
@@ -382,6 +402,7 @@ def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
                          f"model.max_seq_len (with model.rope_scaling to extend a trained context, "
                          "see docs/long_context.md)")
     check_sliding_window(model, cfg.data.seq_len)
+    check_exact_positions(cfg.data.seq_len, reset_positions=cfg.data.reset_positions)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ValueError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the "
                          "schedule decays from lr down to min_lr")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping, Sequence
 
 import torch
 
@@ -101,8 +101,9 @@ class PackedLoader:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def next_windows(self) -> list[list[int]]:
-        """The next micro-batch as B windows of S + 1 tokens (S, B from the schedule)."""
+    def next_windows(self) -> list[Sequence[int]]:
+        """The next micro-batch as B windows of S + 1 tokens (S, B from the schedule): the
+        packer's int64 arrays, or the lists of a replayed batch."""
         if self._replay:
             return self._replay.popleft()
         seq_len, micro = self.schedule.shape_of_batch(self.batches)

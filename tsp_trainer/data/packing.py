@@ -9,13 +9,18 @@ document boundaries unless asked (standard for packed pre-training; EOS tells th
 document starts); with data.document_masking the batch also carries "document_ids", from which
 attention stops at every boundary (model/documents.py).
 Labels are already shifted over the full sequence; the parallel code takes its zigzag slices of
-both tensors later. Imports torch only (DocumentTokenizer is re-exported from documents.py).
+both tensors later. The stream not yet emitted is one int64 array (8 bytes a token, not a list of
+Python ints at ~36): at millions of tokens a window is held once, compactly, and becomes the batch
+tensors with one copy. Imports torch and numpy (DocumentTokenizer is re-exported from
+documents.py).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from array import array
+from typing import Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from tsp_trainer.data.documents import DocumentTokenizer  # noqa: F401  (re-exported)
@@ -30,7 +35,7 @@ class TokenPacker:
             raise ValueError(f"seq_len={seq_len} must be a positive integer")
         self.seq_len = seq_len
         self.eos_id, self.bos_id = eos_id, bos_id
-        self._tokens = list(pending)
+        self._tokens = array("q", pending)      # int64 token ids
         self._start = 0  # tokens before _start were emitted; compacted lazily (no O(n^2) slicing)
 
     def add_document(self, ids: list[int]) -> None:
@@ -47,7 +52,8 @@ class TokenPacker:
         tokens; they overlap by one)."""
         return max(0, (len(self._tokens) - self._start - 1) // (seq_len or self.seq_len))
 
-    def pop_window(self, seq_len: int | None = None) -> list[int]:
+    def pop_window(self, seq_len: int | None = None) -> array:
+        """The next S + 1 tokens, an int64 array (windows_tensor / list() read it)."""
         seq_len = seq_len or self.seq_len
         assert self.num_ready(seq_len) > 0, "pop_window called with fewer than seq_len + 1 tokens"
         window = self._tokens[self._start:self._start + seq_len + 1]
@@ -59,14 +65,23 @@ class TokenPacker:
         return window
 
     def pending(self) -> list[int]:
-        return self._tokens[self._start:]
+        """The tokens not yet emitted, as plain ints (loader state)."""
+        return self._tokens[self._start:].tolist()
 
 
-def windows_to_batch(windows: list[list[int]] | torch.Tensor,
+def windows_tensor(windows: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+    """B windows of S + 1 tokens (int64 arrays from the packer, or lists: replayed state) ->
+    (B, S + 1) int64, one copy."""
+    if isinstance(windows, torch.Tensor):
+        return windows.to(torch.long)
+    return torch.from_numpy(np.stack([np.asarray(w, dtype=np.int64) for w in windows]))
+
+
+def windows_to_batch(windows: Sequence[Sequence[int]] | torch.Tensor,
                      eos_id: int | None = None) -> dict[str, torch.Tensor]:
     """B windows of S + 1 tokens -> {"input_ids": (B, S), "labels": (B, S)}, labels[t] = ids[t+1].
     With `eos_id` (document masking) also "document_ids" (B, S): see `document_ids`."""
-    tokens = torch.as_tensor(windows, dtype=torch.long)  # (B, S + 1)
+    tokens = windows_tensor(windows)  # (B, S + 1)
     batch = {"input_ids": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
     if eos_id is not None:
         batch["document_ids"] = document_ids(batch["input_ids"], eos_id)
@@ -87,7 +102,7 @@ def pack_documents(docs: Iterable[list[int]], *, seq_len: int, micro_batch_size:
                    eos_id: int, bos_id: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Stateless packing of token lists into micro-batches; a last partial batch is dropped."""
     packer = TokenPacker(seq_len=seq_len, eos_id=eos_id, bos_id=bos_id)
-    windows: list[list[int]] = []
+    windows: list[array] = []
     for ids in docs:
         packer.add_document(ids)
         while packer.num_ready():

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import torch
 
 from tsp_trainer.data.loader import PackedLoader
-from tsp_trainer.data.packing import windows_to_batch
+from tsp_trainer.data.packing import windows_tensor, windows_to_batch
 
 
 DEVICE_KEYS = ("input_ids", "labels")   # copied to the device; document_ids are read on the host
@@ -81,7 +81,7 @@ class PrefetchLoader:
                 with self._work:
                     if self._stop:
                         return
-                    tokens = torch.tensor(self.loader.next_windows(), dtype=torch.long)
+                    tokens = windows_tensor(self.loader.next_windows())     # (B, S + 1)
                     batch = windows_to_batch(tokens, self.loader.document_eos)
                     item = (pin_batch(batch) if self.pin_memory else batch, tokens,
                             dict(self.loader.stats))

@@ -16,8 +16,9 @@ chose it). tests/unit/test_deepspeed_device.py fails if DeepSpeed stops reading 
 The rest of the contract with DeepSpeed: train_batch_size = micro x grad_accum x dp written
 explicitly (Accelerate's "auto" would count the tsp ranks as data parallel);
 gradient_clipping written explicitly (DeepSpeed's default is 1.0); a torch AdamW (no JIT build of
-DeepSpeed's fused op); bf16 on GPU, fp32 on CPU, gradients accumulated and reduced in fp32 either
-way; the data loader is ours, never prepared.
+DeepSpeed's fused op), or with zero.offload_optimizer=cpu DeepSpeed's own DeepSpeedCPUAdam (its
+ZeRO-Offload is built for it; Accelerate's swap of it is turned off, see ds_config); bf16 on GPU, fp32 on CPU, gradients accumulated and
+reduced in fp32 either way; the data loader is ours, never prepared.
 """
 
 from __future__ import annotations
@@ -32,23 +33,41 @@ import types
 
 import torch
 
+from tsp_trainer.config import OptimSection
+from tsp_trainer.optim import adamw_hyperparameters, param_groups
 from tsp_trainer.parallel.mpu import TSPMpu
 
 
 def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: int,
-              max_grad_norm: float, bf16: bool) -> dict:
+              max_grad_norm: float, bf16: bool, offload_optimizer: bool = False) -> dict:
     """Gradients are accumulated over micro-steps and reduced over dp in fp32 in every dtype:
     `data_types.grad_accum_dtype` and `communication_data_type` (DeepSpeed 0.19.8: bf16 + ZeRO-1
     then runs its BF16_Optimizer with fp32 gradient buffers, bf16 + ZeRO-2 its ZeRO optimizer with
     an fp32 gradient partition; bf16 + ZeRO-0 has no fp32 accumulation and is refused by
-    config/validate.py)."""
+    config/validate.py).
+
+    offload_optimizer: ZeRO-Offload (`zero_optimization.offload_optimizer`, pinned host memory).
+    DeepSpeed 0.19.8 then runs its ZeRO optimizer at stage 1 and 2 alike (bf16 + ZeRO-1 too,
+    engine.py _do_optimizer_sanity_check): the fp32 master partition, its gradient and the AdamW
+    moments live on the host; under bf16 the reduced gradients still accumulate in an fp32
+    partition on the device (n / dp elements) before each step copies them to the host."""
+    zero = {"stage": zero_stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    offload = {}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # Accelerate 1.15's _prepare_deepspeed otherwise replaces any optimizer under offload by a
+        # new DeepSpeedCPUAdam (map_pytorch_optim_to_deepspeed), in Adam mode (L2 decay, not
+        # AdamW's) unless the original is a torch AdamW, and the Trainer's checkpoints would read
+        # the state of an optimizer nobody steps. Ours is already DeepSpeedCPUAdam, which
+        # DeepSpeed's own check accepts; prepare() checks that DeepSpeed steps it.
+        offload["zero_force_ds_cpu_optimizer"] = False
     return {
+        **offload,
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch * grad_accum * dp_degree,
         "gradient_clipping": float(max_grad_norm),
-        "zero_optimization": {"stage": zero_stage, "reduce_bucket_size": 5e7,
-                              "allgather_bucket_size": 5e7},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": bool(bf16)},
         "fp16": {"enabled": False},
@@ -57,6 +76,24 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
+
+
+def build_offload_optimizer(model: torch.nn.Module, cfg: OptimSection):
+    """DeepSpeed's CPU AdamW for ZeRO-Offload, with the param groups and hyperparameters of
+    optim.build_optimizer. Its C++ op is built on first use (engine/deepspeed.py load_cpu_adam_op)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(param_groups(model, cfg.weight_decay), **adamw_hyperparameters(cfg),
+                            adamw_mode=True, bias_correction=True)
+
+
+def load_cpu_adam_op():
+    """JIT-build (or load from TORCH_EXTENSIONS_DIR) DeepSpeed's cpu_adam op: one g++ build of
+    two C++ files against torch's headers, minutes on a busy machine. A process that builds it
+    before forking ranks spares each rank the wait (tests/distributed/test_optimizer_offload.py)."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    return CPUAdamBuilder().load(verbose=False)
 
 
 def skip_cpu_shm_build() -> None:
@@ -109,6 +146,10 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimize
     device_index = torch.cuda.current_device() if accelerator.device.type == "cuda" else None
     with bound_to_initialize(mpu, device_index):
         engine, opt = accelerator.prepare(model, optimizer)
+    if engine.basic_optimizer is not optimizer:
+        raise RuntimeError(f"DeepSpeed steps a {type(engine.basic_optimizer).__name__}, not the "
+                           f"{type(optimizer).__name__} handed to accelerator.prepare: Accelerate "
+                           "replaced it (has _prepare_deepspeed changed?)")
     expected = mpu.get_data_parallel_world_size()
     if engine.dp_world_size != expected:
         raise RuntimeError(f"DeepSpeed engine sees dp_world_size={engine.dp_world_size}, expected "

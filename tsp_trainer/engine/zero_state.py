@@ -77,3 +77,34 @@ def link_optimizer_state(optimizer, params) -> None:
             by_group[p._hp_mapping.param_group_index].append(p)
     for i, lp in by_group.items():
         lazy_init_hp_params_optimizer_state(lp, optimizer.param_groups[i]["params"][0], optimizer.state)
+
+
+def _is_cpu_adam(optimizer) -> bool:
+    """Whether `optimizer` is DeepSpeed's CPU Adam (zero.offload_optimizer=cpu)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return isinstance(optimizer, DeepSpeedCPUAdam)
+
+
+def fresh_adam_step(optimizer, step: int):
+    """The "step" entry of a new Adam state, in the type `optimizer` keeps it: a float tensor for
+    torch AdamW, a Python int for DeepSpeedCPUAdam (its C++ op takes the count as an integer)."""
+    return step if _is_cpu_adam(optimizer) else torch.tensor(float(step))
+
+
+def replay_cpu_adam_steps(optimizer, step: int) -> None:
+    """DeepSpeedCPUAdam's C++ op keeps beta1^t and beta2^t per optimizer in fp32, multiplied by
+    beta once per step, and recomputes them with pow() when the count jumps (DeepSpeed 0.19.8
+    csrc/includes/cpu_adam.h, IncrementStep), as the first update after a resume would: one
+    rounding instead of t, so a resumed run would differ from the uninterrupted one in the last
+    bits of its bias corrections. Counting 1..step through the op on empty tensors (no element
+    updated) rebuilds the same products. No-op for any other optimizer."""
+    if not _is_cpu_adam(optimizer) or step < 1:
+        return
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    empty = torch.empty(0, dtype=torch.float32)
+    for t in range(1, step + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
+                                          group["weight_decay"], group["bias_correction"], empty,
+                                          empty, empty, empty)

@@ -128,6 +128,11 @@ def rope_positions(runs: tuple[tuple[int, int], ...], docs: Documents, device=No
     return torch.stack(rows)
 
 
+# Up to this many segments a row's key index is one arange per segment; beyond, one vectorised
+# build (a launch count independent of the number of documents).
+FEW_SEGMENTS = 16
+
+
 @dataclass(frozen=True)
 class VarlenPlan:
     """One row's segments as a varlen attention call: queries are already packed in segment order
@@ -140,8 +145,18 @@ class VarlenPlan:
     key_ranges: tuple[tuple[int, int], ...]   # (k_start, k_stop) per segment, gathered in order
 
     def key_index(self, device=None) -> torch.Tensor:
-        """Indices [cu_k[-1]] of the keys to gather (one arange per segment, made on `device`)."""
-        return torch.cat([torch.arange(a, b, device=device) for a, b in self.key_ranges])
+        """Indices [cu_k[-1]] of the keys to gather, int64, made on `device`: one arange per
+        segment, or for many segments (short documents in a long row) one arange over all of them
+        shifted per segment, so the kernel launches do not grow with the document count."""
+        if len(self.key_ranges) <= FEW_SEGMENTS:
+            return torch.cat([torch.arange(a, b, device=device) for a, b in self.key_ranges])
+        total = self.cu_k[-1]
+        # key j of segment i is k_start_i + (j - cu_k_i): an arange [total] plus a per-segment shift
+        shift = [a - offset for (a, _), offset in zip(self.key_ranges, self.cu_k)]
+        counts = [b - a for a, b in self.key_ranges]
+        per_segment = host_to_device(torch.tensor([shift, counts], dtype=torch.int64), device)
+        shifts = torch.repeat_interleave(per_segment[0], per_segment[1], output_size=total)
+        return torch.arange(total, device=device) + shifts
 
     def on(self, device: torch.device) -> "DeviceVarlen":
         """The plan with its key index and int32 offsets made on `device`."""
@@ -158,9 +173,24 @@ class DeviceVarlen(NamedTuple):
     cu_k: torch.Tensor
 
 
+# The varlen kernels take cu_seqlens as int32 (flash attention's and memory-efficient attention's
+# contract): every offset, i.e. the total of the packed queries or of the gathered keys, must stay
+# below 2^31. A TSP rank gathers about (2D + 1) / (2D) x S keys (S: the row's tokens), so rows of up
+# to ~2.0e9 tokens fit.
+INT32_OFFSET_LIMIT = 1 << 31
+
+
 def device_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """int32 offsets on `device`, copied from pinned host memory without blocking the host."""
-    host = torch.tensor(offsets, dtype=torch.int32, device="cpu")
+    if offsets and offsets[-1] >= INT32_OFFSET_LIMIT:          # offsets ascend: the last is the max
+        raise ValueError(f"varlen offset {offsets[-1]} (queries or gathered keys of one row) does "
+                         "not fit the int32 cu_seqlens of the attention kernels: it must be < 2^31")
+    return host_to_device(torch.tensor(offsets, dtype=torch.int32, device="cpu"), device)
+
+
+def host_to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`, through pinned memory to a CUDA device (no host wait)."""
+    device = torch.device("cpu" if device is None else device)
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tsp_trainer.config.model import ModelConfig, RopeScaling
+from tsp_trainer.config.model import FP32_EXACT_POSITIONS, ModelConfig, RopeScaling
 from tsp_trainer.model.documents import Documents, rope_positions
 
 
@@ -92,7 +92,10 @@ class Rotary:
         else:
             runs, tensor = positions, positions.tensor(device)
         docs = runs.documents
-        if docs is not None and docs.reset_positions:
+        reset = docs is not None and docs.reset_positions
+        check_fp32_positions(_largest_position(runs, docs) if reset else
+                             max((first + n - 1 for first, n in runs.runs), default=0))
+        if reset:
             tensor = rope_positions(runs.runs, docs, device=tensor.device)          # [B, T]
         cos, sin = rope_cos_sin(tensor, head_dim, theta, scaling)
         return cls(tensor, cos, sin, runs.query_runs(), docs)
@@ -100,6 +103,22 @@ class Rotary:
     @classmethod
     def for_model(cls, positions: "PositionRuns | torch.Tensor", cfg: ModelConfig, device=None) -> "Rotary":
         return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+
+
+def check_fp32_positions(largest: int) -> None:
+    """Refuse positions that fp32 angles cannot represent exactly (FP32_EXACT_POSITIONS; one host
+    comparison)."""
+    if largest >= FP32_EXACT_POSITIONS:
+        raise ValueError(f"RoPE position {largest} is not exact in fp32 (the angles' dtype, as in "
+                         "transformers): positions must be < 2^24 = 16,777,216, so data.seq_len "
+                         "<= 16777216 (or documents that short with data.reset_positions=true)")
+
+
+def _largest_position(runs: PositionRuns, docs: Documents) -> int:
+    """The largest position restarted per document among the tokens in hand (from the plan
+    attention reuses: a segment's last query sits at k_stop - 1, its document starts at k_start)."""
+    return max((s.k_stop - 1 - s.k_start for row in docs.plan(runs.query_runs()) for s in row.segments),
+               default=0)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None,

@@ -21,7 +21,7 @@ import typing
 from dataclasses import asdict
 
 from tsp_trainer.config.model import MODEL_SIZES
-from tsp_trainer.config.schema import TspRecompute, TspRecomputeSetting
+from tsp_trainer.config.schema import OffloadOptimizer, TspRecompute, TspRecomputeSetting
 from tsp_trainer.plan.layout import SCHEMES
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "~5 X_p more per layer) or none (also keeps gate/up, 2 B S/D I elements more "
                         "per layer; backward re-runs no forward GEMM); no activation checkpointing or "
                         "offload with selective or none. --max-seq-len and --dry-run take auto as full")
+    p.add_argument("--zero-offload-optimizer", choices=typing.get_args(OffloadOptimizer), default="none",
+                   help="the trainer's zero.offload_optimizer: none (default) or cpu (DeepSpeed's "
+                        "ZeRO-Offload: the fp32 master and AdamW moments in pinned host memory, the "
+                        "update on the CPU; costs PCIe and CPU time per step; ZeRO 1 or 2 only)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
     g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
@@ -190,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _model(parser, args.model, args.seq_len)
     if args.gpus_per_node < 1:
         _fail(parser, f"--gpus-per-node={args.gpus_per_node} must be >= 1")
+    if args.dry_run and args.zero_offload_optimizer != "none":
+        _fail(parser, f"--zero-offload-optimizer={args.zero_offload_optimizer} is not modelled by "
+                      "--dry-run (its fake tensors run no optimizer); use it with the ranking or "
+                      "--max-seq-len")
     if args.dry_run and args.max_seq_len:
         _fail(parser, "--max-seq-len and --dry-run are two modes; run them one at a time "
                       "(the dry run takes the length to check as --seq-len)")
@@ -213,18 +221,21 @@ def _longest(parser, args, cfg) -> int:
     assumptions = _assumptions(parser, args, hw)
     schemes = _schemes(parser, args.schemes, SCHEMES)
     world = nodes * hw.gpus_per_node
+    offload_optimizer = args.zero_offload_optimizer == "cpu"
     report = {"model": args.model, "gpu": hw.name, "nodes": nodes, "world_size": world,
               "global_batch": batch, "dtype": args.dtype, "tsp_recompute": args.tsp_recompute,
-              "results": {}}
+              "zero_offload_optimizer": args.zero_offload_optimizer, "results": {}}
     for offload in (False, True):
         rows = [longest_seq_len(cfg, s, hw=hw, nodes=nodes, global_batch=batch,
                                 prec=PRECISIONS[args.dtype], assumptions=assumptions,
                                 max_degree=args.max_degree, offload=offload,
-                                tsp_recompute=args.tsp_recompute) for s in schemes]
+                                tsp_recompute=args.tsp_recompute,
+                                offload_optimizer=offload_optimizer) for s in schemes]
         what = "with activation offload to host" if offload else "activations in GPU memory"
         print(format_longest(rows, header=(
             f"longest sequence per scheme: {args.model} on {world} x {hw.name} ({nodes} nodes), global "
-            f"batch {batch}, {args.dtype}, AdamW, {what}, TSP recompute {args.tsp_recompute}; "
+            f"batch {batch}, {args.dtype}, {_adamw_where(offload_optimizer)}, {what}, TSP recompute "
+            f"{args.tsp_recompute}; "
             f"{hw.hbm_bytes / 1e9:.0f} GB x "
             f"{assumptions.hbm_usable:.2f} usable")))
         print()
@@ -233,6 +244,10 @@ def _longest(parser, args, cfg) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _adamw_where(offload_optimizer: bool) -> str:
+    return "AdamW offloaded to the host (ZeRO-Offload)" if offload_optimizer else "AdamW"
 
 
 def _plan(parser, args, cfg) -> int:
@@ -254,7 +269,8 @@ def _plan(parser, args, cfg) -> int:
         result = plan(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw, nodes=nodes,
                       schemes=schemes, prec=PRECISIONS[args.dtype], assumptions=assumptions,
                       max_degree=args.max_degree, micro_batches=micro,
-                      tsp_recompute=_modes(args.tsp_recompute))
+                      tsp_recompute=_modes(args.tsp_recompute),
+                      offload_optimizer=args.zero_offload_optimizer == "cpu")
     except PlanError as err:
         print(f"tsp-plan: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -262,9 +278,10 @@ def _plan(parser, args, cfg) -> int:
     capacity = hw.hbm_bytes * assumptions.hbm_usable
     header = (f"{args.model} at {args.seq_len} tokens, global batch {args.global_batch} sequences "
               f"({args.global_batch * args.seq_len:,} tokens/step) on {world} x {hw.name} "
-              f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, AdamW, TSP recompute "
-               f"{'auto (every mode ranked)' if args.tsp_recompute == 'auto' else args.tsp_recompute}; "
-               f"assumed {_efficiency_text(hw, assumptions)} and "
+              f"({nodes} nodes x {hw.gpus_per_node}); {args.dtype}, "
+              f"{_adamw_where(args.zero_offload_optimizer == 'cpu')}, TSP recompute "
+              f"{'auto (every mode ranked)' if args.tsp_recompute == 'auto' else args.tsp_recompute}; "
+              f"assumed {_efficiency_text(hw, assumptions)} and "
               f"{assumptions.comm_efficiency:.0%} of link bandwidth; "
               f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
     print(format_table(result, header=header, top=args.top, capacity=capacity,
@@ -273,7 +290,7 @@ def _plan(parser, args, cfg) -> int:
                "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
                "assumptions": asdict(assumptions),
                "kernel_efficiency": _efficiencies(hw, assumptions).as_dict(), "schemes": list(schemes),
-               "tsp_recompute": args.tsp_recompute}
+               "tsp_recompute": args.tsp_recompute, "zero_offload_optimizer": args.zero_offload_optimizer}
     if args.json:
         write_json(args.json, request, result, top=args.top)
     if args.plot:

@@ -36,9 +36,14 @@ class HardwareProfile:
     p2p_bw: float              # per GPU, unidirectional, to one peer of the node (a ring hop)
     inter_node_bw: float       # per GPU NIC, unidirectional
     gpus_per_node: int = 8
-    # GPU <-> host, per direction (activation offload): PCIe Gen5 x16, 64 GB/s per direction on
-    # MI300X, H100 SXM and H200 SXM alike (their data sheets); achievable ~80% of it (Assumptions)
+    # GPU <-> host, per GPU and per direction (activation offload, optimizer offload): PCIe Gen5
+    # x16, 64 GB/s per direction on MI300X, H100 SXM and H200 SXM alike (their data sheets),
+    # assuming every GPU has its own x16 path to host memory (a node whose two GPUs share one
+    # switch uplink gives each half of it); achievable: Assumptions.comm_efficiency of it
     host_bw: float = 64 * GB
+    # host DRAM bandwidth of the whole node (optimizer offload: DeepSpeedCPUAdam streams the fp32
+    # master, the moments and the gradient through it; the node's GPUs share it)
+    host_mem_bw: float = 614 * GB
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -58,16 +63,21 @@ PROFILES: dict[str, HardwareProfile] = {
     # to one peer. Network: one 400 Gb/s NIC per GPU (e.g. ConnectX-7 / Pollara 400 in
     # rail-optimised clusters) -> 50 GB/s per direction. The TSP paper does not state the
     # interconnect it measured on, so these are the data sheets' figures.
+    # Host: 2 x AMD EPYC 9004 (12 channels of DDR5-4800 each, 12 x 38.4 = 461 GB/s per socket)
+    # -> 922 GB/s per node (AMD's MI300X platform reference design).
     "mi300x": HardwareProfile("mi300x", _peak("mi300x"), 192 * GB, 5.3e12,
-                              intra_node_bw=448 * GB, p2p_bw=64 * GB, inter_node_bw=50 * GB),
+                              intra_node_bw=448 * GB, p2p_bw=64 * GB, inter_node_bw=50 * GB,
+                              host_mem_bw=922 * GB),
     # NVIDIA H100 SXM5 80 GB. Peak bf16 dense 989 TFLOP/s (data sheet: 989.4); 80 GB HBM3 at
     # 3.35 TB/s (H100 data sheet). NVLink 4: 18 links, 900 GB/s bidirectional -> 450 GB/s per
     # direction, and through NVSwitch a single peer can use all of it. DGX H100: 8 x ConnectX-7
-    # 400 Gb/s (one per GPU) -> 50 GB/s per direction.
+    # 400 Gb/s (one per GPU) -> 50 GB/s per direction. Host: 2 x Xeon Platinum 8480C (8 channels
+    # of DDR5-4800 each, 8 x 38.4 = 307 GB/s per socket) -> 614 GB/s per node (DGX H100).
     "h100": HardwareProfile("h100", _peak("h100"), 80 * GB, 3.35e12,
                             intra_node_bw=450 * GB, p2p_bw=450 * GB, inter_node_bw=50 * GB),
     # NVIDIA H200 SXM 141 GB: the H100 compute die (same peak) with 141 GB HBM3e at 4.8 TB/s
-    # (H200 data sheet); NVLink 4 and network as H100 (DGX H200: 8 x 400 Gb/s).
+    # (H200 data sheet); NVLink 4, network and host as H100 (DGX H200: 8 x 400 Gb/s, the same
+    # two Xeon 8480C).
     "h200": HardwareProfile("h200", _peak("h200"), 141 * GB, 4.8e12,
                             intra_node_bw=450 * GB, p2p_bw=450 * GB, inter_node_bw=50 * GB),
 }

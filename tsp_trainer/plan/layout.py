@@ -36,6 +36,7 @@ class Layout:
     offload_activations: bool = False      # blocks' saved tensors in host memory (model/offload.py)
     tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs;
                                            # "none" also the MLP's gate/up pre-activations
+    offload_optimizer: bool = False        # zero.offload_optimizer=cpu: DeepSpeed's ZeRO-Offload
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -43,6 +44,9 @@ class Layout:
         self._check_recompute()
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1 or 2")
+        if self.offload_optimizer and self.zero_stage == 0:     # config/validate.py's rule
+            raise ValueError("offload_optimizer with zero_stage=0: DeepSpeed offloads the optimizer "
+                             "only under ZeRO 1 or 2; use zero_stage 1 or 2")
         if self.scheme == "tp_x_sp":
             t, s, _ = self.axes
             if t * s != self.degree:
@@ -108,7 +112,8 @@ class Layout:
         name = self.scheme
         if self.scheme == "tp_x_sp":
             name = f"tp{self.tp}xsp{self.sp}" + ("+seqpar" if self.tp_sequence_parallel else "")
-        parts = [name, f"D={self.degree}", f"DP={self.dp}", f"Z{self.zero_stage}",
+        zero = f"Z{self.zero_stage}" + ("+cpuopt" if self.offload_optimizer else "")
+        parts = [name, f"D={self.degree}", f"DP={self.dp}", zero,
                  "AC" if self.activation_checkpointing else "noAC"]
         if self.scheme == "tsp":
             parts.append(f"nb={self.head_buckets}")

@@ -40,12 +40,14 @@ class Longest:
 
 def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
              global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
-             offload: bool, tsp_recompute: str = "full") -> Prediction | None:
+             offload: bool, tsp_recompute: str = "full",
+             offload_optimizer: bool = False) -> Prediction | None:
     """The layout of `scheme` with the least memory at seq_len, if it fits."""
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
     layouts = candidate_layouts(model, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
-                                micro_batches=(1,), tsp_recompute=(tsp_recompute,))
+                                micro_batches=(1,), tsp_recompute=(tsp_recompute,),
+                                offload_optimizer=offload_optimizer)
     best = None
     for lay in layouts:
         if offload:                   # always full: longest_seq_len refuses the others first
@@ -59,10 +61,12 @@ def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile
 def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes: int,
                     global_batch: int = 1, prec: Precision = BF16,
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
-                    offload: bool = False, granule: int = 1024, tsp_recompute: str = "full") -> Longest:
+                    offload: bool = False, granule: int = 1024, tsp_recompute: str = "full",
+                    offload_optimizer: bool = False) -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
-    bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with offload, the
-    trainer refuses the pair)."""
+    bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with activation
+    offload, the trainer refuses the pair); `offload_optimizer`: AdamW's state in host memory
+    (ZeRO-Offload) in every layout."""
     world = nodes * hw.gpus_per_node
     if offload and scheme == "tsp" and tsp_recompute != "full":
         return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "
@@ -71,7 +75,7 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
     def fit(units: int):
         return _fitting(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
                         prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
-                        tsp_recompute=tsp_recompute)
+                        tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer)
 
     lo, lo_pred = 0, None                      # lo units fit (0: trivially)
     hi = 1
@@ -95,6 +99,7 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
 def format_longest(rows: list[Longest], *, header: str) -> str:
     lines = [header, "", "| scheme | longest sequence | tokens | layout | GB/GPU (of which activations) | host GB/GPU |",
              "|---|---|---|---|---|---|"]
+    # host GB/GPU: offloaded activations plus, with optimizer offload, AdamW's pinned partition
     for r in rows:
         if r.best is None:
             lines.append(f"| {r.scheme} | {r.refused or 'nothing fits'} | - | - | - | - |")
@@ -102,5 +107,5 @@ def format_longest(rows: list[Longest], *, header: str) -> str:
         m = r.best.memory
         lines.append(f"| {r.scheme} | {r.seq_len / 1024:,.0f}K | {r.seq_len:,} | {r.best.layout.label()} | "
                      f"{m['total'] / 1e9:.1f} ({m['activations_peak'] / 1e9:.1f}) | "
-                     f"{m['host_offloaded'] / 1e9:.1f} |")
+                     f"{(m['host_offloaded'] + m['host_optimizer']) / 1e9:.1f} |")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.reserved import reserved_memory
-from tsp_trainer.plan.state import state_bytes
+from tsp_trainer.plan.state import FP32_BYTES, state_bytes
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,9 @@ class Assumptions:
     comm_efficiency: float = 0.75          # achieved fraction of link bandwidth (bus bandwidth)
     hbm_usable: float = 0.92               # of HBM, for tensors and the reserve (allocator slack)
     op_latency_s: float = 15e-6            # fixed cost of one collective / P2P op (launch + sync)
+    # optimizer offload: achieved fraction of the node's host DRAM bandwidth (HardwareProfile.
+    # host_mem_bw, shared by its GPUs) in DeepSpeedCPUAdam's streaming update (AVX-512, OpenMP)
+    cpu_adam_efficiency: float = 0.5
 
 
 @dataclass
@@ -79,6 +82,7 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     # the libraries' reserve (NCCL, cuBLAS, flash buffers, CUDA context) exists only on a GPU
     reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name) if device == "cuda" else {"total": 0}
     memory = _memory(st, act, reserved)
+    memory["host_optimizer_per_node"] = st["host_optimizer"] * min(layout.world, hw.gpus_per_node)
     capacity = hw.hbm_bytes * assumptions.hbm_usable
 
     mp = model_parallel_comm(cfg, layout, seq_len, prec)
@@ -98,14 +102,18 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     t_dp_grad, t_dp_params = _data_parallel_seconds(dp, layout, hw, eff_n)
     t_dp_exposed = max(0.0, t_dp_grad - 2 / 3 * t_compute) + t_dp_params
     t_opt = _optimizer_seconds(st["param_count"], layout, prec, hw)
-    step = layout.grad_accum * t_micro + t_dp_exposed + t_opt
+    t_pcie = 0.0
+    if layout.offload_optimizer:
+        t_opt = _cpu_adam_seconds(st["param_count"], layout, prec, hw, assumptions)
+        t_pcie = _optimizer_pcie_seconds(st["param_count"], layout, prec, hw, eff_n)
+    step = layout.grad_accum * t_micro + t_dp_exposed + t_opt + t_pcie
     batch = global_batch if global_batch is not None else layout.micro_batch * layout.grad_accum * layout.dp
     tps = batch * seq_len / step
     per_gpu = tps / layout.world
     times = {"compute_per_micro": t_compute, "overlappable_comm_per_micro": overlappable,
              "exposed_comm_per_micro": exposed, "offload_per_micro": t_offload, "micro_step": t_micro,
              "dp_grad_comm": t_dp_grad, "dp_param_allgather": t_dp_params, "dp_exposed": t_dp_exposed,
-             "optimizer": t_opt}
+             "optimizer": t_opt, "optimizer_pcie": t_pcie}
     return Prediction(layout=layout, memory=memory, fits=memory["total"] <= capacity, capacity=capacity,
                       activation=act, comm_mp=mp, comm_dp=dp, times=times, step_time=step,
                       tokens_per_s=tps, tokens_per_s_per_gpu=per_gpu,
@@ -135,12 +143,12 @@ def compute_seconds_per_token(cfg: ModelConfig, layout: Layout, seq_len: int, hw
 def _memory(st: dict[str, int], act: ActivationEstimate, reserved: dict[str, int]) -> dict[str, int]:
     """Per-rank memory: model state, saved and peak activations, the libraries' reserve
     (plan/reserved.py: flash buffers, NCCL, cuBLAS, CUDA context), their total on the GPU, and
-    what activation offload holds in host memory."""
+    what activation offload and optimizer offload hold in host memory (pinned)."""
     total = st["params"] + st["grads"] + st["optimizer"] + act.peak + reserved["total"]
     return {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
             "activations_stored": act.stored, "activations_peak": act.peak,
             "reserved": reserved["total"], "reserved_terms": {k: v for k, v in reserved.items() if k != "total"},
-            "total": total, "host_offloaded": act.host,
+            "total": total, "host_offloaded": act.host, "host_optimizer": st["host_optimizer"],
             # what an async checkpoint stages on the host: this rank's weights and optimizer state
             "checkpoint_staging": st["params"] + st["optimizer"]}
 
@@ -205,5 +213,28 @@ def _optimizer_seconds(param_count: int, layout: Layout, prec: Precision, hw: Ha
     return shard * (2 * prec.optimizer + (prec.grad_accum or prec.grad) + prec.weight) / hw.hbm_bw
 
 
-__all__ = ["OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "compute_seconds_per_token", "efficiencies",
-           "predict"]
+# bytes DeepSpeedCPUAdam moves per parameter: the fp32 master and both fp32 moments read and
+# written (24), the fp32 gradient read (4); plus the updated partition written in the weights' dtype
+CPU_ADAM_BYTES = 2 * (FP32_BYTES + 8) + FP32_BYTES
+
+
+def _cpu_adam_seconds(param_count: int, layout: Layout, prec: Precision, hw: HardwareProfile,
+                      assumptions: Assumptions) -> float:
+    """DeepSpeedCPUAdam over this rank's partition, bound by host DRAM bandwidth: the node's
+    bandwidth is shared by its GPUs' ranks, which all step at once."""
+    shard = param_count / layout.dp
+    per_gpu_bw = hw.host_mem_bw / hw.gpus_per_node * assumptions.cpu_adam_efficiency
+    return shard * (CPU_ADAM_BYTES + prec.weight) / per_gpu_bw
+
+
+def _optimizer_pcie_seconds(param_count: int, layout: Layout, prec: Precision, hw: HardwareProfile,
+                            eff_n: float) -> float:
+    """ZeRO-Offload's PCIe traffic per step, exposed (DeepSpeed copies on the compute stream): the
+    reduced fp32 gradient partition down to the host, then the updated partition in the weights'
+    dtype back up (host_bw per direction)."""
+    shard = param_count / layout.dp
+    return shard * (FP32_BYTES + prec.weight) / (hw.host_bw * eff_n)
+
+
+__all__ = ["CPU_ADAM_BYTES", "OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "compute_seconds_per_token",
+           "efficiencies", "predict"]

@@ -51,6 +51,8 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
     lines.append(f"({len(shown)} distinct layouts fit; each row shows the best ZeRO stage and head-bucket "
                  f"count of its scheme / D / AC or recompute mode / micro-batch; --json lists all "
                  f"{len(result.fitting)})")
+    if shown and shown[0].layout.offload_optimizer:
+        lines.append(optimizer_offload_note(shown[0]))
     lines.append("")
     lines.append(f"best layout per scheme (memory limit {capacity / GB:.1f} GB per GPU):")
     best = sorted(result.best_per_scheme().values(), key=lambda p: (not p.fits, -p.tokens_per_s))
@@ -96,6 +98,17 @@ def memory_breakdown(p: Prediction, *, gpus_per_node: int) -> list[str]:
                  "(checkpoint.async_save; 0 with checkpoint.pinned_staging=false); page-locked "
                  "memory counts against the container's memory limit")
     return lines
+
+
+def optimizer_offload_note(p: Prediction) -> str:
+    """What ZeRO-Offload costs the layout `p`: pinned host memory per node, and the CPU Adam step
+    and PCIe copies its step time includes."""
+    per_node = p.memory["host_optimizer_per_node"]
+    return (f"optimizer offloaded to the host (zero.offload_optimizer=cpu), layout 1: "
+            f"{per_node / GB:.1f} GB pinned host memory per node "
+            f"({p.memory['host_optimizer'] / GB:.1f} GB per GPU); per step {p.times['optimizer']:.3f} s "
+            f"of CPU Adam and {p.times['optimizer_pcie']:.3f} s of PCIe copies (fp32 gradients down, "
+            f"updated weights up), both in step s")
 
 
 def _table(cols: list[str], rows: list[list[str]]) -> str:

@@ -54,8 +54,10 @@ def _key(p: Prediction):
 def ranking_key(p: Prediction, capacity: float):
     """The one ranking of tsp-plan and of the trainer's `auto` settings (plan/auto.py): layouts
     whose predicted peak (model state + activation peak) fits `capacity` bytes first, then the
-    shorter predicted step, then less memory."""
-    return (p.memory["total"] > capacity, p.step_time, p.memory["total"])
+    shorter predicted step, then less compute (a step the model predicts bound by overlapped
+    communication ties across recompute modes; where compute and transfers share the cores, as on
+    CPU, the mode that recomputes least is the fastest), then less memory."""
+    return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"], p.memory["total"])
 
 
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
@@ -87,11 +89,15 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       schemes=SCHEMES, max_degree: int = 64, zero_stages=(0, 1, 2),
                       micro_batches: tuple[int, ...] | None = None,
                       rejected: dict[str, str] | None = None,
-                      tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE) -> list[Layout]:
+                      tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE,
+                      offload_optimizer: bool = False) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
-    activation checkpointing and head-bucket count the trainer takes (`memory_variants`)."""
+    activation checkpointing and head-bucket count the trainer takes (`memory_variants`).
+    `offload_optimizer`: every layout offloads (ZeRO 1 and 2 only, as the trainer requires)."""
     rejected = rejected if rejected is not None else {}
+    if offload_optimizer:
+        zero_stages = tuple(z for z in zero_stages if z >= 1)
     out: list[Layout] = []
     for scheme in schemes:
         for d in _divisors(world):
@@ -114,7 +120,8 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                     for mb in mbs:
                         for zero in (zero_stages if dp > 1 else zero_stages[:1]):
                             base = Layout(scheme, d, dp=dp, zero_stage=zero, micro_batch=mb,
-                                          grad_accum=per_replica // mb, **extra)
+                                          grad_accum=per_replica // mb,
+                                          offload_optimizer=offload_optimizer, **extra)
                             out += memory_variants(cfg, base, recompute=tsp_recompute)
     return out
 
@@ -141,7 +148,7 @@ def _buckets(cfg: ModelConfig, d: int) -> list[int]:
 def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfile, nodes: int,
          schemes=SCHEMES, prec: Precision = BF16, assumptions: Assumptions = Assumptions(),
          max_degree: int = 64, micro_batches: tuple[int, ...] | None = None,
-         tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE) -> PlanResult:
+         tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE, offload_optimizer: bool = False) -> PlanResult:
     """Predict every candidate layout; raise PlanError when none exists or none fits.
     tsp_recompute: the TSP recompute modes to rank (default all, as `auto` does)."""
     world = nodes * hw.gpus_per_node
@@ -151,7 +158,7 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
     layouts = candidate_layouts(cfg, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
                                 zero_stages=prec.zero_stages, rejected=rejected,
-                                tsp_recompute=tsp_recompute)
+                                tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer)
     if not layouts:
         dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
         raise PlanError(

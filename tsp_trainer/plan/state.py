@@ -1,6 +1,7 @@
 """Per-rank model state in bytes: parameters, gradients (with the fp32 accumulation buffer the
 trainer configures) and AdamW's optimizer state, split over T by the sharding plan and over DP by
-ZeRO."""
+ZeRO; with optimizer offload (DeepSpeed's ZeRO-Offload), what the optimizer holds in host memory
+instead."""
 
 from __future__ import annotations
 
@@ -22,23 +23,44 @@ def param_count(cfg: ModelConfig, layout: Layout) -> int:
     return split // t + (2 * L + 1) * h + L * cfg.replicated_biases
 
 
+# DeepSpeed's ZeRO optimizer keeps its master partition and the gradient its step reads in fp32
+FP32_BYTES = 4
+
+
 def state_bytes(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dict[str, int]:
-    """Per-rank parameter, gradient and optimizer bytes. ZeRO shards over DP (the ranks holding the
-    same shard): stage 1 the fp32 master + moments, stage 2 also the gradients."""
+    """Per-rank parameter, gradient and optimizer bytes on the GPU, and `host_optimizer`: the
+    optimizer's bytes in host memory (0 unless layout.offload_optimizer). ZeRO shards over DP (the
+    ranks holding the same shard): stage 1 the fp32 master + moments, stage 2 also the gradients.
+    Optimizer offload moves the master and moments to the host; the gradients stay where ZeRO
+    accumulates them (grad_bytes)."""
     n = param_count(cfg, layout)
     dp = layout.dp
     opt = n * prec.optimizer
     if layout.zero_stage >= 1:
         opt = math.ceil(opt / dp)
+    host = 0
+    if layout.offload_optimizer:
+        opt, host = 0, offloaded_optimizer_bytes(n, dp, prec)
     return {"params": n * prec.weight, "grads": grad_bytes(n, layout.zero_stage, dp, prec),
-            "optimizer": opt, "param_count": n}
+            "optimizer": opt, "host_optimizer": host, "param_count": n}
+
+
+def offloaded_optimizer_bytes(n: int, dp: int, prec: Precision = BF16) -> int:
+    """Pinned host bytes of one rank's ZeRO-Offload partition of n / dp parameters (DeepSpeed
+    0.19.8 stage_1_and_2.py): the fp32 master (fp32 runs too: ZeRO clones the partition), the two
+    AdamW moments, the partition's fp32 gradient the CPU step reads, and the updated partition in
+    the weights' dtype that is copied back to the GPU."""
+    return math.ceil(n * (FP32_BYTES + prec.moments + FP32_BYTES + prec.weight) / dp)
 
 
 def grad_bytes(n: int, zero_stage: int, dp: int, prec: Precision = BF16) -> int:
     """Gradient memory per rank for n parameters: stage 0 the gradients in the weights' dtype (bf16
     with stage 0 accumulates in bf16: modelled, but refused by the trainer); stage 1 the gradients
-    plus the full fp32 accumulation buffer (BF16_Optimizer); stage 2 the fp32 partition (the bf16
-    gradients are freed bucket by bucket as they are reduced)."""
+    plus the full fp32 accumulation buffer (BF16_Optimizer; with optimizer offload the ZeRO
+    optimizer's per-parameter fp32 `grad_accum`, the same bytes); stage 2 the fp32 partition (the
+    bf16 gradients are freed bucket by bucket as they are reduced). Optimizer offload leaves these
+    on the GPU: DeepSpeed accumulates and reduces there and copies the reduced fp32 partition to
+    the host once per step."""
     if zero_stage == 0:
         return n * prec.grad
     if zero_stage == 1:
@@ -46,4 +68,4 @@ def grad_bytes(n: int, zero_stage: int, dp: int, prec: Precision = BF16) -> int:
     return math.ceil(n * (prec.grad_accum or prec.grad) / dp)
 
 
-__all__ = ["grad_bytes", "param_count", "state_bytes"]
+__all__ = ["FP32_BYTES", "grad_bytes", "offloaded_optimizer_bytes", "param_count", "state_bytes"]

@@ -91,3 +91,15 @@ def gather_placement(world: Comm, environ=os.environ) -> Placement:
     """Collective over the world group: every rank's (node rank, host), in global rank order."""
     pairs = world.all_gather_object((local_node(environ), socket.gethostname()))
     return Placement(nodes=tuple(n for n, _ in pairs), hosts=tuple(h for _, h in pairs))
+
+
+def place_ranks(world: Comm, dims: ParallelDims, log) -> Placement:
+    """Collective: every rank's node and host (`gather_placement`), logged once by rank 0; a TSP
+    group spanning nodes is a warning (its every layer's collectives would cross the network)."""
+    placement = gather_placement(world)
+    log.info(f"placement: {placement.describe(dims)}")
+    split = placement.split_tsp_groups(dims)
+    if split and world.rank == 0:
+        log.warning(f"tsp groups {split} span nodes: give every node a multiple of "
+                    f"parallel.tsp_degree={dims.tsp} processes")
+    return placement
