@@ -4,7 +4,7 @@ ring (parallel/tsp/mlp.py) and the baselines' column/row-parallel MLP (parallel/
 `TokenTiling` decides, per call, how many local tokens one chunk takes (`parallel.mlp_chunk_tokens`,
 parallel/loss_chunks.py `resolve_mlp_chunk_tokens`) and, when the tokens are tiled, that the
 block's [tokens, h] accumulators (MLP output, dX; TSP's attention output over owners and its dX)
-are kept in the activation dtype instead of fp32 (docs/long_context.md, "Tiled MLP"). In fp32 the
+are kept in the activation dtype instead of fp32 (docs/long_context.md section 10). In fp32 the
 two are the same; in bf16 each chunk's product is still accumulated in fp32 inside its matmul and
 rounded once as it is added (one rounding per ring step or item instead of one at the end).
 """
@@ -72,7 +72,7 @@ def gated_mlp_backward_into(x: torch.Tensor, dy: torch.Tensor, ws: list[torch.Te
     hand so that the weight gradients are added into `acc` (fp32, e.g. views of TSP's packed
     accumulator) without a gradient tensor of their own. x, dy [n, h]; ws as in
     gated_mlp_forward_into; acc the same shapes in fp32; dx [n, h] (fp32 or x's dtype, added
-    into). kept: the chunks' gate/up pre-activations, in chunk order (popped as they are used);
+    into). kept: the chunks' gate/up pre-activations, in chunk order (each released once used);
     None recomputes them from x."""
     for i, c in enumerate(chunks):
         pair = kept[i] if kept is not None else None
