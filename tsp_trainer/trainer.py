@@ -170,7 +170,8 @@ class Trainer:
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
                           tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree,
-                          loss_chunk_tokens=c.parallel.loss_chunk_tokens, **tsp_only)
+                          loss_chunk_tokens=c.parallel.loss_chunk_tokens,
+                          mlp_chunk_tokens=c.parallel.mlp_chunk_tokens, **tsp_only)
         if c.model.init_from:
             from tsp_trainer.checkpoint.hf import load_hf_state_dict
             par.load_full_state_dict(load_hf_state_dict(c.model.init_from, self.model_cfg))

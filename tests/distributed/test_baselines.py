@@ -91,6 +91,7 @@ def _baseline_rank(rank, world, cfg, scheme, options, ids, labels, ref_logits):
             "grads": par.gather_full_grads(), "info": par.info,
             "loss_collectives": summary.get("all_reduce/head.ce", {"count": 0})["count"],
             "loss_chunk": model.lm_head.chunk_tokens(local_labels.numel()),
+            "mlp_chunk": model.layers[0].mlp.tiling.chunk(local_labels.numel(), 4),
             "param_numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -127,18 +128,39 @@ TILED = [("tp", 2, "gqa", {}, 5), ("tp", 4, "tied", {}, 7), ("tp_sp", 2, "tied",
 @pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED,
                          ids=[f"{s}-d{w}-{c}-chunk{k}" for s, w, c, _, k in TILED])
 def test_tiled_loss_parity_and_ledger(scheme, world, cfg_name, options, chunk):
+    for out in _tiled_parity_and_ledger(scheme, world, cfg_name, options, "loss_chunk_tokens", chunk):
+        assert out["loss_collectives"] == (3 if out["info"]["tp_degree"] > 1 else 0)
+
+
+def _tiled_parity_and_ledger(scheme, world, cfg_name, options, key, chunk):
+    """Run with `key` (loss_chunk_tokens or mlp_chunk_tokens) = chunk: each rank's chunk, loss,
+    gradients and ledger against one process and the closed form; the ranks' results."""
     cfg = CFGS[cfg_name]
     ids, labels, ref = _reference(cfg_name)
-    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, "loss_chunk_tokens": chunk},
+    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, key: chunk},
                            ids, labels, ref["logits"])
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     for rank, out in enumerate(results):
-        assert out["loss_chunk"] == chunk
+        assert out[key.removesuffix("_tokens")] == chunk
         assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), f"rank {rank} loss"
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
         assert out["ledger"] == expected_comm
-        assert out["loss_collectives"] == (3 if out["info"]["tp_degree"] > 1 else 0)
+    return results
+
+
+# parallel.mlp_chunk_tokens forcing several chunks of the TP region's tokens in the MLP's local
+# matmuls (64 tokens in the region of tp / tp_sp, 64 / S under sp; the last chunk shorter): the same
+# logits, loss and gradients, the same bytes in the same collectives.
+TILED_MLP = [("tp", 2, "llama_bias", {}, 5), ("tp", 4, "qwen2", {}, 7), ("tp_sp", 2, "gqa", {}, 5),
+             ("tp_sp", 4, "llama_bias", {}, 9), ("sp", 2, "llama_bias", {}, 5), ("sp", 4, "qwen2", {}, 3),
+             ("tp_x_sp", 4, "llama_bias", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}, 5)]
+
+
+@pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED_MLP,
+                         ids=[f"{s}-d{w}-{c}-chunk{k}" for s, w, c, _, k in TILED_MLP])
+def test_tiled_mlp_parity_and_ledger(scheme, world, cfg_name, options, chunk):
+    _tiled_parity_and_ledger(scheme, world, cfg_name, options, "mlp_chunk_tokens", chunk)
 
 
 def test_the_table_of_schemes_is_the_configs_scheme_type():

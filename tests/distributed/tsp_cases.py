@@ -7,6 +7,7 @@ import torch
 from tsp_trainer.config import model_config
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
@@ -60,10 +61,12 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 
 
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
-             optim="adamw", recompute="full", loss_chunk="auto", checkpointing=False):
+             optim="adamw", recompute="full", loss_chunk="auto", checkpointing=False,
+             mlp_chunk="auto", offload=False):
     """One TSP rank: loss, gathered gradients, ledger and local logits (`loss_chunk`: the LM
     head's parallel.loss_chunk_tokens; `checkpointing`: every block under activation
-    checkpointing)."""
+    checkpointing; `mlp_chunk`: parallel.mlp_chunk_tokens; `offload`: the blocks' saved tensors
+    in host memory, around the checkpoint if any)."""
     mesh = build_mesh(world)
     if meta:
         with torch.device("meta"):
@@ -73,9 +76,11 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
         init_model(model, seed)
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
                       init_seed=seed if meta else None, tsp_recompute=recompute,
-                      loss_chunk_tokens=loss_chunk)
+                      loss_chunk_tokens=loss_chunk, mlp_chunk_tokens=mlp_chunk)
     if checkpointing:
         model.block_wrapper = checkpointed_block
+    if offload:
+        model.block_wrapper = ActivationOffload(model.block_wrapper)
     local_ids, local_labels, pos = zigzag.shard_batch(ids, labels, mesh.tsp_rank, mesh.dims.tsp)
 
     mesh.ledger.reset()
@@ -87,6 +92,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
     grads = par.gather_full_grads()
     out = {"loss": loss, "grads": grads, "ledger": ledger,
            "loss_chunk": model.lm_head.chunk_tokens(local_labels.numel()),
+           "mlp_chunk": model.layers[0].mlp.tiling.chunk(local_labels.numel(), 4),
            "logits_local": model(local_ids, pos).detach(),
            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     if steps:

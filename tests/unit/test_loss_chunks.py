@@ -1,9 +1,12 @@
-"""The LM head's token chunks (parallel/loss_chunks.py): the "auto" rule, a forced count, the slices."""
+"""The LM head's and the MLP's token chunks (parallel/loss_chunks.py): the "auto" rules, a forced
+count, the slices."""
 
 import pytest
 
-from tsp_trainer.parallel.loss_chunks import (DEFAULT_LOGITS_BLOCK_BYTES, auto_loss_chunk_tokens,
-                                              resolve_loss_chunk_tokens, token_chunks)
+from tsp_trainer.parallel.loss_chunks import (DEFAULT_LOGITS_BLOCK_BYTES, DEFAULT_MLP_BLOCK_BYTES,
+                                              auto_loss_chunk_tokens, auto_mlp_chunk_tokens,
+                                              resolve_loss_chunk_tokens, resolve_mlp_chunk_tokens,
+                                              token_chunks)
 
 GiB = 1 << 30
 
@@ -47,3 +50,31 @@ def test_token_chunks_cover_the_tokens_once():
     assert token_chunks(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]
     assert token_chunks(8, 8) == [slice(0, 8)]
     assert token_chunks(3, 5) == [slice(0, 3)]
+
+
+def test_mlp_auto_does_not_tile_intermediates_under_the_bound():
+    # 6 intermediates x 49,932 tokens x 1,792 channels x 2 B = 1,073,737,728 B <= 1 GiB: one
+    # chunk; one token more: two
+    assert DEFAULT_MLP_BLOCK_BYTES == GiB
+    assert auto_mlp_chunk_tokens(49_932, 1_792, 2) == 49_932
+    assert auto_mlp_chunk_tokens(49_933, 1_792, 2) == 24_967
+    assert auto_mlp_chunk_tokens(100, 10, 4) == 100
+
+
+def test_mlp_auto_tiles_llama_8b_at_long_context():
+    # Llama 3 8B (I = 14,336) on 8 ranks, 925,696 local tokens (7.4M tokens): 19 bf16 chunks of
+    # at most 48,721 tokens, their 6 [chunk, 1,792] intermediates under 1 GiB together
+    chunk = auto_mlp_chunk_tokens(925_696, 1_792, 2)
+    assert chunk == 48_721
+    assert 6 * 2 * chunk * 1_792 <= GiB
+    assert len(token_chunks(925_696, chunk)) == 19
+    assert auto_mlp_chunk_tokens(925_696, 1_792, 2, budget_bytes=64 * GiB) == 925_696
+
+
+def test_a_forced_mlp_chunk_is_capped_and_checked():
+    assert resolve_mlp_chunk_tokens(5, 48, 64, 4) == 5
+    assert resolve_mlp_chunk_tokens(4096, 48, 64, 4) == 48
+    assert resolve_mlp_chunk_tokens("auto", 48, 64, 4) == 48
+    for bad in (0, -3, True, "big", 2.5):
+        with pytest.raises(ValueError, match=r"parallel.mlp_chunk_tokens=.* must be 'auto' or an integer >= 1"):
+            resolve_mlp_chunk_tokens(bad, 48, 64, 4)

@@ -90,6 +90,30 @@ def test_the_loss_phase_model_follows_the_chunk(case, dtype):
     assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
 
 
+# An MLP that dominates (I = 32 h, 512 or 1,024 local tokens): the MLP's phases are the peak; in
+# chunks of 64 tokens its intermediates are [64, I/D] and a TSP layer's accumulators bf16.
+BIG_MLP = CFG.replace(intermediate_size=2_048)
+TILED_MLP = [(("tsp", 2, {}), False), (("tsp", 2, {}), True), (("tsp", 4, {}), False),
+             (("tp", 2, {}), False), (("tp_sp", 2, {}), True), (("sp", 2, {}), False)]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("case,ac", TILED_MLP,
+                         ids=[f"{_ids(c)}-{'AC' if ac else 'noAC'}" for c, ac in TILED_MLP])
+def test_the_mlp_phase_model_follows_the_chunk(case, ac, dtype):
+    scheme, degree, kw = case
+    step = dict(world_size=degree, degree=degree, seq_len=SEQ, activation_checkpointing=ac, rank=0,
+                dtype=torch.bfloat16 if dtype == "bf16" else torch.float32, **kw)
+    res, whole = (run_step(BIG_MLP, scheme, mlp_chunk_tokens=c, **step) for c in (64, "auto"))
+    layout = _layout(scheme, degree, kw, activation_checkpointing=ac)
+    act = activation_memory(BIG_MLP, layout, SEQ, BF16 if dtype == "bf16" else FP32, device="cpu",
+                            mlp_chunk_tokens=64)
+    assert act.terms["mlp_chunk_tokens"] == 64
+    assert res.peak_bytes < 0.9 * whole.peak_bytes               # the tiling is real
+    assert act.stored == pytest.approx(res.stored_bytes, rel=0.01)
+    assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
+
+
 @pytest.mark.parametrize("degree,buckets", [(2, 2), (4, 1)])
 def test_selective_keeps_its_items_and_not_the_gathered_kv(degree, buckets):
     """What selective recompute keeps beyond full recompute is exactly q, k/v, the attention

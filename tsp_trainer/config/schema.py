@@ -122,6 +122,12 @@ class ParallelSection:
         "auto", min=1, doc="local tokens the LM head's loss takes at a time (fp32 logits [chunk, "
                            "V/D]); auto: all at once unless that block exceeds 1 GiB, else the "
                            "fewest equal chunks under it (docs/long_context.md)")
+    mlp_chunk_tokens: int | Literal["auto"] = setting(
+        "auto", min=1, doc="local tokens the gated MLP takes at a time within each ring step / "
+                           "local matmul (intermediates [chunk, I/D]); auto: all at once unless "
+                           "the ~6 alive [tokens, I/D] intermediates exceed 1 GiB, else the fewest "
+                           "equal chunks under it; once tiled, a TSP layer's [N/D, h] accumulators "
+                           "are kept in the activation dtype (docs/long_context.md)")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")

@@ -244,7 +244,7 @@ def run(job: EvalJob, *, rank: int, device: torch.device | str = "cpu") -> Passk
         model = Transformer(job.model.cfg)
     par = parallelize(model, p.scheme, mesh, seq_len=max(job.lengths), head_buckets=p.head_buckets,
                       init_seed=0, tp_degree=p.tp_degree, sp_degree=p.sp_degree,
-                      loss_chunk_tokens=p.loss_chunk_tokens)
+                      loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
     load_weights(par, job.model)
     par.model.to(device=device, dtype=DTYPES[job.dtype])
     if job.command == "passkey":

@@ -16,6 +16,7 @@ import torch.nn as nn
 from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.model.transformer import Transformer, init_parameter
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.gated_mlp import TokenTiling
 from tsp_trainer.parallel.tsp.attention import TSPAttention
 from tsp_trainer.parallel.tsp.mlp import TSPGatedMLP
 from tsp_trainer.parallel.tsp.norm import TSPRMSNorm
@@ -73,24 +74,29 @@ def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
 
 def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len: int | None = None,
               init_seed: int | None = None, recompute: str = "full",
-              loss_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
+              loss_chunk_tokens: int | str = "auto",
+              mlp_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
     with init_parameter, one full parameter at a time: the same values a plain model gets).
-    `loss_chunk_tokens`: the LM head's token chunks (parallel/loss_chunks.py)."""
+    `loss_chunk_tokens`: the LM head's token chunks (parallel/loss_chunks.py);
+    `mlp_chunk_tokens`: the layers' token chunks (parallel/gated_mlp.py)."""
     cfg = model.cfg
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
     specs = tsp_specs(model, comm.size)
     local = LocalShards(model, specs, comm.rank, init_seed)
+    tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // comm.size)
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         weights, biases = local.attention(attn, cfg)
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
-                                       head_buckets=head_buckets, recompute=recompute, **biases)
+                                       head_buckets=head_buckets, recompute=recompute,
+                                       tiling=tiling, **biases)
         weights, biases = local.mlp(mlp, cfg)
-        block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none", **biases)
+        block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
+                                tiling=tiling, **biases)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
                                                         pre + "input_layernorm"), comm=comm)
         block.post_attention_layernorm = TSPRMSNorm(

@@ -1,10 +1,17 @@
-"""How many local tokens the LM head's loss takes at a time (`parallel.loss_chunk_tokens`).
+"""How many local tokens the LM head's loss (`parallel.loss_chunk_tokens`) and the gated MLP
+(`parallel.mlp_chunk_tokens`) take at a time.
 
 The vocab-parallel loss (TSP's vocab ring, parallel/tsp/vocab.py; the baselines' cross-entropy,
 parallel/baselines/megatron.py) computes fp32 logits of a block of tokens against this rank's
 vocabulary shard: [tokens, V/D]. For all local tokens at once that block grows with the sequence
 (2.7M tokens on 8 ranks with a 128K vocabulary: 22 GB), so the loss takes the tokens in chunks
 and the block is [chunk, V/D]. "auto" tiles only when the block would exceed a bound.
+
+The gated MLP (TSP's ring, parallel/tsp/mlp.py; the baselines' column/row-parallel MLP,
+parallel/baselines/layers.py) computes the gate/up pre-activations of its local tokens against one
+block of the intermediate dim, [tokens, I/D], and in backward their gradients beside them: about
+MLP_ALIVE_INTERMEDIATES such tensors at once (g, u, silu(g), the product, dp, dg/du). In token
+chunks each is [chunk, I/D]; "auto" follows the same rule with the same default bound.
 
 Standard library only (the planner, plan/, uses the same rule); `in_vocab_shard` takes tensors
 but needs no import of torch.
@@ -16,7 +23,23 @@ import math
 
 # Without a budget, "auto" keeps the fp32 logits block of one chunk at or under 1 GiB.
 DEFAULT_LOGITS_BLOCK_BYTES = 1 << 30
+# Without a budget, "auto" keeps one chunk's MLP intermediates (all of them together) at or under
+# 1 GiB too.
+DEFAULT_MLP_BLOCK_BYTES = 1 << 30
 FP32_BYTES = 4
+# [tokens, I/D] tensors of one MLP block alive at once in its backward (g, u, silu(g), the
+# product, dp, dg/du; plan/transients.py counts the same 6)
+MLP_ALIVE_INTERMEDIATES = 6
+
+
+def auto_chunk_tokens(local_tokens: int, bytes_per_token: int, bound: int) -> int:
+    """All `local_tokens` (no tiling) when their block of `bytes_per_token` bytes a token fits
+    `bound`, else the fewest equal chunks whose block fits it (at least one token per chunk)."""
+    if local_tokens <= 0 or local_tokens * bytes_per_token <= bound:
+        return max(local_tokens, 1)
+    most = max(1, bound // bytes_per_token)                   # tokens whose block fits the bound
+    chunks = math.ceil(local_tokens / most)
+    return math.ceil(local_tokens / chunks)                   # balanced: no small last chunk
 
 
 def auto_loss_chunk_tokens(local_tokens: int, vocab_shard: int, budget_bytes: int | None = None) -> int:
@@ -25,11 +48,25 @@ def auto_loss_chunk_tokens(local_tokens: int, vocab_shard: int, budget_bytes: in
     `budget_bytes` (None: DEFAULT_LOGITS_BLOCK_BYTES), else the fewest equal chunks whose block
     fits it (at least one token per chunk)."""
     bound = DEFAULT_LOGITS_BLOCK_BYTES if budget_bytes is None else budget_bytes
-    if local_tokens <= 0 or FP32_BYTES * local_tokens * vocab_shard <= bound:
-        return max(local_tokens, 1)
-    most = max(1, bound // (FP32_BYTES * vocab_shard))        # tokens whose block fits the bound
-    chunks = math.ceil(local_tokens / most)
-    return math.ceil(local_tokens / chunks)                   # balanced: no small last chunk
+    return auto_chunk_tokens(local_tokens, FP32_BYTES * vocab_shard, bound)
+
+
+def auto_mlp_chunk_tokens(local_tokens: int, inter_shard: int, elem_bytes: int,
+                          budget_bytes: int | None = None) -> int:
+    """Tokens per chunk of a gated MLP block of `inter_shard` intermediate channels (I/D) whose
+    activations have `elem_bytes` bytes an element: all of them when the MLP_ALIVE_INTERMEDIATES
+    [local_tokens, inter_shard] intermediates fit `budget_bytes` (None: DEFAULT_MLP_BLOCK_BYTES),
+    else the fewest equal chunks whose intermediates fit it."""
+    bound = DEFAULT_MLP_BLOCK_BYTES if budget_bytes is None else budget_bytes
+    return auto_chunk_tokens(local_tokens, MLP_ALIVE_INTERMEDIATES * elem_bytes * inter_shard, bound)
+
+
+def _forced_chunk(key: str, setting, local_tokens: int) -> int:
+    """A token count given for `key`: checked, and at most local_tokens (a chunk larger than the
+    tokens is one chunk)."""
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"parallel.{key}={setting!r} must be 'auto' or an integer >= 1")
+    return max(1, min(setting, local_tokens))
 
 
 def resolve_loss_chunk_tokens(setting: int | str, local_tokens: int, vocab_shard: int,
@@ -38,14 +75,21 @@ def resolve_loss_chunk_tokens(setting: int | str, local_tokens: int, vocab_shard
     (at most local_tokens: a chunk larger than the tokens is one chunk)."""
     if setting == "auto":
         return auto_loss_chunk_tokens(local_tokens, vocab_shard, budget_bytes)
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"parallel.loss_chunk_tokens={setting!r} must be 'auto' or an integer >= 1")
-    return max(1, min(setting, local_tokens))
+    return _forced_chunk("loss_chunk_tokens", setting, local_tokens)
+
+
+def resolve_mlp_chunk_tokens(setting: int | str, local_tokens: int, inter_shard: int,
+                             elem_bytes: int, budget_bytes: int | None = None) -> int:
+    """The chunk a gated MLP block uses: `setting` is "auto" (auto_mlp_chunk_tokens) or a token
+    count (at most local_tokens)."""
+    if setting == "auto":
+        return auto_mlp_chunk_tokens(local_tokens, inter_shard, elem_bytes, budget_bytes)
+    return _forced_chunk("mlp_chunk_tokens", setting, local_tokens)
 
 
 def token_chunks(tokens: int, chunk: int) -> list[slice]:
-    """The slices of [0, tokens) the loss takes in turn, `chunk` tokens each (the last may be
-    shorter)."""
+    """The slices of [0, tokens) the loss (or an MLP block) takes in turn, `chunk` tokens each
+    (the last may be shorter)."""
     return [slice(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
 
@@ -58,5 +102,6 @@ def in_vocab_shard(ids, start: int, rows: int):
     return local.clamp(0, rows - 1), hit
 
 
-__all__ = ["DEFAULT_LOGITS_BLOCK_BYTES", "auto_loss_chunk_tokens", "in_vocab_shard",
-           "resolve_loss_chunk_tokens", "token_chunks"]
+__all__ = ["DEFAULT_LOGITS_BLOCK_BYTES", "DEFAULT_MLP_BLOCK_BYTES", "MLP_ALIVE_INTERMEDIATES",
+           "auto_chunk_tokens", "auto_loss_chunk_tokens", "auto_mlp_chunk_tokens", "in_vocab_shard",
+           "resolve_loss_chunk_tokens", "resolve_mlp_chunk_tokens", "token_chunks"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model.rms_norm import backward_chunk_rows
-from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens
+from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, resolve_mlp_chunk_tokens
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.transients import (baseline_transients, expands_kv, rms_norm_saved,
@@ -46,7 +46,8 @@ class _Saved:
 
 
 def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16, *,
-                      device: str = "cuda", loss_chunk_tokens: int | str = "auto") -> ActivationEstimate:
+                      device: str = "cuda", loss_chunk_tokens: int | str = "auto",
+                      mlp_chunk_tokens: int | str = "auto") -> ActivationEstimate:
     """Saved activations and the peak of saved + transient bytes over one forward + backward.
 
     The transient peak is the largest of the phases listed in `phases`, for the rank with the
@@ -56,6 +57,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     mask in memory) or "cpu" (the validation runs: prefix and diagonal merged by log-sum-exp, no
     mask either; the two differ in the K/V expansion of the CUDA memory-efficient kernel).
     loss_chunk_tokens: parallel.loss_chunk_tokens, the loss's token chunks (parallel/loss_chunks.py).
+    mlp_chunk_tokens: parallel.mlp_chunk_tokens, the MLP's token chunks (parallel/gated_mlp.py).
     """
     e, h = prec.act, cfg.hidden_size
     tok = _tokens(layout, seq_len)
@@ -64,15 +66,16 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     _check_kept_attention(cfg, layout, prec, device, sel)
     rope = 2 * tok["rope"] * cfg.head_dim * 4                   # fp32 cos, sin tables
     chunk = loss_chunk(cfg, layout, tok, loss_chunk_tokens)
+    m_chunk = mlp_chunk(cfg, layout, tok, prec, mlp_chunk_tokens)
     replay_attn, replay_mlp = tsp_replay_kept(cfg, layout, seq_len, prec, device)   # 0 without AC
     if layout.scheme == "tsp":
         layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
         # the block in backward holds what its mode keeps, or under AC what its replay kept
         tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device,
-                            sel + replay_attn, mlp_kept + replay_mlp, chunk)
+                            sel + replay_attn, mlp_kept + replay_mlp, chunk, m_chunk)
     else:
-        layer, outside = _baseline_saved(cfg, layout, prec, tok, chunk)
-        tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device, chunk)
+        layer, outside = _baseline_saved(cfg, layout, prec, tok, chunk, m_chunk)
+        tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device, chunk, m_chunk)
     ac_input = _ac_block_input(layout, prec, h, tok)
     saved = _place(layout, cfg.num_layers, layer, ac_input if layout.activation_checkpointing else layer,
                    outside + rope, rope)
@@ -80,7 +83,8 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     phases = _phases(layout, cfg.num_layers, e * tok["norm"] * h, saved, tr)
     phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
     peak_phase = max(phases, key=phases.get)
-    terms = {"rope_tables": rope, "loss_chunk_tokens": chunk, "tsp_selective_kept": sel,
+    terms = {"rope_tables": rope, "loss_chunk_tokens": chunk, "mlp_chunk_tokens": m_chunk,
+             "tsp_selective_kept": sel,
              "tsp_mlp_kept": mlp_kept, "tsp_replay_kept": replay_attn + replay_mlp,
              "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
              **{f"transient_{k}": v for k, v in tr.items()}, "norm_backward_temporaries": norm_tmp}
@@ -95,6 +99,14 @@ def loss_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], setting: i
     vocabulary shard (V/D for TSP, V/T for the baselines), as the heads resolve it."""
     t = layout.degree if layout.scheme == "tsp" else layout.axes[0]
     return resolve_loss_chunk_tokens(setting, tok["region"], cfg.vocab_size // t)
+
+
+def mlp_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], prec: Precision,
+              setting: int | str = "auto") -> int:
+    """Tokens per chunk of a layer's MLP on this rank: the region's tokens against the MLP's
+    intermediate block (I/D for TSP, I/T for the baselines), as the blocks resolve it."""
+    t = layout.degree if layout.scheme == "tsp" else layout.axes[0]
+    return resolve_mlp_chunk_tokens(setting, tok["region"], cfg.intermediate_size // t, prec.act)
 
 
 def _tokens(layout: Layout, seq_len: int) -> dict[str, int]:
@@ -130,11 +142,12 @@ def _tsp_saved(cfg: ModelConfig, prec: Precision, tok: dict[str, int], sel: int,
 
 
 def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
-                    tok: dict[str, int], loss_chunk: int) -> tuple[int, int]:
+                    tok: dict[str, int], loss_chunk: int, mlp_chunk: int) -> tuple[int, int]:
     """(one layer without AC, outside the layers before the RoPE tables) saved by a baseline: what
-    autograd keeps around its norms, F.linear, SDPA and SiLU; the final norm and the
-    cross-entropy's fp32 softmax block (none when the loss is tiled: its backward recomputes each
-    chunk's logits)."""
+    autograd keeps around its norms, F.linear, SDPA and SiLU (the MLP's intermediates only when
+    its tokens are not tiled: a tiled MLP saves its input, and its backward recomputes gate/up per
+    chunk); the final norm and the cross-entropy's fp32 softmax block (none when the loss is
+    tiled: its backward recomputes each chunk's logits)."""
     e = prec.act
     t, s_p, seqpar = layout.axes
     h, hkv, inter, V = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -145,7 +158,9 @@ def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
     q_out = 2 * e * n_r * (h // t)                               # q and the attention output
     kv = 2 * e * n_r * (hkv // t)
     lse = 4 * (cfg.num_heads // t) * n_r if s_p == 1 else 0      # SDPA logsumexp (not recomputed)
-    layer += q_out + kv + lse + 4 * e * n_r * (inter // t)      # gate, silu, up, product
+    layer += q_out + kv + lse
+    if mlp_chunk >= n_r:
+        layer += 4 * e * n_r * (inter // t)                      # gate, silu, up, product
     if e != 4:                                                   # apply_rope's cos/sin cast to the
         layer += 2 * tok["rope"] * cfg.head_dim * e              # activation dtype, kept by autograd
     outside = rms_norm_saved(n_n, h, e, output_kept=not seqpar) + (e * n_r * h if seqpar else 0)
@@ -284,5 +299,5 @@ def tsp_replay_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precis
     return attn, _gate_up_bytes(cfg, layout, seq_len, prec)
 
 
-__all__ = ["ActivationEstimate", "activation_memory", "loss_chunk", "norm_backward_chunk_bytes",
-           "tsp_mlp_kept", "tsp_replay_kept", "tsp_selective_saved"]
+__all__ = ["ActivationEstimate", "activation_memory", "loss_chunk", "mlp_chunk",
+           "norm_backward_chunk_bytes", "tsp_mlp_kept", "tsp_replay_kept", "tsp_selective_saved"]

@@ -243,11 +243,12 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
-             loss_chunk_tokens: int | str = "auto") -> StepResult:
+             loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
-    loss_chunk_tokens: `parallel.loss_chunk_tokens` (the LM head's token chunks)."""
+    loss_chunk_tokens: `parallel.loss_chunk_tokens` (the LM head's token chunks);
+    mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -275,7 +276,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
             finally:
                 torch.set_default_dtype(default)
             par = parallelize(model, scheme, mesh, seq_len=seq_len, loss_chunk_tokens=loss_chunk_tokens,
-                              **options)
+                              mlp_chunk_tokens=mlp_chunk_tokens, **options)
             params = list(model.parameters())
             for p in params:
                 p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does

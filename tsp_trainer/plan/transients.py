@@ -4,7 +4,8 @@ them to what the layers saved to find the peak of each phase.
 
 Notation as in docs/planner.md: e bytes per activation element, n this rank's tokens, h hidden,
 h_kv = n_kv * d, I intermediate, V vocab, D the model-parallel degree, n_b head buckets (TSP),
-c the tokens of one loss chunk (parallel.loss_chunk_tokens; c = n when the loss is not tiled).
+c the tokens of one loss chunk (parallel.loss_chunk_tokens; c = n when the loss is not tiled),
+m the tokens of one MLP chunk (parallel.mlp_chunk_tokens; m = n when the MLP is not tiled).
 """
 
 from __future__ import annotations
@@ -63,28 +64,34 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
 
 
 def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
-                   device: str, sel: int, mlp_kept: int, loss_chunk: int | None = None) -> dict[str, int]:
+                   device: str, sel: int, mlp_kept: int, loss_chunk: int | None = None,
+                   mlp_chunk: int | None = None) -> dict[str, int]:
     """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
     gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
     ring's logits block. `sel`: the layer's kept attention bytes (selective, none, and under AC
     every mode's replay; 0 otherwise), alive from the layer's forward (replay) until its attention
     backward; `mlp_kept`: the gate/up pre-activations none (or the AC replay) keeps (0 otherwise),
     alive from the MLP's forward until its backward.
-    n: this rank's tokens, B S / D; loss_chunk: the loss's tokens per chunk (None: n)."""
+    n: this rank's tokens, B S / D; loss_chunk: the loss's tokens per chunk (None: n); mlp_chunk:
+    the MLP's (None: n; fewer than n also keeps the layer's accumulators in the activation dtype,
+    parallel/gated_mlp.py)."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
     h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel)
+    m = n if mlp_chunk is None else min(mlp_chunk, n)
+    tiled = m < n
+    a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel, tiled)
     c = n if loss_chunk is None else min(loss_chunk, n)
     w_mlp = cfg.mlp_sharded_params // d_ * ew
     own = rms_norm_saved(n, h, e, output_kept=True)    # norm's saved tensors + X_p
-    acc32 = 4 * n * h                                   # fp32 output (forward) or dX (backward)
-    mid = e * n * inter // d_                           # one [N/D, I/D] MLP intermediate
+    acc = (e if tiled else 4) * n * h                   # output (forward) or dX (backward)
+    cast = 0 if tiled else e * n * h                    # dX cast from fp32 at the end
+    mid = e * m * inter // d_                           # one [m, I/D] MLP intermediate
     # a ring step's intermediates: g, u and silu(g) u (or that product and the step's output);
     # under none g and u are the kept ones (in mlp_kept, every shard's by the last step), silu(g)
     # and the product are the step's own
     step_mids = 2 if mlp_kept else 3
-    mlp_fwd = acc32 + 2 * w_mlp + max(step_mids * mid, mid + e * n * h)
+    mlp_fwd = acc + 2 * w_mlp + max(step_mids * mid, mid + e * m * h)
     # backward of a ring step: full and selective re-run g, u (+ silu(g), its product, dh, dg/du);
     # none reads the kept g, u instead of re-running them (5: measured on fake tensors with an
     # MLP-heavy shape, I = 16 h, where the MLP backward is the peak: -2.8 to +3.2%; 4 gave -8.5%)
@@ -93,8 +100,8 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
            "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
            "attn_bwd": own + e * n * h + a["bwd"],
-           "mlp_bwd": (2 * own + sel + mlp_kept + 2 * e * n * h + acc32
-                       + _mlp_ring_backward_shards(w_mlp, ew) + bwd_mids * mid),
+           "mlp_bwd": (2 * own + sel + mlp_kept + e * n * h + cast + acc
+                       + _mlp_ring_backward_shards(w_mlp, ew, mlp_kept, d_) + bwd_mids * mid),
            # ring of vocab shards: one fp32 logits block [c, V/D] (its exp / softmax computed in
            # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
            # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
@@ -109,7 +116,7 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
 
 
 def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
-                         device: str, sel: int) -> dict[str, int]:
+                         device: str, sel: int, tiled: bool = False) -> dict[str, int]:
     """TSP attention's transient bytes (parallel/tsp/attention.py), per rank, for the worst item
     (the model describes rank 0). Items (r, b) run one step ahead: item i+1's projection and K/V
     all-gather are issued before item i's attention. Counted in units of one item (hq_b, hkv_b =
@@ -119,11 +126,11 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
       kv    = 2 e B S hkv_b          one gathered K/V bucket (the raw gather or its logical copy)
       q_b   = e n hq_b               a query-sized temporary (output a, dA, dq)
 
-    forward:  fp32 output 4nh, min(3, D) weight buffers, the current and the next item's qkv, three
+    forward:  fp32 output 4nh (e n h once the layer is tiled), min(3, D) weight buffers, the current and the next item's qkv, three
               K/V buckets (this item's gather and its logical-order copy, the next item's gather in
               flight), two q_b; selective adds the items already kept (the largest phase is the
               item before last, or the last with every item kept and two buckets alive);
-    backward: fp32 dX 4nh, min(2, D) weight buffers and min(3, D) fp32 gradient buffers (the one
+    backward: fp32 dX 4nh (e n h once tiled), min(2, D) weight buffers and min(3, D) fp32 gradient buffers (the one
               filled, the one being reduced, and rank 0's own summed gradient once its turn is
               over), two items' qkv (full recompute projects this and the next item), four K/V
               buckets (re-gathered, the next in flight, dK and dV, their rank-major copy for the
@@ -142,10 +149,11 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     kv = 2 * e * b * seq_len * hkv_b
     kv_exp = kv * hq_b // hkv_b if expands_kv(e, device, hq_b != hkv_b) else 0
     w = cfg.attn_sharded_params // d_ * ew
-    acc32 = 4 * n * h
+    acc32 = (e if tiled else 4) * n * h                 # output / dX: fp32, or e once tiled
     w_fwd = min(3, d_) * w
     w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
-    cast = (e * n * h + w) if ew != 4 else 0            # dX and the gradients cast from fp32
+    # dX (not once tiled) and the gradients cast from fp32
+    cast = ((0 if tiled else e * n * h) + w) if ew != 4 else 0
     fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp
     if sel:                                             # items kept (mode, or the AC replay)
         sel_item = sel // items
@@ -157,24 +165,31 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     return {"fwd": fwd, "bwd": bwd, "kv_bucket": kv}
 
 
-def _mlp_ring_backward_shards(w: int, ew: int) -> int:
+def _mlp_ring_backward_shards(w: int, ew: int, kept: int = 0, degree: int = 1) -> int:
     """Bytes of packed MLP shards alive in a step of the reverse ring (tsp/mlp.py,
     tsp/ring.py::ring_backward_into): the shard in use and the one arriving (2 w) and two fp32
     accumulators (the one being filled, the one arriving; the sent one is reused as the next
     receive buffer); weight gradients go straight into the accumulator (in bf16 through one
-    weight-sized product at a time)."""
+    weight-sized product at a time). The first step has no accumulator arriving yet: with `kept`
+    gate/up bytes (all D steps'), that step holds them all and the next has freed a D-th of them,
+    so the second accumulator counts only where it outweighs that D-th."""
     acc = w * 4 // ew
-    return 2 * w + 2 * acc + (w // 3 if ew != 4 else 0)
+    second = acc if not kept else max(0, acc - kept // max(degree, 1))
+    if degree == 1:
+        second = 0
+    return 2 * w + acc + second + (w // 3 if ew != 4 else 0)
 
 
 def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
                         tok: dict[str, int], layer_saved: int, device: str,
-                        loss_chunk: int | None = None) -> dict[str, int]:
+                        loss_chunk: int | None = None, mlp_chunk: int | None = None) -> dict[str, int]:
     """Transients of the baselines (parallel/baselines/): the TP region's partial output and its
     reduced copy, the gradients of q/k/v and the MLP intermediates, the zigzag attention of the sp
     sub-axis (gathered K/V of all local heads), the vocab-parallel logits. tok: tokens per rank in
     the TP region and at the norms; layer_saved: a layer's saved bytes without AC; loss_chunk:
-    the loss's tokens per chunk (None or >= the region's tokens: not tiled)."""
+    the loss's tokens per chunk (None or >= the region's tokens: not tiled); mlp_chunk: the MLP's
+    (the same; tiled, its backward recomputes a chunk's gate/up: 6 [chunk, I/T] intermediates,
+    dX and three fp32 weight-gradient accumulators, counted from parallel/gated_mlp.py)."""
     e, ew = prec.act, prec.weight
     t, s_p, seqpar = layout.axes
     b = layout.micro_batch
@@ -199,12 +214,18 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's
     # saved tensors meet the first gradients (dy, d(intermediate)), or, in attention, the SDPA /
     # zigzag backward; then dX partials of q/k/v summed and all-reduced (or reduce-scattered)
+    if mlp_chunk is not None and mlp_chunk < n_r:
+        mid_c = e * mlp_chunk * inter // t                  # one [chunk, I/T] intermediate
+        mlp_fwd_nograd = 3 * mid_c
+        mlp_bwd_mids = 6 * mid_c + a_r + 3 * 4 * h * inter // t
+    else:
+        mlp_fwd_nograd, mlp_bwd_mids = 3 * mid, mid
     out = {"attn_fwd": own1 + attn_saved + max(core_fwd, leave),
            "mlp_fwd": layer_saved + leave,
            "attn_fwd_nograd": a_n + (a_r if seqpar else 0) + max(core_fwd, attn_saved + leave),
-           "mlp_fwd_nograd": a_n + (a_r if seqpar else 0) + 3 * mid + leave,
+           "mlp_fwd_nograd": a_n + (a_r if seqpar else 0) + mlp_fwd_nograd + leave,
            "attn_bwd": own1 + max(attn_saved + dgrad_in + core_bwd, dgrad_in + 3 * a_r),
-           "mlp_bwd": layer_saved + dgrad_in + mid + wgrad,
+           "mlp_bwd": layer_saved + dgrad_in + mlp_bwd_mids + wgrad,
            "norm_bwd_in_layer": own1 + attn_saved + rms_norm_saved(n_n, h, e, output_kept=False) + a_n,
            "head": _baseline_head(n_r, loss_chunk, V // t, h, e, ew, a_r, s_p)}
     return out

@@ -26,6 +26,7 @@ from tsp_trainer.parallel.apply import (TSP_PLAN, LocalShards, ShardSpec, mark_m
 from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, ParallelEmbedding,
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.gated_mlp import TokenTiling
 from tsp_trainer.parallel.mesh import Mesh, axis_view, build_tp_sp_comms
 from tsp_trainer.parallel.parallelized import Parallelized
 
@@ -34,23 +35,26 @@ BASELINE_PLAN = TSP_PLAN
 
 
 def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None = None,
-                   loss_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
+                   loss_chunk_tokens: int | str = "auto",
+                   mlp_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
     """Shard `model` in place over groups.tp (T-way Megatron split; replicated when T = 1) and swap
     in the baseline blocks. A meta-device model is initialised from `init_seed`, one full parameter
     at a time (the values the plain model gets from init_weights). `loss_chunk_tokens`: the LM
-    head's token chunks (parallel/loss_chunks.py)."""
+    head's token chunks (parallel/loss_chunks.py); `mlp_chunk_tokens`: the MLP's
+    (parallel/gated_mlp.py)."""
     cfg, t = model.cfg, groups.tp.size
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     specs = (plan_specs(names, BASELINE_PLAN, t, "tp") if t > 1
              else {n: ShardSpec(None, 1, "sp") for n in names})
     local = LocalShards(model, specs, groups.tp.rank, init_seed)
+    tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // t)
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         weights, biases = local.attention(attn, cfg)
         block.self_attn = ParallelAttention(*weights, head_dim=cfg.head_dim, groups=groups, **biases)
         weights, biases = local.mlp(mlp, cfg)
-        block.mlp = ParallelMLP(*weights, groups=groups, **biases)
+        block.mlp = ParallelMLP(*weights, groups=groups, tiling=tiling, **biases)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             setattr(block, norm, _norm(getattr(block, norm), local, pre + norm, groups))
     model.norm = _norm(model.norm, local, "norm", groups)
@@ -118,11 +122,11 @@ def _check(model: Transformer, scheme: str, mesh: Mesh, kw: dict, **two_axes) ->
     given to another scheme reach check_parallel_shapes, which explains they are tp_x_sp's."""
     two_axes = {k: kw.get(k, two_axes.get(k)) for k in ("tp_degree", "sp_degree")}
     unknown = set(kw) - {"seq_len", "head_buckets", "init_seed", "tp_degree", "sp_degree",
-                         "loss_chunk_tokens"}
+                         "loss_chunk_tokens", "mlp_chunk_tokens"}
     if unknown:
         extra = ", tp_degree, sp_degree, tp_sequence_parallel" if scheme == "tp_x_sp" else ""
         raise ValueError(f"parallel scheme {scheme!r} got unknown option(s) {sorted(unknown)}; its "
-                         f"options are seq_len, init_seed, loss_chunk_tokens{extra}")
+                         f"options are seq_len, init_seed, loss_chunk_tokens, mlp_chunk_tokens{extra}")
     check_parallel_shapes(model.cfg, scheme=scheme, degree=mesh.tsp.size, seq_len=kw.get("seq_len"),
                           head_buckets=kw.get("head_buckets", 1), **two_axes)
 
@@ -134,7 +138,8 @@ def _single(mesh: Mesh, axis: str) -> Comm:
 
 def _wrap(model: Transformer, mesh: Mesh, scheme: str, groups: Groups, kw: dict) -> Parallelized:
     specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
-                           loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"))
+                           loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"),
+                           mlp_chunk_tokens=kw.get("mlp_chunk_tokens", "auto"))
     sp = groups.sp
 
     def layout(ids: torch.Tensor, labels: torch.Tensor):

@@ -12,7 +12,8 @@ TP = (T=D, S=1), TP+SP = (T=D, S=1, sequence_parallel), SP = (T=1, S=D), TP x SP
 | attention | heads p*n_h/T.. of q,k,v,o    | enter TP region; project; context  | transposes; dK/dV reduce-scatter|
 |           |                               | attention over sp; o_proj; leave   | over sp; weight grads summed    |
 |           |                               | TP region                          | over sp (all-reduce)            |
-| MLP       | intermediate block p (I/T)    | enter; gated MLP block; leave      | transposes; grads summed over sp|
+| MLP       | intermediate block p (I/T)    | enter; gated MLP block (in token   | transposes; grads summed over sp|
+|           |                               | chunks when tiled); leave          | (gate/up recomputed when tiled) |
 | norms     | full weight                   | local, token-wise                  | grad summed over the token-     |
 |           |                               |                                    | splitting groups (`norm_grad`)  |
 | embedding | vocab rows p*V/T..            | masked lookup; leave TP region     | local rows; summed over sp      |
@@ -44,6 +45,7 @@ from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight
                                                      vocab_parallel_cross_entropy,
                                                      vocab_parallel_lookup)
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.gated_mlp import TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into
 from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
 
 
@@ -117,21 +119,55 @@ class ParallelAttention(nn.Module):
 
 class ParallelMLP(nn.Module):
     """gate/up_proj.weight [I/T, h] (column parallel), down_proj.weight [h, I/T] (row parallel);
-    gate/up_proj.bias [I/T] with their rows, down_proj.bias [h] replicated."""
+    gate/up_proj.bias [I/T] with their rows, down_proj.bias [h] replicated. `tiling`: the TP
+    region's tokens in chunks (parallel.mlp_chunk_tokens, parallel/gated_mlp.py): the
+    intermediates are [chunk, I/T], forward and backward, and the communication is unchanged."""
 
-    def __init__(self, gate, up, down, *, groups: Groups, gate_up_bias=None, down_bias=None):
+    def __init__(self, gate, up, down, *, groups: Groups, gate_up_bias=None, down_bias=None,
+                 tiling: TokenTiling | None = None):
         super().__init__()
         bg, bu = gate_up_bias if gate_up_bias is not None else (None, None)
         self.gate_proj, self.up_proj, self.down_proj = (
             _holder(w, b) for w, b in ((gate, bg), (up, bu), (down, down_bias)))
         self.groups = groups
+        self.tiling = tiling if tiling is not None else TokenTiling(inter_shard=gate.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.groups
         ws = [g.weight(m.weight) for m in (self.gate_proj, self.up_proj, self.down_proj)]
         bs = [g.weight(m.bias) for m in (self.gate_proj, self.up_proj)]
-        y = g.leave_tp(gated_mlp(g.enter_tp(x, "mlp.tp"), *ws, *bs), "mlp.tp")
-        return g.add_replicated_bias(y, self.down_proj.bias)
+        x = g.enter_tp(x, "mlp.tp")                                # [B, T_region, h]
+        chunks = self.tiling.chunks(x)
+        if len(chunks) == 1:                  # one chunk: autograd keeps the intermediates
+            part = gated_mlp(x, *ws, *bs)
+        else:
+            part = _TiledGatedMLP.apply(x, chunks, *ws, *(b for b in bs if b is not None))
+        return g.add_replicated_bias(g.leave_tp(part, "mlp.tp"), self.down_proj.bias)
+
+
+class _TiledGatedMLP(torch.autograd.Function):
+    """This rank's block of the gated MLP (no down_proj bias) over its region's tokens, chunk by
+    chunk: saved x and the weights only; backward recomputes each chunk's gate/up (two GEMMs of
+    the forward again) and writes the weight gradients into fp32 accumulators."""
+
+    @staticmethod
+    def forward(ctx, x, chunks: list[slice], *params):
+        # params: W_gate, W_up, W_down [, b_gate, b_up]
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), list(params),
+                               y.view(-1, x.shape[-1]).zero_(), chunks)
+        ctx.save_for_backward(x, *params)
+        ctx.chunks = chunks
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *params = ctx.saved_tensors
+        h = x.shape[-1]
+        acc = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        dx = torch.zeros((x.numel() // h, h), dtype=x.dtype, device=x.device)
+        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), params, acc, dx, ctx.chunks)
+        return (dx.view(x.shape), None, *(a.to(p.dtype) for a, p in zip(acc, params)))
 
 
 class ParallelRMSNorm(RMSNorm):

@@ -29,7 +29,10 @@ blocking the host, so the transfers run beside the kernels.
 Transient memory per block (packed shards P_attn / D; fp32 weights): forward three weight buffers;
 backward two weight buffers and two fp32 gradient buffers (the one filled, the one being reduced):
 4 shards (test_tsp_memory.py), plus two gathered K/V buckets (the one in use, the next one in flight)
-and one gathered dK/dV bucket.
+and one gathered dK/dV bucket. The output (forward) and dX (backward) accumulators [N/D, h] are
+fp32, or the activation dtype once the layer's tokens are tiled (`parallel.mlp_chunk_tokens`,
+parallel/gated_mlp.py): in bf16 each item's product, summed in fp32 inside its matmul, is then
+rounded as it is added, and the block holds no fp32 [N/D, h].
 
 Recompute (`parallel.tsp_recompute`):
 - "full" (default): saved between forward and backward: X_p only. Backward re-broadcasts shard r,
@@ -68,9 +71,10 @@ from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
 from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
-from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, add_matmul, unpack
+from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, unpack
 
 RECOMPUTE_MODES = typing.get_args(TspRecompute)   # parallel.tsp_recompute (module docstring)
 
@@ -79,13 +83,16 @@ class TSPAttention(nn.Module):
     """Attention block of one TSP rank. Parameter names and (sharded) shapes mirror
     model.layers.Attention so state dicts line up: q_proj.weight [n_h/D * d, h], k_proj/v_proj
     [n_kv/D * d, h], o_proj.weight [h, n_h/D * d]; with biases q_proj.bias [n_h/D * d],
-    k_proj/v_proj.bias [n_kv/D * d] (sharded) and o_proj.bias [h] (replicated)."""
+    k_proj/v_proj.bias [n_kv/D * d] (sharded) and o_proj.bias [h] (replicated). `tiling`: the
+    layer's token tiling (its MLP's, parallel/gated_mlp.py): once the layer's tokens are tiled the
+    output and dX accumulate in the activation dtype."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
                  head_dim: int, comm: Comm, head_buckets: int = 1, recompute: str = "full",
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 o_bias: torch.Tensor | None = None):
+                 o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None):
         super().__init__()
+        self.tiling = tiling if tiling is not None else TokenTiling()
         bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             _weight_holder(w, b) for w, b in ((q, bq), (k, bk), (v, bv), (o, o_bias)))
@@ -299,7 +306,8 @@ class _TSPAttentionFn(torch.autograd.Function):
         def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather
             return _project_item(x, shards, items[i], block, shapes, rope)
 
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)   # fp32 sum over items
+        # the sum over items: fp32, or x's dtype once the layer's tokens are tiled
+        y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
         kept, nxt = [], prepare(0)
         for i, (r, b) in enumerate(items):
             item, nxt = nxt, (prepare(i + 1) if i + 1 < len(items) else None)   # next gather in flight
@@ -323,7 +331,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
-        dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
+        dx = torch.zeros(x2.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
             if kept is not None:
@@ -419,7 +427,7 @@ def _item_query_side(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: 
                      dx: torch.Tensor, *, owner: int, bucket: int) -> _PendingKV:
     """Backpropagate dy through one item whose attention graph is recorded, up to its dK/dV: add
     this rank's partial dW_o, dW_q (and q bias) into `grads` (fp32 views of the packed gradient)
-    and dX_p's query-side contribution into dx [n, h] fp32, and issue the dK/dV reduce-scatter,
+    and dX_p's query-side contribution into dx [n, h] (fp32, or x's dtype when tiled), and issue the dK/dV reduce-scatter,
     whose key/value side the returned _PendingKV finishes later. weights, grads: (wq, wk, wv, wo,
     bq, bk, bv) of the bucket, biases None without q/k/v biases. x2, dy2: [n, h] (n = B * T local
     tokens)."""
@@ -438,7 +446,7 @@ def _item_query_side(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: 
 def _linear_backward(x2: torch.Tensor, dp: torch.Tensor, w: torch.Tensor, gw: torch.Tensor,
                      gb: torch.Tensor | None, dx: torch.Tensor) -> None:
     """Backward of p = x W^T (+ b) for one projection of one bucket: dp [B, T, heads, d] ->
-    gw += dp^T x, gb += sum of dp, dx += dp W (all fp32 in place)."""
+    gw += dp^T x, gb += sum of dp (fp32), dx += dp W (in place)."""
     dp2 = dp.reshape(x2.shape[0], -1)                                   # [n, heads * d]
     add_matmul(gw, dp2.t(), x2)
     if gb is not None:

@@ -18,35 +18,43 @@ selective. With mlp_bias (Llama), the gate/up
 biases of the block travel in the packed shard; down_proj's bias is replicated, added once per
 token after the ring, and its gradient summed over the group in fp32 (like a norm's, tag
 "bias.grad").
+
+Tiling (`parallel.mlp_chunk_tokens`, parallel/gated_mlp.py): within each ring step the local tokens
+are taken in chunks, so the gate/up intermediates and their gradients are [chunk, I/D], forward
+and backward (kept ones per chunk too). A shard serves every chunk before it moves on: the ring's
+transfers are those of one chunk. Once tiled, the output and dX accumulate in the activation dtype
+(no fp32 [N/D, h]).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from tsp_trainer.model.layers import gated_mlp
 from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.gated_mlp import TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
-from tsp_trainer.parallel.tsp.ring import add_matmul, pack, ring_backward_into, ring_forward, unpack
+from tsp_trainer.parallel.tsp.ring import pack, ring_backward_into, ring_forward, unpack
 
 
 class TSPGatedMLP(nn.Module):
     """gate_proj/up_proj.weight [I/D, h], down_proj.weight [h, I/D] (names as model.GatedMLP);
-    with mlp_bias gate_proj/up_proj.bias [I/D] (sharded) and down_proj.bias [h] (replicated)."""
+    with mlp_bias gate_proj/up_proj.bias [I/D] (sharded) and down_proj.bias [h] (replicated).
+    `tiling`: the local tokens' chunks and the accumulators' dtype (parallel/gated_mlp.py)."""
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, comm: Comm,
                  gate_up_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 down_bias: torch.Tensor | None = None, keep_gate_up: bool = False):
+                 down_bias: torch.Tensor | None = None, keep_gate_up: bool = False,
+                 tiling: TokenTiling | None = None):
         super().__init__()
         self.keep_gate_up = keep_gate_up
         bg, bu = gate_up_bias if gate_up_bias is not None else (None, None)
         self.gate_proj, self.up_proj, self.down_proj = (
             _weight_holder(w, b) for w, b in ((gate, bg), (up, bu), (down, down_bias)))
         self.comm = comm
+        self.tiling = tiling if tiling is not None else TokenTiling(inter_shard=gate.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The ring's packed shard: W_gate, W_up, W_down [, b_gate, b_up]
@@ -64,17 +72,17 @@ class _TSPMLPFn(torch.autograd.Function):
     def forward(ctx, x, comm: Comm, block: TSPGatedMLP, keep: Kept, *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order)
         shapes = [tuple(w.shape) for w in params]
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if keep.items else None
+        chunks = block.tiling.chunks(x)                  # every ring step takes the same chunks
+        y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])    # [n, h]
+        # under none (or the AC replay): step j's gate/up pre-activations, [chunk, I/D] each
+        kept: dict[int, list] | None = {} if keep.items else None
 
         def step(j: int, flat: torch.Tensor) -> None:
-            ws = unpack(flat, shapes)
-            if kept is None:
-                y.add_(gated_mlp(x, *ws))
-                return
-            g, u = _gate_up(x, ws)                       # [B, T, I/D] each, kept for backward
-            kept[j] = (g, u)
-            y.add_(F.linear(F.silu(g) * u, ws[2]))      # = gated_mlp(x, *ws), same ops
+            if kept is not None:
+                kept[j] = []
+            gated_mlp_forward_into(x2, unpack(flat, shapes), y2, chunks,
+                                   kept[j] if kept is not None else None)
 
         ring_forward(comm, pack(*params), step, tag="mlp.weights")
         ctx.save_for_backward(x, *params)
@@ -86,52 +94,17 @@ class _TSPMLPFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
         kept = Kept.load(ctx, ctx.block)
-        h = x.shape[-1]
+        tiling, h = ctx.block.tiling, x.shape[-1]
+        chunks = tiling.chunks(x)
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
-        dx = torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
+        dx = torch.zeros(x2.shape, dtype=tiling.accumulator_dtype(x), device=x.device)
 
         def grad_into(j: int, flat: torch.Tensor, acc: torch.Tensor) -> None:
             # the weight (and gate/up bias) gradients go straight into the fp32 accumulator; a
-            # kept step's g, u are released as soon as its gradient is done
-            gate_up = kept.pop(j) if kept is not None else None
+            # kept step's g, u are released chunk by chunk as its gradient is done
             gated_mlp_backward_into(x2, dy2, unpack(flat, ctx.shapes), unpack(acc, ctx.shapes), dx,
-                                    gate_up=gate_up)
+                                    chunks, kept.pop(j) if kept is not None else None)
 
         full = ring_backward_into(ctx.comm, pack(*params), grad_into, tag="mlp.weights")
         grads = (g.to(p.dtype) for g, p in zip(unpack(full, ctx.shapes), params))   # fp32 -> params'
         return (dx.view(x.shape).to(x.dtype), None, None, None, *grads)
-
-
-def _gate_up(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up pre-activations x W_gate^T (+ b_gate), x W_up^T (+ b_up) of one block."""
-    bg, bu = (ws[3], ws[4]) if len(ws) > 3 else (None, None)
-    return F.linear(x, ws[0], bg), F.linear(x, ws[1], bu)
-
-
-def gated_mlp_backward_into(x: torch.Tensor, dy: torch.Tensor, ws: list[torch.Tensor],
-                            acc: list[torch.Tensor], dx: torch.Tensor,
-                            gate_up: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Backward of `gated_mlp` for one block of the intermediate dim, by hand so that the weight
-    gradients are added into `acc` (fp32 views of the ring's packed accumulator) without a
-    gradient tensor of their own. x, dy [n, h]; ws = W_gate, W_up [I/D, h], W_down [h, I/D]
-    (+ b_gate, b_up [I/D]); acc the same shapes in fp32; dx [n, h] fp32 (added into).
-    gate_up: the block's kept pre-activations g, u (any shape of n x I/D elements); None
-    recomputes them from x (TSP saves only X_p by default)."""
-    wg, wu, wd = ws[:3]
-    bg = ws[3] if len(ws) > 3 else None
-    if gate_up is None:
-        gate_up = _gate_up(x, ws)
-    g, u = (t.reshape(x.shape[0], -1) for t in gate_up)     # [n, I/D] gate, up pre-activations
-    sig = torch.sigmoid(g)
-    a = g * sig                                  # silu(g)
-    add_matmul(acc[2], dy.t(), a * u)           # dW_down [h, I/D] = dy^T (silu(g) * u)
-    dp = dy @ wd                                 # [n, I/D] gradient of silu(g) * u
-    du = dp * a
-    dg = dp.mul_(u).mul_(sig * (1 + g * (1 - sig)))    # silu'(g) = sig (1 + g (1 - sig))
-    add_matmul(acc[0], dg.t(), x)               # dW_gate [I/D, h]
-    add_matmul(acc[1], du.t(), x)               # dW_up [I/D, h]
-    if bg is not None:
-        acc[3].add_(dg.sum(0, dtype=torch.float32))
-        acc[4].add_(du.sum(0, dtype=torch.float32))
-    dx.add_(dg @ wg).add_(du @ wu)
-

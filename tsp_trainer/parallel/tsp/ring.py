@@ -162,12 +162,3 @@ def unpack(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tens
         offset += n
     return out
 
-
-def add_matmul(out32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out32 += a @ b: in place in fp32 (a weight gradient written into its packed fp32
-    accumulator, no gradient tensor of its own); for bf16 operands through one product in their
-    dtype."""
-    if a.dtype == torch.float32:
-        out32.addmm_(a, b)
-    else:
-        out32.add_(a @ b)
