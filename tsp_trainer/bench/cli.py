@@ -26,7 +26,7 @@ from tsp_trainer.bench.run import scheme_rank, single_process
 from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import MODEL_SIZES
-from tsp_trainer.config.schema import DType, TspRecompute, resolved_dtype
+from tsp_trainer.config.schema import DType, TspRecomputeSetting, resolved_dtype
 from tsp_trainer.plan.auto import choose_bench_recompute
 from tsp_trainer.tools import launch
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp: S = D / T")
     p.add_argument("--tp-sequence-parallel", action="store_true", help="tp_x_sp: Megatron SP inside tp")
     p.add_argument("--head-buckets", type=int, default=1, help="tsp: K/V all-gather buckets")
-    p.add_argument("--tsp-recompute", choices=("auto",) + typing.get_args(TspRecompute), default="auto",
+    p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecomputeSetting), default="auto",
                    help="tsp: auto (default: the trainer's choice, the fastest mode whose predicted "
                         "peak fits this device's memory), full (save X_p only), selective (keep each "
                         "shard's attention output) or none (also keep the MLP's gate/up "
