@@ -109,6 +109,11 @@ def mlp_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], prec: Preci
     return resolve_mlp_chunk_tokens(setting, tok["region"], cfg.intermediate_size // t, prec.act)
 
 
+def region_tokens(layout: Layout, seq_len: int) -> dict[str, int]:
+    """Tokens per rank in each region of a layer (`_tokens`)."""
+    return _tokens(layout, seq_len)
+
+
 def _tokens(layout: Layout, seq_len: int) -> dict[str, int]:
     """Tokens per rank in each region of a layer."""
     t, s, seqpar = layout.axes

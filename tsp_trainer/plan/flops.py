@@ -56,13 +56,18 @@ def forward_pieces(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
             "head": 2 * cfg.vocab_size * h}
 
 
-def forward_runs(layout: Layout) -> dict[str, int]:
-    """How many times one micro-step runs each piece's forward under `layout` (module docstring)."""
+def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset()) -> dict[str, int]:
+    """How many times one micro-step runs each piece's forward under `layout` (module docstring).
+    tiled: which of a baseline's "mlp" and "loss" take their tokens in chunks (`baseline_tiling`)."""
     runs = dict.fromkeys(PIECES, 1)
     tsp = layout.scheme == "tsp"
     if layout.activation_checkpointing:
-        for piece in checkpoint_replay(layout):
+        for piece in checkpoint_replay(layout, tiled):
             runs[piece] += 1
+    if not tsp and "mlp" in tiled:                   # a tiled MLP saves only its input
+        runs["gate_up"] += 1
+    if not tsp and "loss" in tiled:                  # a tiled loss rebuilds each chunk's logits
+        runs["head"] += 1
     _, s_p, _ = layout.axes
     if tsp:
         runs["head"] += 1                            # the vocab ring rebuilds each logits block
@@ -79,19 +84,36 @@ def forward_runs(layout: Layout) -> dict[str, int]:
     return runs
 
 
-def checkpoint_replay(layout: Layout) -> tuple[str, ...]:
+def checkpoint_replay(layout: Layout, tiled: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """The pieces activation checkpointing's replay runs again. Non-reentrant checkpointing stops
     the replay once it has rebuilt the last tensor backward needs: in the plain block that is the
     down projection's input, so down itself is not replayed. TSP's MLP is one autograd Function
-    (the ring), whose forward the replay runs whole."""
-    if layout.scheme == "tsp":
+    (the ring), whose forward the replay runs whole; so is a baseline's tiled MLP."""
+    if layout.scheme == "tsp" or "mlp" in tiled:
         return BLOCK_PIECES
     return tuple(p for p in BLOCK_PIECES if p != "down")
 
 
-def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
+def baseline_tiling(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2,
+                    *, mlp_chunk_tokens: int | str = "auto", loss_chunk_tokens: int | str = "auto") -> frozenset[str]:
+    """Which of a baseline's MLP and loss take their local tokens in chunks (the blocks' own rule,
+    plan/activations.py); TSP's recompute does not change with its chunks (empty set)."""
+    from tsp_trainer.plan.activations import loss_chunk, mlp_chunk, region_tokens
+    from tsp_trainer.plan.precision import PRECISIONS
+
+    if layout.scheme == "tsp":
+        return frozenset()
+    tokens = region_tokens(layout, seq_len)
+    prec = next(p for p in PRECISIONS.values() if p.act == bytes_per_element)
+    chunks = {"mlp": mlp_chunk(cfg, layout, tokens, prec, mlp_chunk_tokens),
+              "loss": loss_chunk(cfg, layout, tokens, loss_chunk_tokens)}
+    return frozenset(k for k, chunk in chunks.items() if chunk < tokens["region"])
+
+
+def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2) -> dict[str, float]:
     """Executed FLOPs per token of each piece: f * (forward runs + backward cost)."""
-    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout)
+    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element)
+    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled)
     return {p: f[p] * (runs[p] + BACKWARD_COST[p]) for p in PIECES}
 
 
@@ -100,8 +122,9 @@ def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
     """Per token, the work of each kernel family the planner times (plan/efficiency.py): FLOPs of
     GEMMs, of the flash attention forward (every run of the core) and backward, and the HBM bytes
     of the memory-bound elementwise kernels (`elementwise_bytes_per_token`)."""
-    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout)
-    gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len).items() if p != "core")
+    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element)
+    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled)
+    gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len, bytes_per_element).items() if p != "core")
     return {"gemm": gemm, "attention_forward": f["core"] * runs["core"],
             "attention_backward": f["core"] * BACKWARD_COST["core"],
             "elementwise_bytes": elementwise_bytes_per_token(cfg, layout, bytes_per_element)}
