@@ -60,7 +60,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     mlp_chunk_tokens: parallel.mlp_chunk_tokens, the MLP's token chunks (parallel/gated_mlp.py).
     """
     e, h = prec.act, cfg.hidden_size
-    tok = _tokens(layout, seq_len)
+    tok = region_tokens(layout, seq_len)
     sel = tsp_selective_saved(cfg, layout, seq_len, prec)       # 0 unless selective or none
     mlp_kept = tsp_mlp_kept(cfg, layout, seq_len, prec)         # 0 unless none
     _check_kept_attention(cfg, layout, prec, device, sel)
@@ -110,11 +110,6 @@ def mlp_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], prec: Preci
 
 
 def region_tokens(layout: Layout, seq_len: int) -> dict[str, int]:
-    """Tokens per rank in each region of a layer (`_tokens`)."""
-    return _tokens(layout, seq_len)
-
-
-def _tokens(layout: Layout, seq_len: int) -> dict[str, int]:
     """Tokens per rank in each region of a layer."""
     t, s, seqpar = layout.axes
     b = layout.micro_batch

@@ -402,7 +402,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
         st = state_bytes(cfg, layout, prec)
-        flops = hardware_flops_per_token(cfg, layout, seq_len)
+        flops = hardware_flops_per_token(cfg, layout, seq_len, prec.act)
         # this rank's executed FLOPs are its 1/D share of the replica's micro_batch * seq_len tokens
         counted = res.flops * degree / (micro_batch * seq_len)
         # optimizer state and gradients from the measured parameter count (ZeRO over DP)

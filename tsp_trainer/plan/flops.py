@@ -110,9 +110,11 @@ def baseline_tiling(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_el
     return frozenset(k for k, chunk in chunks.items() if chunk < tokens["region"])
 
 
-def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2) -> dict[str, float]:
-    """Executed FLOPs per token of each piece: f * (forward runs + backward cost)."""
-    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element)
+def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2,
+                    chunks: dict | None = None) -> dict[str, float]:
+    """Executed FLOPs per token of each piece: f * (forward runs + backward cost). chunks: the
+    run's mlp_chunk_tokens / loss_chunk_tokens settings (default auto)."""
+    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element, **(chunks or {}))
     f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled)
     return {p: f[p] * (runs[p] + BACKWARD_COST[p]) for p in PIECES}
 
@@ -142,11 +144,13 @@ def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_elem
     return float(cfg.num_layers * per_pass * passes * bytes_per_element + 3 * cfg.vocab_size * 4)
 
 
-def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int) -> dict[str, float]:
+def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int,
+                             bytes_per_element: int = 2, chunks: dict | None = None) -> dict[str, float]:
     """{"model": the MFU numerator, "hardware": what the layout executes (the HFU numerator)}
-    per training token."""
-    return {"model": flops_per_token(cfg, seq_len),
-            "hardware": float(sum(executed_pieces(cfg, layout, seq_len).values()))}
+    per training token; bytes_per_element (the activations') and chunks (`executed_pieces`) decide
+    whether a baseline's MLP and loss are tiled."""
+    pieces = executed_pieces(cfg, layout, seq_len, bytes_per_element, chunks)
+    return {"model": flops_per_token(cfg, seq_len), "hardware": float(sum(pieces.values()))}
 
 
 def run_flops_layout(cfg: TrainConfig) -> Layout:
@@ -171,7 +175,11 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
 def run_flops_per_token(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
     """(model, hardware) FLOPs per training token of a run at `seq_len`: the numerators of the
     MFU and HFU the trainer logs, from `hardware_flops_per_token` of the run's layout."""
-    flops = hardware_flops_per_token(model_cfg, run_flops_layout(cfg), seq_len)
+    p = cfg.parallel
+    flops = hardware_flops_per_token(model_cfg, run_flops_layout(cfg), seq_len,
+                                     bytes_per_element=2 if cfg.train.dtype == "bf16" else 4,
+                                     chunks={"mlp_chunk_tokens": p.mlp_chunk_tokens,
+                                             "loss_chunk_tokens": p.loss_chunk_tokens})
     return flops["model"], flops["hardware"]
 
 

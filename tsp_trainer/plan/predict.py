@@ -88,7 +88,7 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     mp = model_parallel_comm(cfg, layout, seq_len, prec)
     dp = data_parallel_comm(cfg, layout, prec)
     eff_n = assumptions.comm_efficiency
-    flops = hardware_flops_per_token(cfg, layout, seq_len)
+    flops = hardware_flops_per_token(cfg, layout, seq_len, prec.act)
     tokens_micro = layout.micro_batch * seq_len                    # per replica
     t_compute = compute_seconds_per_token(cfg, layout, seq_len, hw, assumptions, prec) \
         * tokens_micro / layout.degree
