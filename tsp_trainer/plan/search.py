@@ -196,21 +196,27 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
     fitting = [p for p in preds if p.fits]
     result = PlanResult(candidates=preds, fitting=fitting, rejected=rejected)
     if not fitting:
-        in_hbm = [p for p in preds if "HBM" not in p.exceeds]
-        if in_hbm:
-            best = min(in_hbm, key=lambda p: p.memory["host_per_node"])
-            raise PlanError(
-                f"nothing fits: the layouts that fit in HBM pin too much host memory; the smallest, "
-                f"{best.layout.label()}, needs {best.memory['host_per_node'] / 1e9:,.0f} GB per node, "
-                f"more than the {best.host_capacity / 1e9:,.0f} GB of a {hw.name} node "
-                "(--host-memory-gb); use more GPUs, a shorter --seq-len or a node with more memory")
-        best = min(preds, key=lambda p: p.memory["total"])
-        raise PlanError(
-            f"nothing fits: the smallest layout, {best.layout.label()}, needs "
-            f"{best.memory['total'] / 1e9:.1f} GB per GPU, more than the {best.capacity / 1e9:.1f} GB "
-            f"usable on a {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB HBM x {assumptions.hbm_usable:.2f}); "
-            "use more GPUs, a shorter --seq-len, a larger GPU, or a smaller model")
+        raise _nothing_fits(preds, hw, assumptions)
     return result
+
+
+def _nothing_fits(preds: list[Prediction], hw: HardwareProfile, assumptions: Assumptions) -> PlanError:
+    """Why no layout fits, in one line: host memory when some layout fits in HBM (the one pinning
+    the least is named), else HBM (the layout needing the least is named)."""
+    in_hbm = [p for p in preds if "HBM" not in p.exceeds]
+    if in_hbm:
+        best = min(in_hbm, key=lambda p: p.memory["host_per_node"])
+        what = "the layouts that fit in HBM pin too much host memory; the smallest"
+        need = (f"{best.memory['host_per_node'] / 1e9:,.0f} GB per node, more than the "
+                f"{best.host_capacity / 1e9:,.0f} GB of a {hw.name} node (--host-memory-gb)")
+        fix = "use more GPUs, a shorter --seq-len or a node with more memory"
+    else:
+        best = min(preds, key=lambda p: p.memory["total"])
+        what = "the smallest layout"
+        need = (f"{best.memory['total'] / 1e9:.1f} GB per GPU, more than the {best.capacity / 1e9:.1f} GB "
+                f"usable on a {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB HBM x {assumptions.hbm_usable:.2f})")
+        fix = "use more GPUs, a shorter --seq-len, a larger GPU, or a smaller model"
+    return PlanError(f"nothing fits: {what}, {best.layout.label()}, needs {need}; {fix}")
 
 
 def _suggest(global_batch: int, dps: list[int]) -> int:
