@@ -147,3 +147,26 @@ def test_cli_ablation_and_host_memory_flag(tmp_path, capsys):
         cli.main(["--ablation", "--host-memory-gb", "0"])
     assert info.value.code == 2
     assert "--host-memory-gb=0.0 must be > 0" in capsys.readouterr().err
+
+
+def test_the_planners_offloaded_bytes_under_checkpointing_are_what_the_hooks_move():
+    """A real forward on CPU (fp32, one process) with activation offload around checkpointed
+    blocks: the host holds exactly one block input per layer, the planner's host bytes."""
+    import torch
+
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.model.activation_checkpoint import checkpointed_block
+    from tsp_trainer.model.offload import ActivationOffload
+    from tsp_trainer.plan.activations import activation_memory
+    from tsp_trainer.plan.precision import PRECISIONS
+
+    cfg, s = model_config("tiny"), 64
+    model = Transformer(cfg)
+    model.init_weights(0)
+    offload = ActivationOffload(checkpointed_block)
+    model.block_wrapper = offload
+    ids = torch.randint(0, cfg.vocab_size, (1, s), generator=torch.Generator().manual_seed(0))
+    model.loss(ids, ids)
+    planned = activation_memory(cfg, Layout("tsp", 1, activation_checkpointing=True,
+                                            offload_activations=True), s, PRECISIONS["fp32"], device="cpu")
+    assert offload.host_bytes == planned.host == cfg.num_layers * s * cfg.hidden_size * 4
