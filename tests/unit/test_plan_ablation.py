@@ -170,3 +170,22 @@ def test_the_planners_offloaded_bytes_under_checkpointing_are_what_the_hooks_mov
     planned = activation_memory(cfg, Layout("tsp", 1, activation_checkpointing=True,
                                             offload_activations=True), s, PRECISIONS["fp32"], device="cpu")
     assert offload.host_bytes == planned.host == cfg.num_layers * s * cfg.hidden_size * 4
+
+
+def test_the_auto_settings_plan_with_the_runs_own_chunks():
+    """plan/auto.py's layout of a run carries its parallel.mlp_chunk_tokens / loss_chunk_tokens,
+    so a forced chunk is the one the predicted peak (which the resolver compares with the budget)
+    counts."""
+    from tsp_trainer.config import load_config
+    from tsp_trainer.plan.auto import run_layout
+    from tsp_trainer.plan.precision import FP32
+
+    base = ["model.size=1b", "parallel.tsp_degree=2", "data.seq_len=8192", "data.micro_batch_size=1",
+            "train.grad_accum=1", "parallel.head_buckets=1"]
+    auto = run_layout(load_config(None, base), 2)
+    forced = run_layout(load_config(None, [*base, "parallel.mlp_chunk_tokens=512"]), 2)
+    assert (auto.mlp_chunk_tokens, forced.mlp_chunk_tokens) == ("auto", 512)
+    model = load_config(None, base).model.to_model_config()
+    chunks = [predict(model, lay, 8192, H100, prec=FP32, device="cpu").activation.terms["mlp_chunk_tokens"]
+             for lay in (auto, forced)]
+    assert chunks == [4096, 512]
