@@ -70,7 +70,7 @@ PROFILES: dict[str, HardwareProfile] = {
     # Host: 2 x AMD EPYC 9004 (12 channels of DDR5-4800 each, 12 x 38.4 = 461 GB/s per socket)
     # -> 922 GB/s per node (AMD's MI300X platform reference design). Host memory: 1.5 TiB
     # (24 x 64 GiB DDR5: AMD's 8 x MI300X + 2 x EPYC 9374F MLPerf Inference v4.1 system; Azure's
-    # ND MI300X v5 gives 1,850 GiB) -- an assumption: MI300X platforms are sold with 1.5 to 6 TB.
+    # ND MI300X v5 VM gives 1,850 GiB) -- an assumption: MI300X platforms differ in memory.
     "mi300x": HardwareProfile("mi300x", _peak("mi300x"), 192 * GB, 5.3e12,
                               intra_node_bw=448 * GB, p2p_bw=64 * GB, inter_node_bw=50 * GB,
                               host_mem_bw=922 * GB, host_memory_bytes=1536 * GiB),
