@@ -315,8 +315,9 @@ def test_at_128k_on_one_h100_node_tsp_fits_where_sp_does_not():
     assert {p.layout.degree for p in result.candidates} == {8}
     assert best["tsp"].fits and not best["sp"].fits
     assert best["sp"].memory["params"] == 2 * model_config("7b").num_params()   # a full bf16 replica
-    tsp8 = [p for p in result.fitting if p.layout.scheme == "tsp" and p.layout.degree == 8]
-    tp8 = [p for p in result.candidates if p.layout.scheme == "tp" and p.layout.degree == 8]
+    in_hbm = [p for p in result.candidates if not p.layout.offload_activations]
+    tsp8 = [p for p in in_hbm if p.fits and p.layout.scheme == "tsp" and p.layout.degree == 8]
+    tp8 = [p for p in in_hbm if p.layout.scheme == "tp" and p.layout.degree == 8]
     assert min(p.memory["total"] for p in tsp8) < min(p.memory["total"] for p in tp8) / 2
     ranked = [p.tokens_per_s for p in result.fitting]
     assert ranked == sorted(ranked, reverse=True)
@@ -324,6 +325,11 @@ def test_at_128k_on_one_h100_node_tsp_fits_where_sp_does_not():
 
 def test_plan_errors():
     with pytest.raises(PlanError, match=r"nothing fits: the smallest layout.*needs"):
+        plan(model_config("7b"), seq_len=16777216, global_batch=1, hw=get_profile("h100"), nodes=1)
+    # at 4M an offloading layout fits in HBM, but its node would pin 4.5 TB of host memory
+    with pytest.raises(PlanError, match=r"nothing fits: the layouts that fit in HBM pin too much host "
+                                        r"memory; the smallest, tsp .* offload, needs 4,493 GB per node, "
+                                        r"more than the 2,000 GB"):
         plan(model_config("7b"), seq_len=4194304, global_batch=1, hw=get_profile("h100"), nodes=1)
     with pytest.raises(PlanError, match=r"--global-batch=3 .*multiple of the data-parallel degree"):
         plan(model_config("7b"), seq_len=4096, global_batch=3, hw=get_profile("h100"), nodes=4,

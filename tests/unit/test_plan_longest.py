@@ -104,6 +104,13 @@ def test_cli_max_seq_len_tables_and_json(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert [r["scheme"] for r in doc["results"]["gpu"]] == ["tsp", "tp"]
     assert doc["results"]["offload"][0]["max_seq_len"] > doc["results"]["gpu"][0]["max_seq_len"]
+    # each answer names its limit and its peak's pieces; TSP's offload answer is bound by the
+    # node's 2 TB, the in-HBM one by HBM
+    assert [r["bound_by"] for r in doc["results"]["gpu"]] == ["HBM", "HBM"]
+    assert doc["results"]["offload"][0]["bound_by"] == "host"
+    assert "tsp: peak 73.6 GB = parameters 2.0 + gradients 6.0 + optimizer 12.0" in text
+    b = doc["results"]["gpu"][0]["peak_breakdown"]
+    assert b["total"] == doc["results"]["gpu"][0]["memory"]["total"] and b["peak_phase"] == "backward"
 
 
 def test_cli_max_seq_len_and_dry_run_are_separate_modes(capsys):

@@ -146,11 +146,13 @@ def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget,
 
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """The planner's Layout of a run of `cfg` on `world_size` processes (recompute, checkpointing
-    and buckets at Layout's defaults: memory_variants varies them)."""
+    and buckets at Layout's defaults: memory_variants varies them; the loss and MLP chunks as the
+    run sets them)."""
     p = cfg.parallel
     return Layout(p.scheme, p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
                   sp=p.sp_degree, zero_stage=cfg.zero.stage, micro_batch=cfg.data.micro_batch_size,
-                  grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations)
+                  grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
+                  loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
 
 
 def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:

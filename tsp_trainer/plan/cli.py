@@ -4,9 +4,11 @@
              --json plan.json --plot plan.png
     tsp-plan --dry-run            # the 7B 128K recipe at world 1,024 on fake tensors (one process)
     tsp-plan --model llama3_8b --gpu h100 --nodes 1 --max-seq-len   # longest context per scheme
+    tsp-plan --model llama3_8b --gpu h100 --nodes 1 --ablation      # ... as each technique is added
 
-The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, TSP recompute
-mode, head buckets, micro-batch x grad accumulation) that fits in GPU memory, ranked by predicted
+The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, activation
+offload, TSP recompute mode, head buckets, micro-batch x grad accumulation) that fits in GPU memory
+and whose node's pinned host bytes fit its host memory, ranked by predicted
 step time (plan/predict.py; docs/planner.md): for one scheme, D and batch split, the top row's
 recompute mode, checkpointing and head buckets are what the trainer's `auto` settings choose
 (plan/auto.py). Impossible requests (nothing fits, a global batch no layout can
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="mi300x", help="hardware profile: mi300x, h100, h200")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default 1; --dry-run: 128)")
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host memory per node in GB, which activation offload, optimizer offload "
+                        "and the async checkpoint's staging pin (default: the profile's, 2,000 for "
+                        "h100 and h200, 1,649 for mi300x; docs/planner.md gives the sources)")
     p.add_argument("--schemes", default=None,
                    help=f"comma-separated subset of {','.join(SCHEMES)} (default: all; --dry-run: "
                         "tsp,tp,tp_sp)")
@@ -60,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of HBM available to tensors (default %(default)s)")
     p.add_argument("--top", type=int, default=15, help="rows of the ranking to print")
     p.add_argument("--max-seq-len", action="store_true",
-                   help="report the longest sequence each scheme fits (without and with activation "
-                        "offload to host memory; --global-batch defaults to 1) instead of ranking "
-                        "layouts at --seq-len")
+                   help="report the longest sequence each scheme fits in HBM and host memory "
+                        "(without and with activation offload to host memory, with and without "
+                        "activation checkpointing; --global-batch defaults to 1), the limit that "
+                        "bound it and its peak's pieces, instead of ranking layouts at --seq-len")
+    p.add_argument("--ablation", action="store_true",
+                   help="TSP's longest sequence as the memory techniques are added one by one "
+                        "(none, + tiled loss, + tiled MLP, + tiled accumulators, + optimizer offload, "
+                        "+ activation offload): length, peak, host memory per node, step time and "
+                        "the limit that binds, per row (plan/ablation.py; --global-batch 1)")
     p.add_argument("--tsp-recompute", choices=typing.get_args(TspRecomputeSetting), default="auto",
                    help="TSP's parallel.tsp_recompute: auto (default: rank every mode, as the "
                         "trainer's auto does), full (backward recomputes projections, attention and "
@@ -102,7 +114,7 @@ def _cluster(parser: argparse.ArgumentParser, args):
     if nodes < 1:
         _fail(parser, f"--nodes={nodes} must be >= 1")
     try:
-        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node)
+        hw = get_profile(args.gpu, gpus_per_node=args.gpus_per_node, host_memory_gb=args.host_memory_gb)
     except ValueError as err:
         _fail(parser, str(err))
     return nodes, hw
@@ -198,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         _fail(parser, f"--zero-offload-optimizer={args.zero_offload_optimizer} is not modelled by "
                       "--dry-run (its fake tensors run no optimizer); use it with the ranking or "
                       "--max-seq-len")
-    if args.dry_run and args.max_seq_len:
-        _fail(parser, "--max-seq-len and --dry-run are two modes; run them one at a time "
+    modes = [flag for flag, on in (("--max-seq-len", args.max_seq_len), ("--dry-run", args.dry_run),
+                                   ("--ablation", args.ablation)) if on]
+    if len(modes) > 1:
+        _fail(parser, f"{' and '.join(modes)} are {('two', 'three')[len(modes) - 2]} modes; run them one at a time "
                       "(the dry run takes the length to check as --seq-len)")
     if args.dry_run:
         return _dry_run(parser, args, cfg)
+    if args.ablation:
+        return _ablation(parser, args, cfg)
     if args.max_seq_len:
         return _longest(parser, args, cfg)
     return _plan(parser, args, cfg)
@@ -237,12 +253,38 @@ def _longest(parser, args, cfg) -> int:
             f"batch {batch}, {args.dtype}, {_adamw_where(offload_optimizer)}, {what}, TSP recompute "
             f"{args.tsp_recompute}; "
             f"{hw.hbm_bytes / 1e9:.0f} GB x "
-            f"{assumptions.hbm_usable:.2f} usable")))
+            f"{assumptions.hbm_usable:.2f} usable, {hw.host_memory_bytes / 1e9:,.0f} GB host "
+            f"memory per node")))
         print()
         report["results"]["offload" if offload else "gpu"] = [r.as_dict() for r in rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    return 0
+
+
+def _ablation(parser, args, cfg) -> int:
+    import json
+
+    from tsp_trainer.plan.ablation import ablation, format_ablation
+
+    nodes, hw = _cluster(parser, args)
+    if args.global_batch not in (None, 1):
+        _fail(parser, f"--global-batch={args.global_batch}: --ablation plans one sequence per step "
+                      "(omit it or give 1)")
+    assumptions = _assumptions(parser, args, hw)
+    rows = ablation(cfg, hw=hw, nodes=nodes, prec=PRECISIONS[args.dtype], assumptions=assumptions,
+                    max_degree=args.max_degree)
+    print(format_ablation(rows, header=(
+        f"TSP's longest sequence as each technique is added: {args.model} on "
+        f"{nodes * hw.gpus_per_node} x {hw.name} ({nodes} nodes), one sequence per step, {args.dtype}; "
+        f"{hw.hbm_bytes / 1e9:.0f} GB x {assumptions.hbm_usable:.2f} usable HBM, "
+        f"{hw.host_memory_bytes / 1e9:,.0f} GB host memory per node")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "gpu": hw.name, "nodes": nodes, "dtype": args.dtype,
+                       "host_memory_bytes_per_node": hw.host_memory_bytes,
+                       "rows": [r.as_dict() for r in rows]}, f, indent=1)
     return 0
 
 

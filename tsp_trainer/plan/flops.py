@@ -120,13 +120,15 @@ def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_el
 
 
 def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
-                       bytes_per_element: int = 2) -> dict[str, float]:
+                       bytes_per_element: int = 2, chunks: dict | None = None) -> dict[str, float]:
     """Per token, the work of each kernel family the planner times (plan/efficiency.py): FLOPs of
     GEMMs, of the flash attention forward (every run of the core) and backward, and the HBM bytes
-    of the memory-bound elementwise kernels (`elementwise_bytes_per_token`)."""
-    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element)
+    of the memory-bound elementwise kernels (`elementwise_bytes_per_token`). chunks: as
+    `executed_pieces`."""
+    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element, **(chunks or {}))
     f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled)
-    gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len, bytes_per_element).items() if p != "core")
+    gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len, bytes_per_element, chunks).items()
+               if p != "core")
     return {"gemm": gemm, "attention_forward": f["core"] * runs["core"],
             "attention_backward": f["core"] * BACKWARD_COST["core"],
             "elementwise_bytes": elementwise_bytes_per_token(cfg, layout, bytes_per_element)}

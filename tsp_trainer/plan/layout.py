@@ -16,6 +16,10 @@ TSP_RECOMPUTE = typing.get_args(TspRecompute)   # parallel.tsp_recompute (parall
 # the short marker of a tsp_recompute other than full in layout labels and tables
 RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
 
+# a chunk setting larger than any rank's tokens: parallel.loss_chunk_tokens or mlp_chunk_tokens
+# set to it takes all local tokens at once (no tiling; the trainer takes any such integer)
+UNTILED = 1 << 62
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -37,11 +41,21 @@ class Layout:
     tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs;
                                            # "none" also the MLP's gate/up pre-activations
     offload_optimizer: bool = False        # zero.offload_optimizer=cpu: DeepSpeed's ZeRO-Offload
+    loss_chunk_tokens: int | str = "auto"  # parallel.loss_chunk_tokens (UNTILED: one chunk)
+    mlp_chunk_tokens: int | str = "auto"   # parallel.mlp_chunk_tokens (UNTILED: one chunk)
+    # planner-only, for the ablation table: False keeps a tiled TSP layer's [N/D, h] output and
+    # dX accumulators in fp32, as an untiled layer has them (the trainer puts them in the
+    # activation dtype whenever the MLP's tokens are tiled)
+    tiled_accumulators: bool = True
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme={self.scheme!r} is not one of {', '.join(SCHEMES)}")
         self._check_recompute()
+        for key in ("loss_chunk_tokens", "mlp_chunk_tokens"):
+            value = getattr(self, key)
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key}={value!r} must be 'auto' or an integer >= 1 (tokens per chunk)")
         if self.zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1 or 2")
         if self.offload_optimizer and self.zero_stage == 0:     # config/validate.py's rule
@@ -122,10 +136,28 @@ class Layout:
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
             parts.append("offload")
+        parts += self._tiling_marks()
         return " ".join(parts)
+
+    def _tiling_marks(self) -> list[str]:
+        """Label marks of chunk settings other than auto, and of fp32 accumulators."""
+        marks = []
+        for name, value in (("loss", self.loss_chunk_tokens), ("mlp", self.mlp_chunk_tokens)):
+            if value == UNTILED:
+                marks.append(f"{name}=untiled")
+            elif value != "auto":
+                marks.append(f"{name}={value}")
+        if not self.tiled_accumulators:
+            marks.append("fp32acc")
+        return marks
+
+    @property
+    def chunks(self) -> dict:
+        """The chunk settings as the FLOP and activation models take them."""
+        return {"loss_chunk_tokens": self.loss_chunk_tokens, "mlp_chunk_tokens": self.mlp_chunk_tokens}
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-__all__ = ["RECOMPUTE_MARK", "SCHEMES", "TSP_RECOMPUTE", "Layout"]
+__all__ = ["RECOMPUTE_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]

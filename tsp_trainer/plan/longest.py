@@ -1,10 +1,13 @@
 """The longest sequence each scheme can train on a cluster (`tsp-plan --max-seq-len`).
 
 For one scheme, a sequence length S "fits" when some layout of that scheme (any D, DP, ZeRO stage,
-activation checkpointing, head buckets, micro-batch; plan/search.py's candidates) fits in GPU
-memory under the planner's memory model (plan/predict.py). Memory grows with S for every layout,
+activation checkpointing, head buckets, micro-batch; plan/search.py's candidates, with the loss and
+MLP chunks `auto` resolves) fits in GPU memory and its node's pinned host bytes fit the node's host
+memory, under the planner's memory model (plan/predict.py). Memory grows with S for every layout,
 so the longest S is found by doubling until nothing fits, then bisecting, on multiples of
-`granule` tokens (1,024 by default: a multiple of 2D for every D the search tries).
+`granule` tokens (1,024 by default: a multiple of 2D for every D the search tries). The answer
+says which limit stopped it: HBM, or host memory (some layout one granule longer fits in HBM but
+not in the host).
 """
 
 from __future__ import annotations
@@ -27,85 +30,150 @@ class Longest:
     seq_len: int                         # 0: not even one granule fits
     best: Prediction | None              # the fitting layout with the least memory at seq_len
     refused: str = ""                    # why no layout was tried (a pair the trainer refuses)
+    bound: str = ""                      # what one granule more overflows: "HBM", "host", "search limit"
 
     def as_dict(self) -> dict:
-        out = {"scheme": self.scheme, "max_seq_len": self.seq_len}
+        out = {"scheme": self.scheme, "max_seq_len": self.seq_len, "bound_by": self.bound}
         if self.refused:
             out["refused"] = self.refused
         if self.best is not None:
             out.update(layout=self.best.layout.label(), memory=self.best.memory,
-                       tokens_per_s=self.best.tokens_per_s, mfu=self.best.mfu)
+                       step_time_s=self.best.step_time, tokens_per_s=self.best.tokens_per_s,
+                       mfu=self.best.mfu, peak_breakdown=peak_breakdown(self.best))
         return out
+
+
+def _predictions(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
+                 global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
+                 offload: bool, tsp_recompute: str, offload_optimizer: bool,
+                 fields: dict | None) -> list[Prediction]:
+    """Every candidate layout of `scheme` at seq_len, predicted (offload: all of them offload
+    their activations, none otherwise)."""
+    model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
+    layouts = candidate_layouts(model, seq_len=seq_len, global_batch=global_batch, world=world,
+                                schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
+                                micro_batches=(1,), tsp_recompute=(tsp_recompute,),
+                                offload_optimizer=offload_optimizer, offload_activations=(offload,),
+                                fields=fields)
+    return [predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec,
+                    assumptions=assumptions) for lay in layouts]
+
+
+def _least_memory(preds: list[Prediction]) -> Prediction | None:
+    """The fitting prediction with the least GPU memory, if any fits."""
+    fitting = [p for p in preds if p.fits]
+    return min(fitting, key=lambda p: p.memory["total"]) if fitting else None
 
 
 def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
              global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
              offload: bool, tsp_recompute: str = "full",
-             offload_optimizer: bool = False) -> Prediction | None:
-    """The layout of `scheme` with the least memory at seq_len, if it fits."""
-    model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
-    layouts = candidate_layouts(model, seq_len=seq_len, global_batch=global_batch, world=world,
-                                schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
-                                micro_batches=(1,), tsp_recompute=(tsp_recompute,),
-                                offload_optimizer=offload_optimizer)
-    best = None
-    for lay in layouts:
-        if offload:                   # always full: longest_seq_len refuses the others first
-            lay = Layout(**{**lay.as_dict(), "offload_activations": True})
-        p = predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec, assumptions=assumptions)
-        if p.fits and (best is None or p.memory["total"] < best.memory["total"]):
-            best = p
-    return best
+             offload_optimizer: bool = False, fields: dict | None = None) -> Prediction | None:
+    """The layout of `scheme` with the least GPU memory at seq_len, if one fits (HBM and host)."""
+    return _least_memory(_predictions(cfg, scheme, seq_len, hw=hw, world=world, global_batch=global_batch,
+                                      prec=prec, assumptions=assumptions, max_degree=max_degree,
+                                      offload=offload, tsp_recompute=tsp_recompute,
+                                      offload_optimizer=offload_optimizer, fields=fields))
+
+
+def _bound(preds: list[Prediction]) -> str:
+    """Which limit a length nothing fits at is over: host memory when some layout fits in HBM
+    (its node pins too much), HBM otherwise."""
+    return "host" if any("HBM" not in p.exceeds for p in preds) else "HBM"
 
 
 def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes: int,
                     global_batch: int = 1, prec: Precision = BF16,
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
                     offload: bool = False, granule: int = 1024, tsp_recompute: str = "full",
-                    offload_optimizer: bool = False) -> Longest:
+                    offload_optimizer: bool = False, fields: dict | None = None) -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
     bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with activation
-    offload, the trainer refuses the pair); `offload_optimizer`: AdamW's state in host memory
-    (ZeRO-Offload) in every layout."""
+    offload, the trainer refuses the pair); `offload`: every layout offloads its activations
+    (with or without activation checkpointing); `offload_optimizer`: AdamW's state in host memory
+    (ZeRO-Offload) in every layout; `fields`: Layout fields set on every layout (the ablation's
+    switches: loss_chunk_tokens, mlp_chunk_tokens, tiled_accumulators)."""
     world = nodes * hw.gpus_per_node
     if offload and scheme == "tsp" and tsp_recompute != "full":
         return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "
                                                 "activation offload (--tsp-recompute full)")
 
-    def fit(units: int):
-        return _fitting(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
-                        prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
-                        tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer)
+    def fit(units: int) -> tuple[Prediction | None, list[Prediction]]:
+        preds = _predictions(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
+                             prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
+                             tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
+                             fields=fields)
+        return _least_memory(preds), preds
 
     lo, lo_pred = 0, None                      # lo units fit (0: trivially)
-    hi = 1
+    hi, hi_preds = 1, []
     while hi * granule <= LIMIT_TOKENS:
-        p = fit(hi)
+        p, hi_preds = fit(hi)
         if p is None:
             break
         lo, lo_pred, hi = hi, p, hi * 2
     else:
-        return Longest(scheme, lo * granule, lo_pred)
+        return Longest(scheme, lo * granule, lo_pred, bound="search limit")
     while hi - lo > 1:                         # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
-        p = fit(mid)
+        p, preds = fit(mid)
         if p is None:
-            hi = mid
+            hi, hi_preds = mid, preds
         else:
             lo, lo_pred = mid, p
-    return Longest(scheme, lo * granule, lo_pred)
+    return Longest(scheme, lo * granule, lo_pred, bound=_bound(hi_preds))
+
+
+def peak_breakdown(p: Prediction) -> dict[str, int]:
+    """What one GPU's peak is made of (bytes): model state, the activations of the peak phase
+    (what the layers keep on the GPU at that moment, and the phase's transients on top), the
+    libraries' reserve. The pieces sum to memory["total"]."""
+    m, a = p.memory, p.activation
+    kept = _kept_on_gpu(p)
+    return {"params": m["params"], "grads": m["grads"], "optimizer": m["optimizer"],
+            "activations_kept": kept, "activations_transient": m["activations_peak"] - kept,
+            "reserved": m["reserved"], "total": m["total"], "peak_phase": a.peak_phase}
+
+
+def _kept_on_gpu(p: Prediction) -> int:
+    """Saved activations on the GPU in the peak phase, at most the phase's bytes: the layers'
+    (with offload, the blocks in flight) and what is saved outside them, from the forward's end."""
+    return min(p.activation.stored, p.memory["activations_peak"])
+
+
+def format_breakdown(p: Prediction) -> str:
+    """One line: the peak's pieces in GB, and the host bytes of the node."""
+    b = peak_breakdown(p)
+    return (f"peak {b['total'] / 1e9:.1f} GB = parameters {b['params'] / 1e9:.1f} + gradients "
+            f"{b['grads'] / 1e9:.1f} + optimizer {b['optimizer'] / 1e9:.1f} + saved activations "
+            f"{b['activations_kept'] / 1e9:.1f} + transients of the {b['peak_phase']} phase "
+            f"{b['activations_transient'] / 1e9:.1f} + reserve {b['reserved'] / 1e9:.1f}; host "
+            f"{p.memory['host_per_node'] / 1e9:,.0f} of {p.host_capacity / 1e9:,.0f} GB per node")
 
 
 def format_longest(rows: list[Longest], *, header: str) -> str:
-    lines = [header, "", "| scheme | longest sequence | tokens | layout | GB/GPU (of which activations) | host GB/GPU |",
-             "|---|---|---|---|---|---|"]
-    # host GB/GPU: offloaded activations plus, with optimizer offload, AdamW's pinned partition
+    lines = [header, "", "| scheme | longest sequence | tokens | layout | GB/GPU (of which activations) "
+             "| host GB/node | bound by | step |", "|---|---|---|---|---|---|---|---|"]
+    # host GB/node: offloaded activations, AdamW's pinned partition with optimizer offload and
+    # the async checkpoint's staging, over the node's GPUs
+    notes = []
     for r in rows:
         if r.best is None:
-            lines.append(f"| {r.scheme} | {r.refused or 'nothing fits'} | - | - | - | - |")
+            lines.append(f"| {r.scheme} | {r.refused or 'nothing fits'} | - | - | - | - | "
+                         f"{r.bound or '-'} | - |")
             continue
         m = r.best.memory
         lines.append(f"| {r.scheme} | {r.seq_len / 1024:,.0f}K | {r.seq_len:,} | {r.best.layout.label()} | "
                      f"{m['total'] / 1e9:.1f} ({m['activations_peak'] / 1e9:.1f}) | "
-                     f"{(m['host_offloaded'] + m['host_optimizer']) / 1e9:.1f} |")
-    return "\n".join(lines)
+                     f"{m['host_per_node'] / 1e9:,.0f} | {r.bound} | {format_seconds(r.best.step_time)} |")
+        notes.append(f"{r.scheme}: {format_breakdown(r.best)}")
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def format_seconds(seconds: float) -> str:
+    """A step time as people read it: seconds, minutes or hours."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

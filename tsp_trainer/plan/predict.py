@@ -51,11 +51,14 @@ class Prediction:
     tokens_per_s_per_gpu: float
     mfu: float
     hfu: float
+    exceeds: tuple[str, ...] = ()       # the limits the layout is over: "HBM", "host" (none: fits)
+    host_capacity: float = 0.0          # host memory of one node, bytes
 
     def as_dict(self) -> dict:
         a = self.activation
         return {"layout": self.layout.as_dict(), "label": self.layout.label(), "memory": self.memory,
-                "fits": self.fits, "capacity_bytes": self.capacity,
+                "fits": self.fits, "capacity_bytes": self.capacity, "exceeds": list(self.exceeds),
+                "host_capacity_bytes_per_node": self.host_capacity,
                 "activation": {"stored_per_layer": a.stored_per_layer, "stored_outside": a.stored_outside,
                                "stored": a.stored, "phases": a.phases, "peak": a.peak,
                                "peak_phase": a.peak_phase, "terms": a.terms},
@@ -78,17 +81,20 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     """Memory, communication and time of one optimizer step of `layout` on `hw`. device: the
     attention path whose activations are counted ("cuda", or "cpu" for a CPU run's memory)."""
     st = state_bytes(cfg, layout, prec)
-    act = activation_memory(cfg, layout, seq_len, prec, device=device)
+    act = activation_memory(cfg, layout, seq_len, prec, device=device, **layout.chunks)
     # the libraries' reserve (NCCL, cuBLAS, flash buffers, CUDA context) exists only on a GPU
     reserved = reserved_memory(cfg, layout, seq_len, prec, gpu=hw.name) if device == "cuda" else {"total": 0}
     memory = _memory(st, act, reserved)
-    memory["host_optimizer_per_node"] = st["host_optimizer"] * min(layout.world, hw.gpus_per_node)
+    gpus_on_node = min(layout.world, hw.gpus_per_node)
+    memory["host_optimizer_per_node"] = st["host_optimizer"] * gpus_on_node
+    memory["host_per_node"] = host_bytes_per_node(memory, gpus_on_node)
     capacity = hw.hbm_bytes * assumptions.hbm_usable
+    limits = exceeded_limits(memory, capacity, hw.host_memory_bytes)
 
     mp = model_parallel_comm(cfg, layout, seq_len, prec)
     dp = data_parallel_comm(cfg, layout, prec)
     eff_n = assumptions.comm_efficiency
-    flops = hardware_flops_per_token(cfg, layout, seq_len, prec.act)
+    flops = hardware_flops_per_token(cfg, layout, seq_len, prec.act, chunks=layout.chunks)
     tokens_micro = layout.micro_batch * seq_len                    # per replica
     t_compute = compute_seconds_per_token(cfg, layout, seq_len, hw, assumptions, prec) \
         * tokens_micro / layout.degree
@@ -114,7 +120,8 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
              "exposed_comm_per_micro": exposed, "offload_per_micro": t_offload, "micro_step": t_micro,
              "dp_grad_comm": t_dp_grad, "dp_param_allgather": t_dp_params, "dp_exposed": t_dp_exposed,
              "optimizer": t_opt, "optimizer_pcie": t_pcie}
-    return Prediction(layout=layout, memory=memory, fits=memory["total"] <= capacity, capacity=capacity,
+    return Prediction(layout=layout, memory=memory, fits=not limits, capacity=capacity, exceeds=limits,
+                      host_capacity=hw.host_memory_bytes,
                       activation=act, comm_mp=mp, comm_dp=dp, times=times, step_time=step,
                       tokens_per_s=tps, tokens_per_s_per_gpu=per_gpu,
                       mfu=flops["model"] * per_gpu / hw.peak_flops,
@@ -133,11 +140,31 @@ def compute_seconds_per_token(cfg: ModelConfig, layout: Layout, seq_len: int, hw
     """Seconds of compute per training token on one GPU's worth of work (divide by D for a rank):
     each kernel family's work at its achieved rate (plan/efficiency.py)."""
     eff = efficiencies(hw, assumptions)
-    work = executed_by_family(cfg, layout, seq_len, bytes_per_element=prec.act)
+    work = executed_by_family(cfg, layout, seq_len, bytes_per_element=prec.act, chunks=layout.chunks)
     return (work["gemm"] / (hw.peak_flops * eff.gemm)
             + work["attention_forward"] / (hw.peak_flops * eff.attention_forward)
             + work["attention_backward"] / (hw.peak_flops * eff.attention_backward)
             + work["elementwise_bytes"] / (hw.hbm_bw * eff.elementwise))
+
+
+def host_bytes_per_node(memory: dict[str, int], gpus_on_node: int) -> int:
+    """Host bytes one node pins for its GPUs' ranks: each rank's offloaded activations
+    (train.offload_activations), ZeRO-Offload's optimizer partition and the async checkpoint's
+    staging of its weights and optimizer state (counted so that checkpoint.async_save may stay on;
+    plan/reserved.py::pinned_host_per_node)."""
+    per_rank = memory["host_offloaded"] + memory["host_optimizer"] + memory["checkpoint_staging"]
+    return gpus_on_node * per_rank
+
+
+def exceeded_limits(memory: dict[str, int], capacity: float, host_capacity: float) -> tuple[str, ...]:
+    """Which memories a layout overflows: "HBM" (its per-GPU peak over `capacity` usable bytes),
+    "host" (its node's pinned host bytes over `host_capacity`)."""
+    over = []
+    if memory["total"] > capacity:
+        over.append("HBM")
+    if memory["host_per_node"] > host_capacity:
+        over.append("host")
+    return tuple(over)
 
 
 def _memory(st: dict[str, int], act: ActivationEstimate, reserved: dict[str, int]) -> dict[str, int]:
@@ -237,4 +264,4 @@ def _optimizer_pcie_seconds(param_count: int, layout: Layout, prec: Precision, h
 
 
 __all__ = ["CPU_ADAM_BYTES", "OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "compute_seconds_per_token",
-           "efficiencies", "predict"]
+           "efficiencies", "exceeded_limits", "host_bytes_per_node", "predict"]

@@ -16,11 +16,17 @@ def _row(rank: str, p: Prediction) -> list[str]:
     state = m["params"] + m["grads"] + m["optimizer"]
     exposed = p.times["exposed_comm_per_micro"] * lay.grad_accum + p.times["dp_exposed"]
     return [rank, _family(lay), str(lay.degree), str(lay.dp), str(lay.zero_stage),
-            "on" if lay.activation_checkpointing else RECOMPUTE_MARK.get(lay.tsp_recompute, "off"),
+            _ac_mark(lay),
             str(lay.head_buckets) if lay.scheme == "tsp" else "-", f"{lay.micro_batch}x{lay.grad_accum}",
             f"{state / GB:.1f}", f"{m['activations_peak'] / GB:.1f}", f"{m['total'] / GB:.1f}",
             _si(p.tokens_per_s), f"{p.tokens_per_s_per_gpu:,.0f}", f"{100 * p.mfu:.1f}",
             f"{p.step_time:.2f}", f"{100 * exposed / p.step_time:.0f}"]
+
+
+def _ac_mark(lay) -> str:
+    """The AC column: on / off / the TSP recompute mark, and +offload under activation offload."""
+    mark = "on" if lay.activation_checkpointing else RECOMPUTE_MARK.get(lay.tsp_recompute, "off")
+    return mark + ("+offload" if lay.offload_activations else "")
 
 
 _COLS = ["#", "scheme", "D", "DP", "ZeRO", "AC", "nb", "mb x ga", "state GB", "act GB", "total GB",
@@ -28,13 +34,14 @@ _COLS = ["#", "scheme", "D", "DP", "ZeRO", "AC", "nb", "mb x ga", "state GB", "a
 
 
 def distinct(preds: list[Prediction]) -> list[Prediction]:
-    """One row per (scheme, D, AC / TSP recompute mode, micro-batch): the first in ranking order
-    (fastest, then the least memory among equally fast ZeRO stages / head-bucket counts)."""
+    """One row per (scheme, D, AC / TSP recompute mode, activation offload, micro-batch): the first
+    in ranking order (fastest, then the least memory among equally fast ZeRO stages / head-bucket
+    counts)."""
     seen, out = set(), []
     for p in preds:
         lay = p.layout
         key = (_family(lay), lay.degree, lay.activation_checkpointing, lay.tsp_recompute,
-               lay.micro_batch)
+               lay.offload_activations, lay.micro_batch)
         if key not in seen:
             seen.add(key)
             out.append(p)
@@ -63,6 +70,7 @@ def format_table(result: PlanResult, *, header: str, top: int = 15, capacity: fl
     lines.append(_table(["fits"] + _COLS[1:], rows))
     lines.append("AC sel = no activation checkpointing, TSP selective recompute; AC keep = no "
                  "activation checkpointing, TSP keeps attention and MLP gate/up (tsp_recompute none); "
+                 "+offload = train.offload_activations (the blocks' saved tensors in host memory); "
                  "state = parameters + gradients + AdamW state; act = peak activations + transients; "
                  "comm % = share of the step spent in exposed communication; MFU counts model FLOPs "
                  "(causal attention halved) against dense bf16 peak.")

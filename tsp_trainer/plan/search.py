@@ -47,8 +47,9 @@ def _best_key(p: Prediction):
 
 
 def _key(p: Prediction):
-    """tsp-plan's ranking: `ranking_key` against the profile's usable HBM."""
-    return ranking_key(p, p.capacity)
+    """tsp-plan's ranking: layouts that fit (HBM and host memory) first, then `ranking_key`
+    against the profile's usable HBM."""
+    return (not p.fits, *ranking_key(p, p.capacity))
 
 
 def ranking_key(p: Prediction, capacity: float):
@@ -56,28 +57,36 @@ def ranking_key(p: Prediction, capacity: float):
     whose predicted peak (model state + activation peak) fits `capacity` bytes first, then the
     shorter predicted step, then less compute (a step the model predicts bound by overlapped
     communication ties across recompute modes; where compute and transfers share the cores, as on
-    CPU, the mode that recomputes least is the fastest), then less memory."""
-    return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"], p.memory["total"])
+    CPU, the mode that recomputes least is the fastest), then no activation offload (its copies
+    hidden behind compute tie with keeping the activations, and they still take PCIe and host
+    memory), then less memory."""
+    return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"],
+            p.layout.offload_activations, p.memory["total"])
 
 
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
-                    checkpointing=(False, True), buckets: tuple[int, ...] | None = None) -> list[Layout]:
+                    checkpointing=(False, True), buckets: tuple[int, ...] | None = None,
+                    offload: tuple[bool, ...] | None = None) -> list[Layout]:
     """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
     takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
-    buckets, so the baselines vary checkpointing alone). A pair the trainer refuses (Layout's
-    rules) is left out. buckets=None: every divisor of the K/V heads per weight shard."""
+    buckets, so the baselines vary checkpointing alone), and under each of `offload` (activation
+    offload off / on; None: base's own). A combination the trainer refuses (Layout's rules: no
+    selective or none recompute with checkpointing or offload) is left out. buckets=None: every
+    divisor of the K/V heads per weight shard."""
     tsp = base.scheme == "tsp"
     modes = recompute if tsp else ("full",)
     counts = (buckets or _buckets(cfg, base.degree)) if tsp else (1,)
+    offloads = (base.offload_activations,) if offload is None else offload
     out = []
     for nb in counts:
         for mode in modes:
             for ac in checkpointing:
-                try:
-                    out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
-                                       head_buckets=nb))
-                except ValueError:                          # refused by the trainer
-                    continue
+                for off in offloads:
+                    try:
+                        out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
+                                           head_buckets=nb, offload_activations=off))
+                    except ValueError:                      # refused by the trainer
+                        continue
     return out
 
 
@@ -90,11 +99,15 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       micro_batches: tuple[int, ...] | None = None,
                       rejected: dict[str, str] | None = None,
                       tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE,
-                      offload_optimizer: bool = False) -> list[Layout]:
+                      offload_optimizer: bool = False,
+                      offload_activations: tuple[bool, ...] = (False, True),
+                      fields: dict | None = None) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
-    activation checkpointing and head-bucket count the trainer takes (`memory_variants`).
-    `offload_optimizer`: every layout offloads (ZeRO 1 and 2 only, as the trainer requires)."""
+    activation checkpointing, head-bucket count and activation offload (`offload_activations`)
+    the trainer takes (`memory_variants`). `offload_optimizer`: every layout offloads (ZeRO 1 and
+    2 only, as the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
+    tiled_accumulators)."""
     rejected = rejected if rejected is not None else {}
     if offload_optimizer:
         zero_stages = tuple(z for z in zero_stages if z >= 1)
@@ -121,8 +134,10 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                         for zero in (zero_stages if dp > 1 else zero_stages[:1]):
                             base = Layout(scheme, d, dp=dp, zero_stage=zero, micro_batch=mb,
                                           grad_accum=per_replica // mb,
-                                          offload_optimizer=offload_optimizer, **extra)
-                            out += memory_variants(cfg, base, recompute=tsp_recompute)
+                                          offload_optimizer=offload_optimizer,
+                                          **extra, **(fields or {}))
+                            out += memory_variants(cfg, base, recompute=tsp_recompute,
+                                                   offload=offload_activations)
     return out
 
 
@@ -148,9 +163,11 @@ def _buckets(cfg: ModelConfig, d: int) -> list[int]:
 def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfile, nodes: int,
          schemes=SCHEMES, prec: Precision = BF16, assumptions: Assumptions = Assumptions(),
          max_degree: int = 64, micro_batches: tuple[int, ...] | None = None,
-         tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE, offload_optimizer: bool = False) -> PlanResult:
-    """Predict every candidate layout; raise PlanError when none exists or none fits.
-    tsp_recompute: the TSP recompute modes to rank (default all, as `auto` does)."""
+         tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE, offload_optimizer: bool = False,
+         offload_activations: tuple[bool, ...] = (False, True)) -> PlanResult:
+    """Predict every candidate layout; raise PlanError when none exists or none fits (in HBM or
+    in the node's host memory). tsp_recompute: the TSP recompute modes to rank (default all, as
+    `auto` does); offload_activations: with and without activation offload (default both)."""
     world = nodes * hw.gpus_per_node
     if global_batch < 1:
         raise PlanError(f"--global-batch={global_batch} must be >= 1 (sequences per optimizer step)")
@@ -158,7 +175,8 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
     layouts = candidate_layouts(cfg, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
                                 zero_stages=prec.zero_stages, rejected=rejected,
-                                tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer)
+                                tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
+                                offload_activations=offload_activations)
     if not layouts:
         dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
         raise PlanError(
@@ -178,13 +196,27 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
     fitting = [p for p in preds if p.fits]
     result = PlanResult(candidates=preds, fitting=fitting, rejected=rejected)
     if not fitting:
-        best = min(preds, key=lambda p: p.memory["total"])
-        raise PlanError(
-            f"nothing fits: the smallest layout, {best.layout.label()}, needs "
-            f"{best.memory['total'] / 1e9:.1f} GB per GPU, more than the {best.capacity / 1e9:.1f} GB "
-            f"usable on a {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB HBM x {assumptions.hbm_usable:.2f}); "
-            "use more GPUs, a shorter --seq-len, a larger GPU, or a smaller model")
+        raise _nothing_fits(preds, hw, assumptions)
     return result
+
+
+def _nothing_fits(preds: list[Prediction], hw: HardwareProfile, assumptions: Assumptions) -> PlanError:
+    """Why no layout fits, in one line: host memory when some layout fits in HBM (the one pinning
+    the least is named), else HBM (the layout needing the least is named)."""
+    in_hbm = [p for p in preds if "HBM" not in p.exceeds]
+    if in_hbm:
+        best = min(in_hbm, key=lambda p: p.memory["host_per_node"])
+        what = "the layouts that fit in HBM pin too much host memory; the smallest"
+        need = (f"{best.memory['host_per_node'] / 1e9:,.0f} GB per node, more than the "
+                f"{best.host_capacity / 1e9:,.0f} GB of a {hw.name} node (--host-memory-gb)")
+        fix = "use more GPUs, a shorter --seq-len or a node with more memory"
+    else:
+        best = min(preds, key=lambda p: p.memory["total"])
+        what = "the smallest layout"
+        need = (f"{best.memory['total'] / 1e9:.1f} GB per GPU, more than the {best.capacity / 1e9:.1f} GB "
+                f"usable on a {hw.name} ({hw.hbm_bytes / 1e9:.0f} GB HBM x {assumptions.hbm_usable:.2f})")
+        fix = "use more GPUs, a shorter --seq-len, a larger GPU, or a smaller model"
+    return PlanError(f"nothing fits: {what}, {best.layout.label()}, needs {need}; {fix}")
 
 
 def _suggest(global_batch: int, dps: list[int]) -> int:

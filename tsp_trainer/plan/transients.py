@@ -79,7 +79,9 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     d_ = layout.degree
     h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     m = n if mlp_chunk is None else min(mlp_chunk, n)
-    tiled = m < n
+    # accumulators in the activation dtype once tiled (Layout.tiled_accumulators=False: the
+    # planner's ablation keeps them fp32)
+    tiled = m < n and layout.tiled_accumulators
     a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel, tiled)
     c = n if loss_chunk is None else min(loss_chunk, n)
     w_mlp = cfg.mlp_sharded_params // d_ * ew
