@@ -4,11 +4,15 @@ run with tiling off at a length where that still fits: equal losses.
     python experiments/longest_cpu.py                         # the plan only (seconds, no run)
     python experiments/longest_cpu.py --measure 16384,65536   # short runs: s/step, peak RSS per rank
     python experiments/longest_cpu.py --equal-at 65536        # tiled == untiled losses at that length
-    python experiments/longest_cpu.py --run-longest           # the planned length (hours of CPU)
+    python experiments/longest_cpu.py --run-longest --malloc-threshold 131072   # the planned length
 
 Every run is recipes/tiny_longest_cpu.yaml through the real launcher (tsp-launch, Accelerate,
 DeepSpeed, 4 gloo ranks: TSP D=4, document masking, activation checkpointing and offload, loss and
 MLP tiled). Each rank's peak RSS is its VmHWM (/proc/<pid>/status), read while the run goes.
+With glibc's defaults that RSS grows about twice as fast as the plan (freed heap pages stay
+resident); --malloc-threshold sets the ranks' mmap and trim thresholds, which keeps it below the
+plan at the price of slower steps (docs/long_context.md, "A real run at the longest length on this
+machine").
 
 The budget: 24 GiB of host memory, 22 GiB of it usable by the run (the rest for the OS, the
 launcher's own processes and page cache), 5.5 GiB per rank. Of a rank's 5.5 GiB the planner
@@ -30,7 +34,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,6 +76,9 @@ def untiled_overrides(seq_len: int) -> list[str]:
             "train.offload_activations=false"]
 
 
+VARIANTS = ("tiled", "untiled", "tiled_no_offload")
+
+
 def variant_overrides(variant: str, seq_len: int) -> list[str]:
     """The recipe as it is ("tiled"), with tiling and offload off ("untiled"), or tiled without
     the activation offload ("tiled_no_offload": on CPU the offloaded copies stay in the same RAM)."""
@@ -82,20 +88,19 @@ def variant_overrides(variant: str, seq_len: int) -> list[str]:
             "tiled_no_offload": ["train.offload_activations=false"]}[variant]
 
 
-VARIANTS = ("tiled", "untiled", "tiled_no_offload")
-
-
 def planned_rank_bytes(seq_len: int, variant: str = "tiled") -> dict[str, float]:
     """One rank's planned peak at seq_len: the planner's model state and activation peak (and the
     offloaded copies, in the same RAM on CPU), plus the fixed process RSS and the loader's window."""
     cfg = recipe_config(seq_len, variant_overrides(variant, seq_len))
     model, p = cfg.model.to_model_config(), cfg.parallel
-    layout = dataclasses.replace(run_layout(cfg, RANKS), activation_checkpointing=cfg.train.activation_checkpointing,
-                                 tsp_recompute=p.tsp_recompute, head_buckets=p.head_buckets)
+    layout = dataclasses.replace(run_layout(cfg, RANKS), tsp_recompute=p.tsp_recompute,
+                                 head_buckets=p.head_buckets,
+                                 activation_checkpointing=cfg.train.activation_checkpointing)
     state = state_bytes(model, layout, FP32)
     act = activation_memory(model, layout, seq_len, FP32, device="cpu",
                             loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
-    planner = state["params"] + state["grads"] + state["optimizer"] + state["host_optimizer"] + act.peak + act.host
+    held = state["params"] + state["grads"] + state["optimizer"] + state["host_optimizer"]
+    planner = held + act.peak + act.host
     loader = LOADER_BYTES_PER_TOKEN * seq_len
     return {"planner": planner, "activation_peak": act.peak, "peak_phase": act.peak_phase,
             "offloaded": act.host, "loader": loader, "process_base": PROCESS_BASE_GIB * GIB,
@@ -156,8 +161,8 @@ def _children(pid: int) -> list[int]:
 def _rank_and_hwm(pid: int) -> tuple[int, int] | None:
     """(RANK from the environment, VmHWM in bytes) of a rank process; None for other processes."""
     try:
-        env = dict(item.split("=", 1) for item in
-                   Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0") if "=" in item)
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        env = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
         if "RANK" not in env or "LOCAL_RANK" not in env:
             return None
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -199,10 +204,22 @@ def launch_command(seq_len: int, out_dir: Path, overrides: list[str] = ()) -> li
             *overrides]
 
 
-def run_recipe(seq_len: int, out_dir: Path, *, steps: int, overrides: list[str] = ()) -> dict:
+def allocator_env(threshold: int | None) -> dict[str, str]:
+    """glibc malloc settings for the ranks: with a threshold, blocks above it are mmap'ed and
+    returned to the OS when freed, and the heap is trimmed above it (glibc otherwise raises its
+    mmap threshold up to 32 MiB as blocks are freed and keeps freed heap pages resident)."""
+    if threshold is None:
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(threshold), "MALLOC_TRIM_THRESHOLD_": str(threshold)}
+
+
+def run_recipe(seq_len: int, out_dir: Path, *, steps: int, overrides: list[str] = (),
+               malloc_threshold: int | None = None) -> dict:
     """One run of the recipe through tsp-launch: per-step losses and times, each rank's peak RSS."""
     cmd = launch_command(seq_len, out_dir, [f"train.steps={steps}", *overrides])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    inherited = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    allocator = inherited | allocator_env(malloc_threshold)
+    env = {**os.environ, "PYTHONPATH": str(REPO), **allocator}
     log = out_dir.parent / f"{out_dir.name}.log"
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -212,19 +229,21 @@ def run_recipe(seq_len: int, out_dir: Path, *, steps: int, overrides: list[str] 
             rc = proc.wait()
     if rc != 0:
         raise RuntimeError(f"run at seq_len={seq_len} exited {rc}; its log: {log}")
+    if not rss.peak:
+        raise RuntimeError(f"run at seq_len={seq_len}: no rank process (RANK, LOCAL_RANK set) was seen")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
     return {"seq_len": seq_len, "steps": steps, "losses": [r["train/loss"] for r in rows],
             "step_time_s": [r["perf/step_time_s"] for r in rows],
             "peak_rss_gib_by_rank": {str(k): v / GIB for k, v in sorted(rss.peak.items())},
-            "wall_s": time.monotonic() - start}
+            "allocator_env": allocator, "wall_s": time.monotonic() - start}
 
 
 def with_prediction(run: dict) -> dict:
     """The run with the planned rank peak beside the measured ones."""
     planned = planned_rank_bytes(run["seq_len"], run.get("variant", "tiled"))
     return {**run, "planned_rank_gib": planned["total"] / GIB,
-            "measured_over_planned": max(run["peak_rss_gib_by_rank"].values(), default=0) * GIB / planned["total"]}
+            "measured_over_planned": max(run["peak_rss_gib_by_rank"].values()) * GIB / planned["total"]}
 
 
 def relative_differences(a: list[float], b: list[float]) -> list[float]:
@@ -233,11 +252,13 @@ def relative_differences(a: list[float], b: list[float]) -> list[float]:
     return [abs(x - y) / abs(y) for x, y in zip(a, b)]
 
 
-def compare_tiling(seq_len: int, work: Path, *, steps: int) -> dict:
+def compare_tiling(seq_len: int, work: Path, *, steps: int, malloc_threshold: int | None = None) -> dict:
     """The recipe at seq_len tiled and untiled; AssertionError unless every step's loss agrees
     within LOSS_RTOL."""
-    tiled = with_prediction(run_recipe(seq_len, work / f"tiled_{seq_len}", steps=steps))
-    plain = run_recipe(seq_len, work / f"untiled_{seq_len}", steps=steps, overrides=untiled_overrides(seq_len))
+    tiled = with_prediction(run_recipe(seq_len, work / f"tiled_{seq_len}", steps=steps,
+                                       malloc_threshold=malloc_threshold))
+    plain = run_recipe(seq_len, work / f"untiled_{seq_len}", steps=steps,
+                       overrides=untiled_overrides(seq_len), malloc_threshold=malloc_threshold)
     plain = with_prediction({**plain, "variant": "untiled"})
     rel = relative_differences(tiled["losses"], plain["losses"])
     assert max(rel) <= LOSS_RTOL, f"tiled losses {tiled['losses']} differ from untiled {plain['losses']}"
@@ -281,30 +302,35 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=0,
                    help="with --run-longest: this length instead of the planned one")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--work", default=None, help="run folders (default: a new temporary folder)")
+    p.add_argument("--malloc-threshold", type=int, default=None,
+                   help="bytes: the ranks' glibc mmap and trim thresholds (default: glibc's own)")
+    p.add_argument("--work", default=str(REPO / "runs" / "longest_cpu"), help="run folders and their logs")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     out = Path(args.out)
-    work = Path(args.work or tempfile.mkdtemp(prefix="longest_cpu_"))
+    work = Path(args.work)
     planned = plan()
     update_results("plan", planned, out)
     longest = args.seq_len or planned["tiled"]["max_seq_len"]
-    cmd = " ".join(launch_command(longest, work / "longest", [f"train.steps={args.steps}"]))
+    env = [f"{k}={v}" for k, v in allocator_env(args.malloc_threshold).items()]
+    cmd = " ".join(env + launch_command(longest, work / "longest", [f"train.steps={args.steps}"]))
     print(json.dumps(planned, indent=1))
     print("the planned lengths: " + ", ".join(f"{v} {planned[v]['max_seq_len']:,}" for v in VARIANTS)
           + f"; the long run:\n  {cmd}")
     if args.measure:
-        runs = [with_prediction(run_recipe(int(n), work / f"measure_{n}", steps=args.steps))
+        runs = [with_prediction(run_recipe(int(n), work / f"measure_{n}", steps=args.steps,
+                                           malloc_threshold=args.malloc_threshold))
                 for n in args.measure.split(",")]
         estimate = extrapolate(runs, longest) if len(runs) > 1 else None
         update_results("measured", {"runs": runs, "estimate_at_longest": estimate}, out)
         print(json.dumps({"runs": runs, "estimate_at_longest": estimate}, indent=1))
     if args.equal_at:
-        equal = compare_tiling(args.equal_at, work, steps=args.steps)
+        equal = compare_tiling(args.equal_at, work, steps=args.steps, malloc_threshold=args.malloc_threshold)
         update_results("tiled_equals_untiled", equal, out)
         print(json.dumps(equal, indent=1))
     if args.run_longest:
-        run = with_prediction(run_recipe(longest, work / "longest", steps=args.steps))
+        run = with_prediction(run_recipe(longest, work / "longest", steps=args.steps,
+                                         malloc_threshold=args.malloc_threshold))
         update_results("longest_run", run, out)
         print(json.dumps(run, indent=1))
     return 0
