@@ -21,7 +21,9 @@ process's fixed RSS (interpreter, torch, DeepSpeed, gloo: PROCESS_BASE_GIB) and 
 host copies of the window (LOADER_BYTES_PER_TOKEN of the whole sequence, on every rank). On CPU
 the offloaded activations stay in the same RAM, so they count against the budget too.
 
-The results go to docs/results/longest_cpu.json (each mode updates its own section).
+The results go to docs/results/longest_cpu.json: each mode updates its own section (plan, measured,
+tiled_equals_untiled, longest_run; with --malloc-threshold T the runs' sections end in
+_malloc_threshold_T).
 """
 
 from __future__ import annotations
@@ -288,6 +290,11 @@ def extrapolate(runs: list[dict], seq_len: int) -> dict:
             "longest_by_measured_rss": fits, "step_s_at_longest_by_measured_rss": t0 + t1 * fits}
 
 
+def section_name(kind: str, malloc_threshold: int | None) -> str:
+    """The results' key of a kind of run: runs under another allocator setting get their own."""
+    return kind if malloc_threshold is None else f"{kind}_malloc_threshold_{malloc_threshold}"
+
+
 def update_results(section: str, value, path: Path = RESULTS) -> None:
     data = json.loads(path.read_text()) if path.exists() else {}
     data[section] = value
@@ -322,7 +329,8 @@ def main(argv=None) -> int:
                                            malloc_threshold=args.malloc_threshold))
                 for n in args.measure.split(",")]
         estimate = extrapolate(runs, longest) if len(runs) > 1 else None
-        update_results("measured", {"runs": runs, "estimate_at_longest": estimate}, out)
+        update_results(section_name("measured", args.malloc_threshold),
+                       {"runs": runs, "estimate_at_longest": estimate}, out)
         print(json.dumps({"runs": runs, "estimate_at_longest": estimate}, indent=1))
     if args.equal_at:
         equal = compare_tiling(args.equal_at, work, steps=args.steps, malloc_threshold=args.malloc_threshold)
@@ -331,7 +339,7 @@ def main(argv=None) -> int:
     if args.run_longest:
         run = with_prediction(run_recipe(longest, work / "longest", steps=args.steps,
                                          malloc_threshold=args.malloc_threshold))
-        update_results("longest_run", run, out)
+        update_results(section_name("longest_run", args.malloc_threshold), run, out)
         print(json.dumps(run, indent=1))
     return 0
 
