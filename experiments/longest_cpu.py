@@ -334,7 +334,7 @@ def main(argv=None) -> int:
         print(json.dumps({"runs": runs, "estimate_at_longest": estimate}, indent=1))
     if args.equal_at:
         equal = compare_tiling(args.equal_at, work, steps=args.steps, malloc_threshold=args.malloc_threshold)
-        update_results("tiled_equals_untiled", equal, out)
+        update_results(section_name("tiled_equals_untiled", args.malloc_threshold), equal, out)
         print(json.dumps(equal, indent=1))
     if args.run_longest:
         run = with_prediction(run_recipe(longest, work / "longest", steps=args.steps,
