@@ -16,7 +16,7 @@ from tsp_trainer.config.validate import check_parallel_shapes, resolve_dp_degree
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # World size each shipped recipe is meant for.
-RECIPE_WORLD = {"base": 1, "tiny_cpu": 4, "7b_128k_1024gpu": 1024}
+RECIPE_WORLD = {"base": 1, "tiny_cpu": 4, "tiny_longest_cpu": 4, "7b_128k_1024gpu": 1024}
 
 
 def with_(cfg: TrainConfig, **changes) -> TrainConfig:
