@@ -45,7 +45,8 @@ from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight
                                                      vocab_parallel_cross_entropy,
                                                      vocab_parallel_lookup)
 from tsp_trainer.parallel.comm import Comm
-from tsp_trainer.parallel.gated_mlp import TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into
+from tsp_trainer.parallel.gated_mlp import (TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into,
+                                            stacked_gate_up)
 from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
 
 
@@ -147,14 +148,16 @@ class ParallelMLP(nn.Module):
 
 class _TiledGatedMLP(torch.autograd.Function):
     """This rank's block of the gated MLP (no down_proj bias) over its region's tokens, chunk by
-    chunk: saved x and the weights only; backward recomputes each chunk's gate/up (two GEMMs of
-    the forward again) and writes the weight gradients into fp32 accumulators."""
+    chunk: saved x and the weights only; backward recomputes each chunk's gate/up (the forward's
+    gate|up GEMM again) and writes the weight gradients into fp32 accumulators. Gate and up run
+    as one GEMM against [W_gate; W_up], stacked once per pass (a transient copy of the two
+    weights, [2 I/T, h])."""
 
     @staticmethod
     def forward(ctx, x, chunks: list[slice], *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), list(params),
+        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), stacked_gate_up(list(params)),
                                y.view(-1, x.shape[-1]).zero_(), chunks)
         ctx.save_for_backward(x, *params)
         ctx.chunks = chunks
@@ -163,11 +166,13 @@ class _TiledGatedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        h = x.shape[-1]
-        acc = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+        h, rows = x.shape[-1], params[0].shape[0]
+        fused = stacked_gate_up(params)              # [W_gate; W_up], W_down [, [b_gate; b_up]]
+        acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in fused]
         dx = torch.zeros((x.numel() // h, h), dtype=x.dtype, device=x.device)
-        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), params, acc, dx, ctx.chunks)
-        return (dx.view(x.shape), None, *(a.to(p.dtype) for a, p in zip(acc, params)))
+        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), fused, acc, dx, ctx.chunks)
+        grads = [acc[0][:rows], acc[0][rows:], acc[1]] + ([acc[2][:rows], acc[2][rows:]] if len(acc) > 2 else [])
+        return (dx.view(x.shape), None, *(g.to(p.dtype) for g, p in zip(grads, params)))
 
 
 class ParallelRMSNorm(RMSNorm):

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from tsp_trainer.parallel.comm import Comm
-from tsp_trainer.parallel.gated_mlp import TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into
+from tsp_trainer.parallel.gated_mlp import (TokenTiling, fused_weights, gated_mlp_backward_into,
+                                            gated_mlp_forward_into)
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
@@ -72,16 +73,17 @@ class _TSPMLPFn(torch.autograd.Function):
     def forward(ctx, x, comm: Comm, block: TSPGatedMLP, keep: Kept, *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order)
         shapes = [tuple(w.shape) for w in params]
+        fused = fused_weights(shapes)                    # [W_gate; W_up], W_down [, [b_gate; b_up]]
         chunks = block.tiling.chunks(x)                  # every ring step takes the same chunks
         y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])    # [n, h]
-        # under none (or the AC replay): step j's gate/up pre-activations, [chunk, I/D] each
+        # under none (or the AC replay): step j's gate/up pre-activations, [chunk, 2 I/D] each
         kept: dict[int, list] | None = {} if keep.items else None
 
         def step(j: int, flat: torch.Tensor) -> None:
             if kept is not None:
                 kept[j] = []
-            gated_mlp_forward_into(x2, unpack(flat, shapes), y2, chunks,
+            gated_mlp_forward_into(x2, unpack(flat, fused), y2, chunks,
                                    kept[j] if kept is not None else None)
 
         ring_forward(comm, pack(*params), step, tag="mlp.weights")
@@ -98,11 +100,12 @@ class _TSPMLPFn(torch.autograd.Function):
         chunks = tiling.chunks(x)
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
         dx = torch.zeros(x2.shape, dtype=tiling.accumulator_dtype(x), device=x.device)
+        fused = fused_weights(ctx.shapes)
 
         def grad_into(j: int, flat: torch.Tensor, acc: torch.Tensor) -> None:
             # the weight (and gate/up bias) gradients go straight into the fp32 accumulator; a
             # kept step's g, u are released chunk by chunk as its gradient is done
-            gated_mlp_backward_into(x2, dy2, unpack(flat, ctx.shapes), unpack(acc, ctx.shapes), dx,
+            gated_mlp_backward_into(x2, dy2, unpack(flat, fused), unpack(acc, fused), dx,
                                     chunks, kept.pop(j) if kept is not None else None)
 
         full = ring_backward_into(ctx.comm, pack(*params), grad_into, tag="mlp.weights")
