@@ -45,7 +45,8 @@ def test_fp32_accumulates_in_place_in_one_addmm_and_exactly():
 def test_a_transposed_operand_and_a_row_slice_accumulator():
     buf, dy, x = torch.zeros(8, 5), _integers(4, 8, seed=3), _integers(4, 5, seed=4)
     add_matmul(buf[2:6], dy.t()[2:6], x)               # a view of a packed buffer, a^T operand
-    assert torch.equal(buf[2:6], dy.t()[2:6] @ x) and buf[:2].abs().sum() == 0 and buf[6:].abs().sum() == 0
+    assert torch.equal(buf[2:6], dy.t()[2:6] @ x)
+    assert buf[:2].abs().sum() == 0 and buf[6:].abs().sum() == 0
 
 
 def test_bf16_into_bf16_adds_inside_the_gemm():
@@ -68,10 +69,10 @@ def test_bf16_into_fp32_on_cpu_is_the_product_then_the_add():
 
 
 def test_the_fp32_output_gemm_is_chosen_on_cuda_only_for_bf16_and_fp16_operands():
+    f32, bf16 = torch.float32, torch.bfloat16
     for out_device, out_dtype, a_dtype, chosen in (
-            ("cuda", torch.float32, torch.bfloat16, True), ("cuda", torch.float32, torch.float16, True),
-            ("cuda", torch.bfloat16, torch.bfloat16, False), ("cuda", torch.float32, torch.float32, False),
-            ("cpu", torch.float32, torch.bfloat16, False), ("meta", torch.float32, torch.bfloat16, False)):
+            ("cuda", f32, bf16, True), ("cuda", f32, torch.float16, True), ("cuda", bf16, bf16, False),
+            ("cuda", f32, f32, False), ("cpu", f32, bf16, False), ("meta", f32, bf16, False)):
         out = _FakeDevice(out_device, out_dtype)
         assert gemm_writes_fp32(out, _FakeDevice(out_device, a_dtype)) is chosen, (
             out_device, out_dtype, a_dtype)
@@ -96,7 +97,7 @@ def test_the_cuda_branch_is_one_baddbmm_accumulating_into_out_in_fp32(monkeypatc
     assert out_dtype == torch.float32
     # out is both the added input and the result: one [1, 6, 5] view of the accumulator
     assert self_.data_ptr() == kwargs["out"].data_ptr() == out.data_ptr()
-    assert tuple(self_.shape) == (1, 6, 5) and tuple(batch1.shape) == (1, 6, 3) and tuple(batch2.shape) == (1, 3, 5)
+    assert [tuple(t.shape) for t in (self_, batch1, batch2)] == [(1, 6, 5), (1, 6, 3), (1, 3, 5)]
     assert batch1.dtype == batch2.dtype == torch.bfloat16
 
 
@@ -114,4 +115,5 @@ def test_fused_weights_are_free_views_of_the_packed_mlp_shard(bias):
     assert all(f.untyped_storage().data_ptr() == storage for f in fused)   # views, no copies
     if bias:
         assert torch.equal(fused[2], torch.cat(params[3:]))
-    assert [torch.equal(f, s) for f, s in zip(fused, gated_mlp.stacked_gate_up(params))] == [True] * len(fused)
+    stacked = gated_mlp.stacked_gate_up(params)           # the baselines' copy: the same values
+    assert all(torch.equal(f, s) for f, s in zip(fused, stacked)) and len(stacked) == len(fused)

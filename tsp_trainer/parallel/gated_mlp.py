@@ -5,8 +5,14 @@ ring (parallel/tsp/mlp.py) and the baselines' column/row-parallel MLP (parallel/
 parallel/loss_chunks.py `resolve_mlp_chunk_tokens`) and, when the tokens are tiled, that the
 block's [tokens, h] accumulators (MLP output, dX; TSP's attention output over owners and its dX)
 are kept in the activation dtype instead of fp32 (docs/long_context.md section 10). In fp32 the
-two are the same; in bf16 each chunk's product is still accumulated in fp32 inside its matmul and
-rounded once as it is added (one rounding per ring step or item instead of one at the end).
+two are the same; in bf16 each chunk's GEMM adds into the bf16 accumulator itself, summing in fp32
+and rounding once (one rounding per ring step or attention owner instead of one at the end).
+
+The block's weights come fused (`fused_weights`): gate and up are one GEMM against
+[W_gate; W_up], and in backward one GEMM gives [dW_gate; dW_up] and one dX += [dg | du]
+[W_gate; W_up]. Every accumulation (outputs, dX, weight gradients) goes through `add_matmul`,
+which sums inside the GEMM: `addmm_` in the accumulator's dtype, or on CUDA a bf16 GEMM writing
+its fp32 accumulator directly; only CPU's bf16 GEMM into fp32 writes a product and adds it.
 """
 
 from __future__ import annotations

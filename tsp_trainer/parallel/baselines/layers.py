@@ -171,7 +171,9 @@ class _TiledGatedMLP(torch.autograd.Function):
         acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in fused]
         dx = torch.zeros((x.numel() // h, h), dtype=x.dtype, device=x.device)
         gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), fused, acc, dx, ctx.chunks)
-        grads = [acc[0][:rows], acc[0][rows:], acc[1]] + ([acc[2][:rows], acc[2][rows:]] if len(acc) > 2 else [])
+        grads = [acc[0][:rows], acc[0][rows:], acc[1]]             # W_gate, W_up, W_down
+        if len(acc) > 2:
+            grads += [acc[2][:rows], acc[2][rows:]]                 # b_gate, b_up
         return (dx.view(x.shape), None, *(g.to(p.dtype) for g, p in zip(grads, params)))
 
 

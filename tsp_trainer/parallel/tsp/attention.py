@@ -2,11 +2,16 @@
 
 Rank p of D holds rows of W_q, W_k, W_v for head group p and the matching columns of W_o, and the
 N/D tokens X_p of its two zigzag chunks. The work is a schedule of items (r, b): owner r's shard,
-head bucket b, in the same order on every rank. For each item every rank projects its local tokens
-with shard r, all-gathers K and V over the tsp group, reorders them to logical order, runs causal
-attention for its local queries and accumulates A_(r,b) W_o^(r,b)T into its output. The sum over
-heads completes locally: no all-reduce. q/k/v biases (Qwen2, Llama attention_bias) belong to their
-heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
+head bucket b, in the same order on every rank. Per owner every rank projects its local tokens
+with the whole shard in one GEMM, X_p [W_q; W_k; W_v]^T (+ b) -> [n, (hq + 2 hkv)/D * d] (W_q, W_k,
+W_v are consecutive rows of the packed shard, so [W_q; W_k; W_v] is a view), applies RoPE, and
+each item (r, b) takes its bucket's heads as slices; per item it all-gathers K and V over the tsp
+group, reorders them to logical order and runs causal attention for its local queries. After the
+owner's last bucket one GEMM adds A_r W_o^(r)T into the output, A_r [n, hq/D * d] the buckets'
+outputs side by side. The sum over heads completes locally: no all-reduce. GEMMs per rank and
+layer: 2 D forward, 4 D backward (5 D under full recompute), whatever the head buckets
+(tests/distributed/test_gemm_launches.py). q/k/v biases (Qwen2, Llama attention_bias) belong to
+their heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
 replicated and added once per token after the sum; its gradient is summed over the group (like a
 norm's, tag "bias.grad").
 
@@ -14,29 +19,43 @@ Overlap. Every transfer is asynchronous and issued one step ahead of the compute
 needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py checks the order):
 - weights: owner r's shard is broadcast into a fixed pool of buffers (tsp/ring.py ShardBroadcasts),
   the next shards in flight while shard r is used;
-- K/V: item i+1's projection is computed and its all-gather issued before item i's attention, so
-  the gather runs under the attention kernel (forward and backward);
-- dK/dV: backward issues item i's reduce-scatter, then computes the query side (dW_o, dW_q, dX from
-  dQ) and, under full recompute, item i+1's attention forward while it runs; only then it waits
-  for it and finishes item i's key/value side, before item i+1's projection and K/V gather (so at
-  most two weight shards and two gradient buffers are held, as without the deferral);
+- K/V: item i+1's projection is computed (its owner's GEMM, at the owner's first bucket) and its
+  all-gather issued before item i's attention, so the gather runs under the attention kernel
+  (forward and backward);
+- dK/dV: backward issues item i's reduce-scatter and waits for it only after compute that does
+  not need it: under full recompute item i+1's attention forward; when item i+1 has the same owner,
+  also item i+1's attention backward (then two buckets' scatters are in flight); after the owner's
+  last bucket, the owner's dW_o GEMM. Then item i's key/value side is finished; an owner's last one
+  is finished before the next owner's projection and K/V gather (so at most two weight shards and
+  two gradient buffers are held);
 - weight gradients: this rank's partial gradient of shard r is written straight into a packed fp32
   buffer (no per-weight gradient tensors) and reduced to owner r asynchronously while shard r+1 is
   computed; the buffer that reduce frees is the next one filled.
 On CUDA these are NCCL ops on NCCL's stream: `wait()` orders the compute stream after them without
 blocking the host, so the transfers run beside the kernels.
 
+Backward per owner: dA = dy W_o^(r) [n, hq/D * d] in one GEMM, sliced per bucket into its
+attention backward; dW_o += dy^T A_r in one GEMM; each bucket's dq, dk, dv (after RoPE's adjoint)
+go into dP = [dq | dk | dv] [n, (hq + 2 hkv)/D * d], laid out as [W_q; W_k; W_v]'s rows, and once
+the last bucket's dK/dV are in, one GEMM dW_qkv += dP^T X_p into the packed fp32 gradient's
+[W_q; W_k; W_v] view (its column sums the q/k/v bias gradients) and one dX += dP [W_q; W_k; W_v].
+
 Transient memory per block (packed shards P_attn / D; fp32 weights): forward three weight buffers;
 backward two weight buffers and two fp32 gradient buffers (the one filled, the one being reduced):
 4 shards (test_tsp_memory.py), plus two gathered K/V buckets (the one in use, the next one in flight)
-and one gathered dK/dV bucket. The output (forward) and dX (backward) accumulators [N/D, h] are
-fp32, or the activation dtype once the layer's tokens are tiled (`parallel.mlp_chunk_tokens`,
-parallel/gated_mlp.py): in bf16 each item's product, summed in fp32 inside its matmul, is then
-rounded as it is added, and the block holds no fp32 [N/D, h].
+and one gathered dK/dV bucket (two when an owner has more than one bucket). Per owner in flight:
+forward its projection [n, (hq + 2 hkv)/D * d] and, with more than one bucket, A_r [n, hq/D * d];
+backward dA [n, hq/D * d], dP [n, (hq + 2 hkv)/D * d] (from the first bucket's attention backward
+on) and, with more than one bucket, A_r: local tokens only, never gathered ones. The output
+(forward) and dX (backward) accumulators [N/D, h] are fp32, or the activation dtype once the
+layer's tokens are tiled (`parallel.mlp_chunk_tokens`, parallel/gated_mlp.py); each owner's GEMM
+adds into them itself (`add_matmul`: in their dtype, or on CUDA a bf16 GEMM with an fp32 output),
+and a tiled block holds no fp32 [N/D, h].
 
 Recompute (`parallel.tsp_recompute`):
 - "full" (default): saved between forward and backward: X_p only. Backward re-broadcasts shard r,
-  recomputes the local projections and the bucket's attention forward, then backpropagates.
+  recomputes the owner's local projection GEMM and each bucket's attention forward, then
+  backpropagates.
 - "selective": forward also keeps, per item, the local q and stacked k, v (after RoPE) and the
   attention output with its autograd graph, whose saved views of the gathered K/V are dropped (a
   saved-tensor hook keeps only their geometry) and re-gathered from the local k, v in backward. So
@@ -485,7 +504,8 @@ class _OwnerBackward:
 
     def __init__(self, owner: int, dy2: torch.Tensor, weights: _Shard, grads: _Shard,
                  cols: _Columns, buckets: int):
-        self.owner, self.weights, self.grads, self.cols, self.last = owner, weights, grads, cols, buckets - 1
+        self.owner, self.weights, self.grads, self.cols = owner, weights, grads, cols
+        self.last = buckets - 1
         self.da = dy2 @ weights.wo                                       # [n, hq/D * d]
         self.dp: torch.Tensor | None = None     # [n, (hq + 2 hkv)/D * d], from the first dq on
         self.outputs = _OwnerOutputs(buckets)
