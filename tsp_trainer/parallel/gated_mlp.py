@@ -8,9 +8,10 @@ are kept in the activation dtype instead of fp32 (docs/long_context.md section 1
 two are the same; in bf16 each chunk's GEMM adds into the bf16 accumulator itself, summing in fp32
 and rounding once (one rounding per ring step or attention owner instead of one at the end).
 
-The block's weights come fused (`fused_weights`): gate and up are one GEMM against
-[W_gate; W_up], and in backward one GEMM gives [dW_gate; dW_up] and one dX += [dg | du]
-[W_gate; W_up]. Every accumulation (outputs, dX, weight gradients) goes through `add_matmul`,
+TSP's packed shard gives the block's weights fused (`fused_weights`): gate and up are one GEMM
+against [W_gate; W_up], and in backward one GEMM gives [dW_gate; dW_up] and one dX += [dg | du]
+[W_gate; W_up]. The baselines hold W_gate and W_up as separate parameters (`split_gate_up`): the
+same computation with two GEMMs for each of these, writing the halves of the same buffers. Every accumulation (outputs, dX, weight gradients) goes through `add_matmul`,
 which sums inside the GEMM: `addmm_` in the accumulator's dtype, or on CUDA a bf16 GEMM writing
 its fp32 accumulator directly; only CPU's bf16 GEMM into fp32 writes a product and adds it.
 """
@@ -59,22 +60,61 @@ def fused_weights(shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return fused + ([(shapes[3][0] + shapes[4][0],)] if len(shapes) > 3 else [])
 
 
-def stacked_gate_up(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """W_gate, W_up, W_down [, b_gate, b_up] held apart (the baselines' parameters) as the fused
-    list gated_mlp_forward_into takes: one copy of [W_gate; W_up] (and of the biases)."""
-    fused = [torch.cat((params[0], params[1])), params[2]]
-    return fused + ([torch.cat((params[3], params[4]))] if len(params) > 3 else [])
+def split_gate_up(params: list[torch.Tensor]) -> list:
+    """W_gate, W_up, W_down [, b_gate, b_up] held apart (the baselines' own parameters, not
+    adjacent in memory) in the list gated_mlp_forward_into takes: (W_gate, W_up), W_down
+    [, (b_gate, b_up)]. The gate and up GEMMs then write the two halves of one [c, 2 I] buffer
+    (two GEMMs, no copy of the weights)."""
+    pair = [(params[0], params[1]), params[2]]
+    return pair + ([(params[3], params[4])] if len(params) > 3 else [])
+
+
+def _gate_up(x: torch.Tensor, w, bias) -> torch.Tensor:
+    """[x W_gate^T (+ b_gate) | x W_up^T (+ b_up)] [c, 2 I]: one GEMM against the fused [W_gate;
+    W_up] (a tensor), or one per half of the output for a (W_gate, W_up) pair."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    out = x.new_empty((x.shape[0], w[0].shape[0] + w[1].shape[0]))
+    for half, wi, bi in zip(out.chunk(2, dim=-1), w, bias if bias is not None else (None, None)):
+        if bi is None:
+            torch.mm(x, wi.t(), out=half)
+        else:
+            torch.addmm(bi, x, wi.t(), out=half)
+    return out
+
+
+def _add_gate_up_grads(acc_w, acc_b, dgu: torch.Tensor, x: torch.Tensor) -> None:
+    """[dW_gate; dW_up] += [dg | du]^T x (one GEMM into a fused accumulator, one per half for a
+    pair) and the biases' column sums (fp32)."""
+    if isinstance(acc_w, torch.Tensor):
+        add_matmul(acc_w, dgu.t(), x)
+        if acc_b is not None:
+            acc_b.add_(dgu.sum(0, dtype=torch.float32))
+        return
+    for i, half in enumerate(dgu.chunk(2, dim=-1)):
+        add_matmul(acc_w[i], half.t(), x)
+        if acc_b is not None:
+            acc_b[i].add_(half.sum(0, dtype=torch.float32))
+
+
+def _add_gate_up_input_grad(dx: torch.Tensor, dgu: torch.Tensor, w) -> None:
+    """dx += [dg | du] [W_gate; W_up]: one GEMM, or one per half for a pair."""
+    if isinstance(w, torch.Tensor):
+        add_matmul(dx, dgu, w)
+        return
+    for half, wi in zip(dgu.chunk(2, dim=-1), w):
+        add_matmul(dx, half, wi)
 
 
 def gated_mlp_forward_into(x2: torch.Tensor, ws: list[torch.Tensor], y2: torch.Tensor,
                            chunks: list[slice], kept: list | None = None) -> None:
     """y2[c] += gated_mlp(x2[c], block ws) chunk by chunk, two GEMMs a chunk: x2 [n, h], y2 [n, h]
     (fp32 or x's dtype); ws = [W_gate; W_up] [2 I/D, h], W_down [h, I/D] (+ [b_gate; b_up]), as
-    `fused_weights` lays them out. With `kept` (a list) each chunk's gate/up pre-activations
+    `fused_weights` lays them out, or with the (W_gate, W_up) pairs of `split_gate_up`. With `kept` (a list) each chunk's gate/up pre-activations
     [chunk, 2 I/D] (gate first) are appended to it for the backward."""
     bias = ws[2] if len(ws) > 2 else None
     for c in chunks:
-        gu = F.linear(x2[c], ws[0], bias)           # [chunk, 2 I/D]: gate | up, one GEMM
+        gu = _gate_up(x2[c], ws[0], bias)           # [chunk, 2 I/D]: gate | up
         if kept is not None:
             kept.append(gu)
         g, u = gu.chunk(2, dim=-1)
@@ -89,7 +129,8 @@ def gated_mlp_backward_into(x: torch.Tensor, dy: torch.Tensor, ws: list[torch.Te
     accumulator) without a gradient tensor of their own. x, dy [n, h]; ws as in
     gated_mlp_forward_into; acc the same shapes in fp32; dx [n, h] (fp32 or x's dtype, added
     into). kept: the chunks' gate/up pre-activations, in chunk order (each released once used);
-    None recomputes them from x. Per chunk four GEMMs (five with the gate/up recompute)."""
+    None recomputes them from x. Per chunk four GEMMs with fused weights (five with the gate/up
+    recompute)."""
     for i, c in enumerate(chunks):
         gu = kept[i] if kept is not None else None
         if kept is not None:
@@ -101,7 +142,7 @@ def _chunk_backward_into(x, dy, ws, acc, dx, gu_kept) -> None:
     """One chunk of gated_mlp_backward_into: x, dy, dx [c, h]; the intermediates [c, I/D], the
     gate/up ones side by side in [c, 2 I/D] (gate first, as [W_gate; W_up]'s rows)."""
     w_gu, wd = ws[0], ws[1]
-    gu = gu_kept if gu_kept is not None else F.linear(x, w_gu, ws[2] if len(ws) > 2 else None)
+    gu = gu_kept if gu_kept is not None else _gate_up(x, w_gu, ws[2] if len(ws) > 2 else None)
     gu = gu.reshape(x.shape[0], -1)
     g, u = gu.chunk(2, dim=-1)
     sig = torch.sigmoid(g)
@@ -112,10 +153,8 @@ def _chunk_backward_into(x, dy, ws, acc, dx, gu_kept) -> None:
     torch.mm(dy, wd, out=dg)                     # dp [c, I/D]: the gradient of silu(g) * u
     torch.mul(dg, a, out=du)
     dg.mul_(u).mul_(sig * (1 + g * (1 - sig)))   # silu'(g) = sig (1 + g (1 - sig))
-    add_matmul(acc[0], dgu.t(), x)              # [dW_gate; dW_up] [2 I/D, h], one GEMM
-    if len(acc) > 2:
-        acc[2].add_(dgu.sum(0, dtype=torch.float32))
-    add_matmul(dx, dgu, w_gu)                    # dx += [dg | du] [W_gate; W_up], one GEMM
+    _add_gate_up_grads(acc[0], acc[2] if len(acc) > 2 else None, dgu, x)   # [dW_gate; dW_up]
+    _add_gate_up_input_grad(dx, dgu, w_gu)      # dx += [dg | du] [W_gate; W_up]
 
 
 def add_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -150,4 +189,4 @@ def _addmm_into_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
 
 
 __all__ = ["TokenTiling", "add_matmul", "fused_weights", "gated_mlp_backward_into",
-           "gated_mlp_forward_into", "gemm_writes_fp32", "stacked_gate_up"]
+           "gated_mlp_forward_into", "gemm_writes_fp32", "split_gate_up"]

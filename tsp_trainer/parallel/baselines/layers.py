@@ -46,7 +46,7 @@ from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight
                                                      vocab_parallel_lookup)
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import (TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into,
-                                            stacked_gate_up)
+                                            split_gate_up)
 from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
 
 
@@ -148,16 +148,16 @@ class ParallelMLP(nn.Module):
 
 class _TiledGatedMLP(torch.autograd.Function):
     """This rank's block of the gated MLP (no down_proj bias) over its region's tokens, chunk by
-    chunk: saved x and the weights only; backward recomputes each chunk's gate/up (the forward's
-    gate|up GEMM again) and writes the weight gradients into fp32 accumulators. Gate and up run
-    as one GEMM against [W_gate; W_up], stacked once per pass (a transient copy of the two
-    weights, [2 I/T, h])."""
+    chunk: saved x and the weights only; backward recomputes each chunk's gate/up (two GEMMs of
+    the forward again) and writes the weight gradients into fp32 accumulators. W_gate and W_up
+    are separate parameters here, so gate and up are two GEMMs into one [chunk, 2 I/T] buffer
+    (`split_gate_up`: stacking them would copy the weights each pass)."""
 
     @staticmethod
     def forward(ctx, x, chunks: list[slice], *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), stacked_gate_up(list(params)),
+        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), split_gate_up(list(params)),
                                y.view(-1, x.shape[-1]).zero_(), chunks)
         ctx.save_for_backward(x, *params)
         ctx.chunks = chunks
@@ -166,15 +166,12 @@ class _TiledGatedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, *params = ctx.saved_tensors
-        h, rows = x.shape[-1], params[0].shape[0]
-        fused = stacked_gate_up(params)              # [W_gate; W_up], W_down [, [b_gate; b_up]]
-        acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in fused]
+        h = x.shape[-1]
+        acc = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
         dx = torch.zeros((x.numel() // h, h), dtype=x.dtype, device=x.device)
-        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), fused, acc, dx, ctx.chunks)
-        grads = [acc[0][:rows], acc[0][rows:], acc[1]]             # W_gate, W_up, W_down
-        if len(acc) > 2:
-            grads += [acc[2][:rows], acc[2][rows:]]                 # b_gate, b_up
-        return (dx.view(x.shape), None, *(g.to(p.dtype) for g, p in zip(grads, params)))
+        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), split_gate_up(params),
+                                split_gate_up(acc), dx, ctx.chunks)
+        return (dx.view(x.shape), None, *(a.to(p.dtype) for a, p in zip(acc, params)))
 
 
 class ParallelRMSNorm(RMSNorm):

@@ -24,10 +24,10 @@ needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py
   (forward and backward);
 - dK/dV: backward issues item i's reduce-scatter and waits for it only after compute that does
   not need it: under full recompute item i+1's attention forward; when item i+1 has the same owner,
-  also item i+1's attention backward (then two buckets' scatters are in flight); after the owner's
-  last bucket, the owner's dW_o GEMM. Then item i's key/value side is finished; an owner's last one
-  is finished before the next owner's projection and K/V gather (so at most two weight shards and
-  two gradient buffers are held);
+  also item i+1's attention backward (item i is finished just before item i+1's scatter is issued:
+  one in flight); after the owner's last bucket, the owner's dW_o GEMM. An owner's last item is
+  finished before the next owner's projection and K/V gather (so at most two weight shards and two
+  gradient buffers are held);
 - weight gradients: this rank's partial gradient of shard r is written straight into a packed fp32
   buffer (no per-weight gradient tensors) and reduced to owner r asynchronously while shard r+1 is
   computed; the buffer that reduce frees is the next one filled.
@@ -43,7 +43,7 @@ the last bucket's dK/dV are in, one GEMM dW_qkv += dP^T X_p into the packed fp32
 Transient memory per block (packed shards P_attn / D; fp32 weights): forward three weight buffers;
 backward two weight buffers and two fp32 gradient buffers (the one filled, the one being reduced):
 4 shards (test_tsp_memory.py), plus two gathered K/V buckets (the one in use, the next one in flight)
-and one gathered dK/dV bucket (two when an owner has more than one bucket). Per owner in flight:
+and one gathered dK/dV bucket. Per owner in flight:
 forward its projection [n, (hq + 2 hkv)/D * d] and, with more than one bucket, A_r [n, hq/D * d];
 backward dA [n, hq/D * d], dP [n, (hq + 2 hkv)/D * d] (from the first bucket's attention backward
 on) and, with more than one bucket, A_r: local tokens only, never gathered ones. The output
@@ -189,15 +189,17 @@ class _OwnerProjection:
         b, t, _ = x.shape
         p = F.linear(x, shard.wqkv, shard.bqkv)                             # [B, T, C]
         self.q = apply_rope(p[..., :cols.q].view(b, t, -1, d), rope.cos, rope.sin)
-        self.k = apply_rope(p[..., cols.q:cols.q + cols.kv].view(b, t, -1, d), rope.cos, rope.sin)
-        self.v = p[..., cols.q + cols.kv:].view(b, t, -1, d)
-        self.heads = (self.q.shape[2] // cols.buckets, self.k.shape[2] // cols.buckets)
+        k = apply_rope(p[..., cols.q:cols.q + cols.kv].view(b, t, -1, d), rope.cos, rope.sin)
+        v = p[..., cols.q + cols.kv:].view(b, t, -1, d)
+        self.hq, hkv = self.q.shape[2] // cols.buckets, k.shape[2] // cols.buckets
+        # each bucket's k, v stacked [B, T, 2, hkv_b, d] now, so the projection is freed here
+        self.kv = [torch.stack((k[:, :, i * hkv:(i + 1) * hkv], v[:, :, i * hkv:(i + 1) * hkv]), dim=2)
+                   for i in range(cols.buckets)]
 
     def item(self, b: int, comm: Comm) -> "_Item":
-        """Bucket b's q [B, T, hq_b, d] (a view) and k, v, its K/V all-gather issued."""
-        hq, hkv = self.heads
-        kv = slice(b * hkv, (b + 1) * hkv)
-        return _Item(self.q[:, :, b * hq:(b + 1) * hq], self.k[:, :, kv], self.v[:, :, kv], comm)
+        """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued."""
+        kv, self.kv[b] = self.kv[b], None
+        return _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm)
 
 
 def _schedule(degree: int, buckets: int) -> list[tuple[int, int]]:
@@ -282,8 +284,8 @@ class _Item:
     (after RoPE), the K/V all-gather in flight, and once attended the output a [B, T, hq_b * d]
     with its autograd graph (q_leaf, the gradient sink of the gathered K/V, the K/V hooks)."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm):
-        self.q, self.kv, self.comm = q, torch.stack((k, v), dim=2), comm
+    def __init__(self, q: torch.Tensor, kv: torch.Tensor, comm: Comm):
+        self.q, self.kv, self.comm = q, kv, comm
         self.gather: _KVGather | None = _KVGather(self.kv, comm)
         self.a = self.q_leaf = self.anchor = self.sink = self.dropped = None
 
@@ -431,17 +433,15 @@ class _TSPAttentionFn(torch.autograd.Function):
         for i, (r, b) in enumerate(items):
             if kept is None:
                 item.attend(rope, graph=True)    # full recompute: the attention forward again,
-            same_owner = pending is not None and pending.owner == r
-            if not same_owner:                   # under which item i-1's dK/dV were reduce-scattered
-                finish(pending)
+            if pending is not None and pending.owner != r:   # under which item i-1's dK/dV were
+                finish(pending)                               # reduce-scattered
                 pending = None
             nxt = prepare(i + 1) if i + 1 < len(items) else None    # its K/V gather in flight
             if b == 0:
                 owner = _OwnerBackward(r, dy2, _Shard(shards.get(r), shapes),
                                        _Shard(grads.buffer(r), shapes), cols, block.head_buckets)
-            queued = owner.query_side(x2, dy2, item, b, rope, comm, dx)
-            finish(pending)                      # same owner: under this item's attention backward
-            pending, item = queued, nxt
+            # same owner: item i-1's key/value side finishes after this item's attention backward
+            pending, item = owner.query_side(x2, dy2, item, b, rope, comm, dx, pending), nxt
         finish(pending)
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
@@ -510,13 +510,17 @@ class _OwnerBackward:
         self.dp: torch.Tensor | None = None     # [n, (hq + 2 hkv)/D * d], from the first dq on
         self.outputs = _OwnerOutputs(buckets)
 
-    def query_side(self, x2, dy2, item: _Item, b: int, rope: Rotary, comm: Comm,
-                   dx: torch.Tensor) -> "_PendingKV":
+    def query_side(self, x2, dy2, item: _Item, b: int, rope: Rotary, comm: Comm, dx: torch.Tensor,
+                   previous: "_PendingKV | None") -> "_PendingKV":
         """Backpropagate dy through bucket b's recorded attention up to its dK/dV, whose
-        reduce-scatter is issued; dq (after RoPE's adjoint) goes into dP. x2, dy2, dx [n, h]."""
+        reduce-scatter is issued; dq (after RoPE's adjoint) goes into dP. x2, dy2, dx [n, h].
+        `previous`: this owner's previous bucket, whose scatter ran under this attention backward;
+        its key/value side is finished before this bucket's scatter is issued (one in flight)."""
         a, cols = item.a, self.cols
         self.outputs.add(b, a.detach())
         dq, dkv = item.backward(self.da[:, cols.q_cols(b)].view(a.shape))
+        if previous is not None:
+            previous.finish(rope)
         scatter = _DKVScatter(*dkv, comm)                                # dK/dV summed meanwhile
         del dkv
         if b == self.last:
