@@ -9,9 +9,10 @@ wait) and compute events from a dispatch mode (the attention kernels and matmuls
 Checked, forward and backward, full and selective recompute, 2 and 4 ranks, 1 and 2 head buckets:
 - the next item's K/V all-gather is issued before this item's attention kernel runs;
 - weight broadcasts are issued ahead: shard r+1's broadcast is issued before shard r's attention;
-- backward's dK/dV reduce-scatter of an item is waited only after matmuls of that item's query
-  side ran (issued, then compute, then wait) and, under full recompute, after the next item's
-  attention forward;
+- backward's dK/dV reduce-scatter of an item is waited only after compute ran (issued, then
+  compute, then wait): the owner's dW_o GEMM after its last bucket, the next bucket's attention
+  backward kernel within an owner (the q/k/v GEMMs are per owner, so a mid-owner bucket has none of
+  its own to hide under) and, under full recompute, the next item's attention forward;
 - the weight-gradient reduce to owner r is waited only after compute of the next owner's shard.
 """
 
@@ -133,9 +134,10 @@ def _check_backward(events, items, degree, recompute):
     scatters = _positions(events, "issue", "reduce_scatter", "attn.dkv")
     scatter_done = _positions(events, "done", "reduce_scatter", "attn.dkv")
     assert len(scatters) == len(scatter_done) == items
-    matmuls = _positions(events, "compute", "mm") + _positions(events, "compute", "addmm_")
+    compute = (_positions(events, "compute", "mm") + _positions(events, "compute", "addmm_")
+               + kernels)
     for issued, done in zip(scatters, scatter_done):
-        assert any(issued < m < done for m in matmuls), ("dK/dV reduce-scatter not overlapped", issued, done)
+        assert any(issued < m < done for m in compute), ("dK/dV reduce-scatter not overlapped", issued, done)
     if recompute == "full":           # item i's reduce-scatter runs under item i+1's attention
         forward_kernels = _positions(events, "compute", _FLASH_FWD)
         assert len(forward_kernels) >= items

@@ -1,7 +1,8 @@
 """Executed FLOPs of real code: torch's flop_counter formulas (what `FlopCounterMode` counts) with
 attention formulas that count what the kernels execute.
 
-torch 2.13's flop_counter counts matmuls (mm, addmm, bmm, baddbmm) and the fused SDPA ops, but it
+torch 2.13's flop_counter counts matmuls (mm, addmm, bmm, baddbmm; here also the in-place addmm_ and
+the out_dtype overloads) and the fused SDPA ops, but it
 counts every fused attention call as the full [n_q, n_k] rectangle ("We aren't accounting for
 causal attention here") and has no formula for CPU's flash kernel
 (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, the ops the CPU log-sum-exp
@@ -195,8 +196,17 @@ class _CountingMode(TorchDispatchMode):
         packet = func._overloadpacket
         out = func(*args, **kwargs)
         if packet in self.registry:
-            self.counts[packet] += self.registry[packet](*args, **kwargs, out_val=out)
+            self.counts[packet] += self.registry[packet](*_without_out_dtype(func, args), **kwargs,
+                                                         out_val=out)
         return out
+
+
+def _without_out_dtype(func, args: tuple) -> tuple:
+    """The arguments torch's matmul formulas take: the out_dtype overloads (mm.dtype,
+    baddbmm.dtype_out, ...) pass the output dtype positionally after the tensors."""
+    if func._overloadname in ("dtype", "dtype_out"):
+        return tuple(a for a in args if not isinstance(a, torch.dtype))
+    return args
 
 
 class ExecutedFlops:
@@ -209,7 +219,9 @@ class ExecutedFlops:
     """
 
     def __init__(self):
-        self.mode = _CountingMode({**flop_registry, **_attention_formulas()})
+        # addmm_ (a GEMM accumulating into its input in place) counts as addmm
+        self.mode = _CountingMode({**flop_registry, aten.addmm_: flop_registry[aten.addmm],
+                                   **_attention_formulas()})
 
     def __enter__(self) -> "ExecutedFlops":
         self.mode.__enter__()

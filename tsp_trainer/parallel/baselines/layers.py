@@ -45,7 +45,8 @@ from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight
                                                      vocab_parallel_cross_entropy,
                                                      vocab_parallel_lookup)
 from tsp_trainer.parallel.comm import Comm
-from tsp_trainer.parallel.gated_mlp import TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into
+from tsp_trainer.parallel.gated_mlp import (TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into,
+                                            split_gate_up)
 from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
 
 
@@ -148,13 +149,15 @@ class ParallelMLP(nn.Module):
 class _TiledGatedMLP(torch.autograd.Function):
     """This rank's block of the gated MLP (no down_proj bias) over its region's tokens, chunk by
     chunk: saved x and the weights only; backward recomputes each chunk's gate/up (two GEMMs of
-    the forward again) and writes the weight gradients into fp32 accumulators."""
+    the forward again) and writes the weight gradients into fp32 accumulators. W_gate and W_up
+    are separate parameters here, so gate and up are two GEMMs into one [chunk, 2 I/T] buffer
+    (`split_gate_up`: stacking them would copy the weights each pass)."""
 
     @staticmethod
     def forward(ctx, x, chunks: list[slice], *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up]
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), list(params),
+        gated_mlp_forward_into(x.reshape(-1, x.shape[-1]), split_gate_up(list(params)),
                                y.view(-1, x.shape[-1]).zero_(), chunks)
         ctx.save_for_backward(x, *params)
         ctx.chunks = chunks
@@ -166,7 +169,8 @@ class _TiledGatedMLP(torch.autograd.Function):
         h = x.shape[-1]
         acc = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
         dx = torch.zeros((x.numel() // h, h), dtype=x.dtype, device=x.device)
-        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), params, acc, dx, ctx.chunks)
+        gated_mlp_backward_into(x.reshape(-1, h), dy.reshape(-1, h), split_gate_up(params),
+                                split_gate_up(acc), dx, ctx.chunks)
         return (dx.view(x.shape), None, *(a.to(p.dtype) for a, p in zip(acc, params)))
 
 

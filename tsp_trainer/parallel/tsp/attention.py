@@ -2,11 +2,16 @@
 
 Rank p of D holds rows of W_q, W_k, W_v for head group p and the matching columns of W_o, and the
 N/D tokens X_p of its two zigzag chunks. The work is a schedule of items (r, b): owner r's shard,
-head bucket b, in the same order on every rank. For each item every rank projects its local tokens
-with shard r, all-gathers K and V over the tsp group, reorders them to logical order, runs causal
-attention for its local queries and accumulates A_(r,b) W_o^(r,b)T into its output. The sum over
-heads completes locally: no all-reduce. q/k/v biases (Qwen2, Llama attention_bias) belong to their
-heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
+head bucket b, in the same order on every rank. Per owner every rank projects its local tokens
+with the whole shard in one GEMM, X_p [W_q; W_k; W_v]^T (+ b) -> [n, (hq + 2 hkv)/D * d] (W_q, W_k,
+W_v are consecutive rows of the packed shard, so [W_q; W_k; W_v] is a view), applies RoPE, and
+each item (r, b) takes its bucket's heads as slices; per item it all-gathers K and V over the tsp
+group, reorders them to logical order and runs causal attention for its local queries. After the
+owner's last bucket one GEMM adds A_r W_o^(r)T into the output, A_r [n, hq/D * d] the buckets'
+outputs side by side. The sum over heads completes locally: no all-reduce. GEMMs per rank and
+layer: 2 D forward, 4 D backward (5 D under full recompute), whatever the head buckets
+(tests/distributed/test_gemm_launches.py). q/k/v biases (Qwen2, Llama attention_bias) belong to
+their heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
 replicated and added once per token after the sum; its gradient is summed over the group (like a
 norm's, tag "bias.grad").
 
@@ -14,29 +19,43 @@ Overlap. Every transfer is asynchronous and issued one step ahead of the compute
 needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py checks the order):
 - weights: owner r's shard is broadcast into a fixed pool of buffers (tsp/ring.py ShardBroadcasts),
   the next shards in flight while shard r is used;
-- K/V: item i+1's projection is computed and its all-gather issued before item i's attention, so
-  the gather runs under the attention kernel (forward and backward);
-- dK/dV: backward issues item i's reduce-scatter, then computes the query side (dW_o, dW_q, dX from
-  dQ) and, under full recompute, item i+1's attention forward while it runs; only then it waits
-  for it and finishes item i's key/value side, before item i+1's projection and K/V gather (so at
-  most two weight shards and two gradient buffers are held, as without the deferral);
+- K/V: item i+1's projection is computed (its owner's GEMM, at the owner's first bucket) and its
+  all-gather issued before item i's attention, so the gather runs under the attention kernel
+  (forward and backward);
+- dK/dV: backward issues item i's reduce-scatter and waits for it only after compute that does
+  not need it: under full recompute item i+1's attention forward; when item i+1 has the same owner,
+  also item i+1's attention backward (item i is finished just before item i+1's scatter is issued:
+  one in flight); after the owner's last bucket, the owner's dW_o GEMM. An owner's last item is
+  finished before the next owner's projection and K/V gather (so at most two weight shards and two
+  gradient buffers are held);
 - weight gradients: this rank's partial gradient of shard r is written straight into a packed fp32
   buffer (no per-weight gradient tensors) and reduced to owner r asynchronously while shard r+1 is
   computed; the buffer that reduce frees is the next one filled.
 On CUDA these are NCCL ops on NCCL's stream: `wait()` orders the compute stream after them without
 blocking the host, so the transfers run beside the kernels.
 
+Backward per owner: dA = dy W_o^(r) [n, hq/D * d] in one GEMM, sliced per bucket into its
+attention backward; dW_o += dy^T A_r in one GEMM; each bucket's dq, dk, dv (after RoPE's adjoint)
+go into dP = [dq | dk | dv] [n, (hq + 2 hkv)/D * d], laid out as [W_q; W_k; W_v]'s rows, and once
+the last bucket's dK/dV are in, one GEMM dW_qkv += dP^T X_p into the packed fp32 gradient's
+[W_q; W_k; W_v] view (its column sums the q/k/v bias gradients) and one dX += dP [W_q; W_k; W_v].
+
 Transient memory per block (packed shards P_attn / D; fp32 weights): forward three weight buffers;
 backward two weight buffers and two fp32 gradient buffers (the one filled, the one being reduced):
 4 shards (test_tsp_memory.py), plus two gathered K/V buckets (the one in use, the next one in flight)
-and one gathered dK/dV bucket. The output (forward) and dX (backward) accumulators [N/D, h] are
-fp32, or the activation dtype once the layer's tokens are tiled (`parallel.mlp_chunk_tokens`,
-parallel/gated_mlp.py): in bf16 each item's product, summed in fp32 inside its matmul, is then
-rounded as it is added, and the block holds no fp32 [N/D, h].
+and one gathered dK/dV bucket. Per owner in flight:
+forward its projection [n, (hq + 2 hkv)/D * d] and, with more than one bucket, A_r [n, hq/D * d];
+backward dA [n, hq/D * d], dP [n, (hq + 2 hkv)/D * d] (from the first bucket's attention backward
+on) and, with more than one bucket, A_r: local tokens only, never gathered ones. The output
+(forward) and dX (backward) accumulators [N/D, h] are fp32, or the activation dtype once the
+layer's tokens are tiled (`parallel.mlp_chunk_tokens`, parallel/gated_mlp.py); each owner's GEMM
+adds into them itself (`add_matmul`: in their dtype, or on CUDA a bf16 GEMM with an fp32 output),
+and a tiled block holds no fp32 [N/D, h].
 
 Recompute (`parallel.tsp_recompute`):
 - "full" (default): saved between forward and backward: X_p only. Backward re-broadcasts shard r,
-  recomputes the local projections and the bucket's attention forward, then backpropagates.
+  recomputes the owner's local projection GEMM and each bucket's attention forward, then
+  backpropagates.
 - "selective": forward also keeps, per item, the local q and stacked k, v (after RoPE) and the
   attention output with its autograd graph, whose saved views of the gathered K/V are dropped (a
   saved-tensor hook keeps only their geometry) and re-gathered from the local k, v in backward. So
@@ -65,6 +84,7 @@ import typing
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tsp_trainer.config.schema import TspRecompute
 from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
@@ -126,36 +146,60 @@ def _weight_holder(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Module:
 
 
 class _Shard:
-    """Views of one packed attention shard (W_q, W_k, W_v, W_o [, b_q, b_k, b_v]), split into head
-    buckets."""
+    """Views of one packed attention shard (W_q, W_k, W_v, W_o [, b_q, b_k, b_v]) or of its packed
+    gradient: W_q, W_k, W_v are consecutive rows (and b_q, b_k, b_v consecutive), so [W_q; W_k;
+    W_v] [(hq + 2 hkv)/D * d, h] and [b_q; b_k; b_v] are free views, split into head buckets by
+    column ranges of the owner's projection (`_Columns`)."""
 
-    def __init__(self, flat: torch.Tensor, block: TSPAttention, shapes):
-        parts = unpack(flat, shapes)
-        self.wq, self.wk, self.wv, self.wo = parts[:4]
-        self.bq, self.bk, self.bv = parts[4:] if len(parts) > 4 else (None, None, None)
-        self.nb, self.d = block.head_buckets, block.head_dim
-
-    def bucket(self, b: int) -> tuple[torch.Tensor | None, ...]:
-        """(wq, wk, wv, wo, bq, bk, bv) of bucket b; the biases None without q/k/v biases."""
-        q_rows = self.wq.shape[0] // self.nb
-        kv_rows = self.wk.shape[0] // self.nb
-        qs, ks = slice(b * q_rows, (b + 1) * q_rows), slice(b * kv_rows, (b + 1) * kv_rows)
-        biases = (None,) * 3 if self.bq is None else (self.bq[qs], self.bk[ks], self.bv[ks])
-        return (self.wq[qs], self.wk[ks], self.wv[ks], self.wo[:, qs]) + biases
+    def __init__(self, flat: torch.Tensor, shapes):
+        q, k = shapes[0], shapes[1]
+        rows = q[0] + 2 * k[0]
+        fused = [(rows, q[1]), shapes[3]] + ([(rows,)] if len(shapes) > 4 else [])
+        parts = unpack(flat, fused)
+        self.wqkv, self.wo = parts[0], parts[1]
+        self.bqkv = parts[2] if len(parts) > 2 else None
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    y = x @ w.T
-    return y if b is None else y + b
+class _Columns:
+    """Where bucket b's heads sit in an owner's projection [n, (hq + 2 hkv)/D * d] (the rows of
+    [W_q; W_k; W_v]): q columns, then k, then v, each split into `buckets` equal runs."""
+
+    def __init__(self, shapes, buckets: int):
+        self.q, self.kv, self.buckets = shapes[0][0], shapes[1][0], buckets
+
+    def q_cols(self, b: int) -> slice:
+        w = self.q // self.buckets
+        return slice(b * w, (b + 1) * w)
+
+    def k_cols(self, b: int) -> slice:
+        w = self.kv // self.buckets
+        return slice(self.q + b * w, self.q + (b + 1) * w)
+
+    def v_cols(self, b: int) -> slice:
+        w = self.kv // self.buckets
+        return slice(self.q + self.kv + b * w, self.q + self.kv + (b + 1) * w)
 
 
-def _project(x: torch.Tensor, wq, wk, wv, bq, bk, bv, rope: Rotary, d: int):
-    """Local tokens through one bucket's projections (+ biases) + RoPE at their global positions.
-    x [B, T, h] -> q [B, T, hq_b, d], k, v [B, T, hkv_b, d]."""
-    b, t, _ = x.shape
-    q = apply_rope(_linear(x, wq, bq).view(b, t, -1, d), rope.cos, rope.sin)
-    k = apply_rope(_linear(x, wk, bk).view(b, t, -1, d), rope.cos, rope.sin)
-    return q, k, _linear(x, wv, bv).view(b, t, -1, d)
+class _OwnerProjection:
+    """This rank's local tokens through owner r's whole shard in one GEMM, x [Wq; Wk; Wv]^T (+ b)
+    -> [B, T, (hq + 2 hkv)/D * d], then RoPE on its q and k heads; each bucket's item takes its
+    heads' slices."""
+
+    def __init__(self, x: torch.Tensor, shard: _Shard, cols: _Columns, rope: Rotary, d: int):
+        b, t, _ = x.shape
+        p = F.linear(x, shard.wqkv, shard.bqkv)                             # [B, T, C]
+        self.q = apply_rope(p[..., :cols.q].view(b, t, -1, d), rope.cos, rope.sin)
+        k = apply_rope(p[..., cols.q:cols.q + cols.kv].view(b, t, -1, d), rope.cos, rope.sin)
+        v = p[..., cols.q + cols.kv:].view(b, t, -1, d)
+        self.hq, hkv = self.q.shape[2] // cols.buckets, k.shape[2] // cols.buckets
+        # each bucket's k, v stacked [B, T, 2, hkv_b, d] now, so the projection is freed here
+        self.kv = [torch.stack((k[:, :, i * hkv:(i + 1) * hkv], v[:, :, i * hkv:(i + 1) * hkv]), dim=2)
+                   for i in range(cols.buckets)]
+
+    def item(self, b: int, comm: Comm) -> "_Item":
+        """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued."""
+        kv, self.kv[b] = self.kv[b], None
+        return _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm)
 
 
 def _schedule(degree: int, buckets: int) -> list[tuple[int, int]]:
@@ -240,8 +284,8 @@ class _Item:
     (after RoPE), the K/V all-gather in flight, and once attended the output a [B, T, hq_b * d]
     with its autograd graph (q_leaf, the gradient sink of the gathered K/V, the K/V hooks)."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm):
-        self.q, self.kv, self.comm = q, torch.stack((k, v), dim=2), comm
+    def __init__(self, q: torch.Tensor, kv: torch.Tensor, comm: Comm):
+        self.q, self.kv, self.comm = q, kv, comm
         self.gather: _KVGather | None = _KVGather(self.kv, comm)
         self.a = self.q_leaf = self.anchor = self.sink = self.dropped = None
 
@@ -285,13 +329,52 @@ class _Item:
         return dq, dkv
 
 
-def _project_item(x: torch.Tensor, shards: ShardBroadcasts, item: tuple[int, int], block: TSPAttention,
-                  shapes, rope: Rotary) -> _Item:
-    """Item (r, b): project the local tokens with bucket b of shard r (waiting for its broadcast
-    if needed) and issue the item's K/V all-gather."""
-    r, b = item
-    wq, wk, wv, _, bq, bk, bv = _Shard(shards.get(r), block, shapes).bucket(b)
-    return _Item(*_project(x, wq, wk, wv, bq, bk, bv, rope, block.head_dim), block.comm)
+class _Projections:
+    """The items' local projections, prepared in schedule order: owner r's one GEMM runs when
+    the item of its first bucket is prepared (waiting for shard r's broadcast if needed), the
+    items of its other buckets slice it."""
+
+    def __init__(self, x: torch.Tensor, shards: ShardBroadcasts, block: TSPAttention, shapes,
+                 rope: Rotary):
+        self.x, self.shards, self.block, self.shapes, self.rope = x, shards, block, shapes, rope
+        self.cols = _Columns(shapes, block.head_buckets)
+        self._owner: int | None = None
+        self._projection: _OwnerProjection | None = None
+
+    def item(self, r: int, b: int) -> _Item:
+        """Item (r, b), its K/V all-gather issued."""
+        if self._owner != r:
+            shard = _Shard(self.shards.get(r), self.shapes)
+            self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.block.head_dim)
+            self._owner = r
+        item = self._projection.item(b, self.block.comm)
+        if b == self.block.head_buckets - 1:           # the owner's last slices are taken
+            self._owner = self._projection = None
+        return item
+
+
+class _OwnerOutputs:
+    """One owner's attention outputs side by side, [n, hq/D * d] in bucket order (W_o's
+    columns), for its one o_proj GEMM (forward) or dW_o GEMM (backward). One bucket: its output
+    itself; more: each copied into one buffer as it comes (an extra [n, hq/D * d] per owner)."""
+
+    def __init__(self, buckets: int):
+        self.buckets, self._out = buckets, None
+
+    def add(self, b: int, a: torch.Tensor) -> None:
+        """Bucket b's output a [B, T, hq_b * d]."""
+        a2 = a.reshape(-1, a.shape[-1])
+        if self.buckets == 1:
+            self._out = a2
+            return
+        if self._out is None:
+            self._out = a2.new_empty((a2.shape[0], a2.shape[1] * self.buckets))
+        w = a2.shape[1]
+        self._out[:, b * w:(b + 1) * w] = a2
+
+    def take(self) -> torch.Tensor:
+        out, self._out = self._out, None
+        return out
 
 
 class _TSPAttentionFn(torch.autograd.Function):
@@ -299,24 +382,22 @@ class _TSPAttentionFn(torch.autograd.Function):
     def forward(ctx, x, rope: Rotary, block: TSPAttention, keep: Kept, *params):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard)
         comm, shapes = block.comm, [tuple(w.shape) for w in params]
-        items = _schedule(comm.size, block.head_buckets)
+        items, last = _schedule(comm.size, block.head_buckets), block.head_buckets - 1
         selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
-
-        def prepare(i: int) -> _Item:           # project item i, issue its K/V all-gather
-            return _project_item(x, shards, items[i], block, shapes, rope)
-
-        # the sum over items: fp32, or x's dtype once the layer's tokens are tiled
+        projections = _Projections(x, shards, block, shapes, rope)
+        # the sum over owners: fp32, or x's dtype once the layer's tokens are tiled
         y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
-        kept, nxt = [], prepare(0)
+        y2, outputs = y.view(-1, x.shape[-1]), _OwnerOutputs(block.head_buckets)
+        kept, nxt = [], projections.item(*items[0])
         for i, (r, b) in enumerate(items):
-            item, nxt = nxt, (prepare(i + 1) if i + 1 < len(items) else None)   # next gather in flight
-            wo = _Shard(shards.get(r), block, shapes).bucket(b)[3]
-            a = item.attend(rope, graph=selective, drop_kv=selective)
-            y += a.detach() @ wo.T
+            item = nxt                       # the next item's gather in flight under this attention
+            nxt = projections.item(*items[i + 1]) if i + 1 < len(items) else None
+            outputs.add(b, item.attend(rope, graph=selective, drop_kv=selective).detach())
             if selective:
                 kept.append(item)
-            if b == block.head_buckets - 1:
+            if b == last:                    # o_proj: one GEMM over the owner's buckets
+                add_matmul(y2, outputs.take(), _Shard(shards.get(r), shapes).wo.t())
                 shards.release(r)
         ctx.save_for_backward(x, *params)
         ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
@@ -332,31 +413,35 @@ class _TSPAttentionFn(torch.autograd.Function):
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
         dx = torch.zeros(x2.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
+        projections = _Projections(x, shards, block, shapes, rope) if kept is None else None
+        cols = _Columns(shapes, block.head_buckets)
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
             if kept is not None:
                 kept[i].regather()
                 return kept[i]
-            return _project_item(x, shards, items[i], block, shapes, rope)
+            return projections.item(*items[i])
 
-        def finish(pending: _PendingKV | None) -> None:   # an item's key/value side, then its shard
+        def finish(pending: _PendingKV | None) -> None:   # an item's key/value side, then its owner's
             if pending is None:
                 return
-            pending.finish(x2, rope, dx)
-            if pending.bucket == block.head_buckets - 1:
+            if pending.finish(rope):                      # the owner's last bucket: its GEMMs ran
                 shards.release(pending.owner)
                 grads.reduce(pending.owner)
 
-        item, pending = prepare(0), None
+        item, pending, owner = prepare(0), None, None
         for i, (r, b) in enumerate(items):
             if kept is None:
                 item.attend(rope, graph=True)    # full recompute: the attention forward again,
-            finish(pending)                      # under which item i-1's dK/dV were reduce-scattered
+            if pending is not None and pending.owner != r:   # under which item i-1's dK/dV were
+                finish(pending)                               # reduce-scattered
+                pending = None
             nxt = prepare(i + 1) if i + 1 < len(items) else None    # its K/V gather in flight
-            weights = _Shard(shards.get(r), block, shapes).bucket(b)
-            grad = _Shard(grads.buffer(r), block, shapes).bucket(b)
-            pending = _item_query_side(x2, dy2, item, weights, grad, rope, block, dx, owner=r, bucket=b)
-            item = nxt
+            if b == 0:
+                owner = _OwnerBackward(r, dy2, _Shard(shards.get(r), shapes),
+                                       _Shard(grads.buffer(r), shapes), cols, block.head_buckets)
+            # same owner: item i-1's key/value side finishes after this item's attention backward
+            pending, item = owner.query_side(x2, dy2, item, b, rope, comm, dx, pending), nxt
         finish(pending)
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
@@ -408,47 +493,74 @@ class _GradReduces:
         return self._own
 
 
+class _OwnerBackward:
+    """Owner r's backward over its head buckets, three GEMMs besides dW_o's: dA = dy W_o
+    [n, hq/D * d] once, sliced per bucket; dW_o += dy^T A over the buckets' outputs A (one GEMM,
+    after the last bucket's dK/dV reduce-scatter is issued, so it runs under it); and once the last
+    bucket's dK/dV are in, dP = [dq | dk | dv] of all buckets [n, (hq + 2 hkv)/D * d] (after RoPE's
+    adjoint, laid out as [W_q; W_k; W_v]'s rows) gives dW_qkv += dP^T x into the packed fp32
+    gradient's contiguous [W_q; W_k; W_v] view, the q/k/v bias gradients (column sums) and
+    dX += dP [W_q; W_k; W_v]. One dP per owner is in flight."""
+
+    def __init__(self, owner: int, dy2: torch.Tensor, weights: _Shard, grads: _Shard,
+                 cols: _Columns, buckets: int):
+        self.owner, self.weights, self.grads, self.cols = owner, weights, grads, cols
+        self.last = buckets - 1
+        self.da = dy2 @ weights.wo                                       # [n, hq/D * d]
+        self.dp: torch.Tensor | None = None     # [n, (hq + 2 hkv)/D * d], from the first dq on
+        self.outputs = _OwnerOutputs(buckets)
+
+    def query_side(self, x2, dy2, item: _Item, b: int, rope: Rotary, comm: Comm, dx: torch.Tensor,
+                   previous: "_PendingKV | None") -> "_PendingKV":
+        """Backpropagate dy through bucket b's recorded attention up to its dK/dV, whose
+        reduce-scatter is issued; dq (after RoPE's adjoint) goes into dP. x2, dy2, dx [n, h].
+        `previous`: this owner's previous bucket, whose scatter ran under this attention backward;
+        its key/value side is finished before this bucket's scatter is issued (one in flight)."""
+        a, cols = item.a, self.cols
+        self.outputs.add(b, a.detach())
+        dq, dkv = item.backward(self.da[:, cols.q_cols(b)].view(a.shape))
+        if previous is not None:
+            previous.finish(rope)
+        scatter = _DKVScatter(*dkv, comm)                                # dK/dV summed meanwhile
+        del dkv
+        if b == self.last:
+            self.da = None
+        self._put(cols.q_cols(b), apply_rope_backward(dq, rope.cos, rope.sin))
+        if b == self.last:                                                # dW_o, under the scatter
+            add_matmul(self.grads.wo, dy2.t(), self.outputs.take())
+        return _PendingKV(scatter, self, b, x2, dx)
+
+    def key_value_side(self, b: int, dk: torch.Tensor, dv: torch.Tensor, rope: Rotary,
+                       x2: torch.Tensor, dx: torch.Tensor) -> bool:
+        """Bucket b's dK, dV [B, T, hkv_b, d] (this rank's tokens, summed over the group) into dP;
+        after the last bucket the owner's dW_qkv, bias and dX GEMMs run. True then."""
+        self._put(self.cols.k_cols(b), apply_rope_backward(dk, rope.cos, rope.sin))
+        self._put(self.cols.v_cols(b), dv)
+        if b != self.last:
+            return False
+        add_matmul(self.grads.wqkv, self.dp.t(), x2)                     # [dW_q; dW_k; dW_v]
+        if self.grads.bqkv is not None:
+            self.grads.bqkv.add_(self.dp.sum(0, dtype=torch.float32))
+        add_matmul(dx, self.dp, self.weights.wqkv)                       # dX from q, k and v
+        self.dp = None
+        return True
+
+    def _put(self, cols: slice, grad: torch.Tensor) -> None:
+        """grad [B, T, heads, d] into dP's columns `cols`."""
+        if self.dp is None:              # after bucket 0's attention backward: not alive under it
+            n = grad.shape[0] * grad.shape[1]
+            self.dp = grad.new_empty((n, self.weights.wqkv.shape[0]))
+        self.dp[:, cols].view(grad.shape).copy_(grad)
+
+
 class _PendingKV:
-    """An item whose dK/dV reduce-scatter is in flight: its key/value side (this rank's dW_k,
-    dW_v, q/k/v bias and dX contributions) runs once the scatter is waited for."""
+    """An item whose dK/dV reduce-scatter is in flight: its key/value side runs once the scatter
+    is waited for (`finish`, True when that completed its owner's backward)."""
 
-    def __init__(self, scatter: _DKVScatter, weights, grads, *, owner: int, bucket: int):
-        self.scatter, self.owner, self.bucket = scatter, owner, bucket
-        self.wk, self.wv, self.gk, self.gv, self.gbk, self.gbv = (weights[1], weights[2], grads[1],
-                                                                  grads[2], grads[5], grads[6])
+    def __init__(self, scatter: _DKVScatter, owner: _OwnerBackward, bucket: int, x2, dx):
+        self.scatter, self.state, self.bucket, self.owner = scatter, owner, bucket, owner.owner
+        self.x2, self.dx = x2, dx
 
-    def finish(self, x2: torch.Tensor, rope: Rotary, dx: torch.Tensor) -> None:
+    def finish(self, rope: Rotary) -> bool:
         dk, dv = self.scatter.wait()
-        _linear_backward(x2, apply_rope_backward(dk, rope.cos, rope.sin), self.wk, self.gk, self.gbk, dx)
-        _linear_backward(x2, dv, self.wv, self.gv, self.gbv, dx)
-
-
-def _item_query_side(x2, dy2, item: _Item, weights, grads, rope: Rotary, block: TSPAttention,
-                     dx: torch.Tensor, *, owner: int, bucket: int) -> _PendingKV:
-    """Backpropagate dy through one item whose attention graph is recorded, up to its dK/dV: add
-    this rank's partial dW_o, dW_q (and q bias) into `grads` (fp32 views of the packed gradient)
-    and dX_p's query-side contribution into dx [n, h] (fp32, or x's dtype when tiled), and issue the dK/dV reduce-scatter,
-    whose key/value side the returned _PendingKV finishes later. weights, grads: (wq, wk, wv, wo,
-    bq, bk, bv) of the bucket, biases None without q/k/v biases. x2, dy2: [n, h] (n = B * T local
-    tokens)."""
-    wq, wk, wv, wo, *_ = weights
-    gq, gk, gv, go, gbq, gbk, gbv = grads
-    a = item.a
-    add_matmul(go, dy2.t(), a.reshape(dy2.shape[0], -1))                # dW_o += dy^T A
-    dq, dkv = item.backward((dy2 @ wo).view(a.shape))                   # dA = dy W_o
-    scatter = _DKVScatter(*dkv, block.comm)                             # dK/dV summed meanwhile
-    del dkv
-    # the query side while dK/dV are reduce-scattered
-    _linear_backward(x2, apply_rope_backward(dq, rope.cos, rope.sin), wq, gq, gbq, dx)
-    return _PendingKV(scatter, weights, grads, owner=owner, bucket=bucket)
-
-
-def _linear_backward(x2: torch.Tensor, dp: torch.Tensor, w: torch.Tensor, gw: torch.Tensor,
-                     gb: torch.Tensor | None, dx: torch.Tensor) -> None:
-    """Backward of p = x W^T (+ b) for one projection of one bucket: dp [B, T, heads, d] ->
-    gw += dp^T x, gb += sum of dp (fp32), dx += dp W (in place)."""
-    dp2 = dp.reshape(x2.shape[0], -1)                                   # [n, heads * d]
-    add_matmul(gw, dp2.t(), x2)
-    if gb is not None:
-        gb.add_(dp2.sum(0, dtype=torch.float32))
-    dx.add_(dp2 @ w)
+        return self.state.key_value_side(self.bucket, dk, dv, rope, self.x2, self.dx)

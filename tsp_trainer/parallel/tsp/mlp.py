@@ -3,21 +3,26 @@
 Rank p holds rows p*I/D.. of W_gate and W_up and the matching columns of W_down (one block of the
 intermediate dim). Forward: the packed shard passes around the ring (batch_isend_irecv, posted
 before the GEMMs so the transfer overlaps them); each step adds silu(X_p Wg_j^T) * (X_p Wu_j^T)
-Wd_j^T to the local output. The contraction over the intermediate dim completes locally: no
-all-reduce. Backward: the reverse ring carries an fp32 gradient accumulator with each shard, so the
-full weight gradient, summed over the D ranks in fp32, ends at its owner (see tsp/ring.py); the
-weight gradients are written straight into that accumulator (`gated_mlp_backward_into`), and the
-accumulator sent at one step is the next step's receive buffer: 4 packed buffers per step. Saved:
-X_p only; per-shard activations are recomputed in backward (the gate/up GEMMs run again), unless
-`keep_gate_up` (parallel.tsp_recompute=none): then each ring step keeps its gate and up
-pre-activations g_j, u_j [B, T, I/D] (2 T I elements per layer over the D steps) and backward runs
-no GEMM of the forward. Under activation checkpointing the block's replay keeps them in every
-mode and hands them to this backward (tsp/kept.py): the first forward keeps nothing, and gate/up
-run twice per step (forward, replay), down_proj twice, as without checkpointing under full and
-selective. With mlp_bias (Llama), the gate/up
-biases of the block travel in the packed shard; down_proj's bias is replicated, added once per
-token after the ring, and its gradient summed over the group in fp32 (like a norm's, tag
-"bias.grad").
+Wd_j^T to the local output, in two GEMMs: gate and up as one against [W_gate; W_up] (consecutive
+rows of the packed shard, so a view; parallel/gated_mlp.py `fused_weights`), and down_proj added
+into the output by the GEMM itself (`add_matmul`). The contraction over the intermediate dim
+completes locally: no all-reduce. Backward: the reverse ring carries an fp32 gradient accumulator
+with each shard, so the full weight gradient, summed over the D ranks in fp32, ends at its owner
+(see tsp/ring.py); the weight gradients are written straight into that accumulator
+(`gated_mlp_backward_into`), and the accumulator sent at one step is the next step's receive
+buffer: 4 packed buffers per step. Per step: dW_down, dp = dy W_down, one GEMM for
+[dW_gate; dW_up] into the accumulator's [W_gate; W_up] view and one for dX += [dg | du]
+[W_gate; W_up], plus the gate|up GEMM again unless it was kept: 2 D GEMMs per layer forward, 5 D
+backward (4 D under none; tests/distributed/test_gemm_launches.py). Saved: X_p only; per-shard
+activations are recomputed in backward (the gate|up GEMM runs again), unless `keep_gate_up`
+(parallel.tsp_recompute=none): then each ring step keeps its gate and up pre-activations
+[g_j | u_j] [B T, 2 I/D] (2 T I elements per layer over the D steps) and backward runs no GEMM of
+the forward. Under activation checkpointing the block's replay keeps them in every mode and hands
+them to this backward (tsp/kept.py): the first forward keeps nothing, and gate|up runs twice per
+step (forward, replay), down_proj twice, as without checkpointing under full and selective.
+With mlp_bias (Llama), the gate/up biases of the block travel in the packed shard; down_proj's
+bias is replicated, added once per token after the ring, and its gradient summed over the group in
+fp32 (like a norm's, tag "bias.grad").
 
 Tiling (`parallel.mlp_chunk_tokens`, parallel/gated_mlp.py): within each ring step the local tokens
 are taken in chunks, so the gate/up intermediates and their gradients are [chunk, I/D], forward
@@ -32,7 +37,8 @@ import torch
 import torch.nn as nn
 
 from tsp_trainer.parallel.comm import Comm
-from tsp_trainer.parallel.gated_mlp import TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into
+from tsp_trainer.parallel.gated_mlp import (TokenTiling, fused_weights, gated_mlp_backward_into,
+                                            gated_mlp_forward_into)
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
 from tsp_trainer.parallel.tsp.attention import _weight_holder
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
@@ -72,16 +78,17 @@ class _TSPMLPFn(torch.autograd.Function):
     def forward(ctx, x, comm: Comm, block: TSPGatedMLP, keep: Kept, *params):
         # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order)
         shapes = [tuple(w.shape) for w in params]
+        fused = fused_weights(shapes)                    # [W_gate; W_up], W_down [, [b_gate; b_up]]
         chunks = block.tiling.chunks(x)                  # every ring step takes the same chunks
         y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])    # [n, h]
-        # under none (or the AC replay): step j's gate/up pre-activations, [chunk, I/D] each
+        # under none (or the AC replay): step j's gate/up pre-activations, [chunk, 2 I/D] each
         kept: dict[int, list] | None = {} if keep.items else None
 
         def step(j: int, flat: torch.Tensor) -> None:
             if kept is not None:
                 kept[j] = []
-            gated_mlp_forward_into(x2, unpack(flat, shapes), y2, chunks,
+            gated_mlp_forward_into(x2, unpack(flat, fused), y2, chunks,
                                    kept[j] if kept is not None else None)
 
         ring_forward(comm, pack(*params), step, tag="mlp.weights")
@@ -98,11 +105,12 @@ class _TSPMLPFn(torch.autograd.Function):
         chunks = tiling.chunks(x)
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
         dx = torch.zeros(x2.shape, dtype=tiling.accumulator_dtype(x), device=x.device)
+        fused = fused_weights(ctx.shapes)
 
         def grad_into(j: int, flat: torch.Tensor, acc: torch.Tensor) -> None:
             # the weight (and gate/up bias) gradients go straight into the fp32 accumulator; a
-            # kept step's g, u are released chunk by chunk as its gradient is done
-            gated_mlp_backward_into(x2, dy2, unpack(flat, ctx.shapes), unpack(acc, ctx.shapes), dx,
+            # kept step's gate|up pre-activations are released chunk by chunk as its gradient is done
+            gated_mlp_backward_into(x2, dy2, unpack(flat, fused), unpack(acc, fused), dx,
                                     chunks, kept.pop(j) if kept is not None else None)
 
         full = ring_backward_into(ctx.comm, pack(*params), grad_into, tag="mlp.weights")
