@@ -233,7 +233,12 @@ class DeviceMemory(LiveTensorMemory):
     def _track(self, storage: torch.UntypedStorage) -> None:
         if not self._host_depth or storage in self._seen:
             return super()._track(storage)
-        nbytes = storage.nbytes()
+        device_peak = self.peak
+        super()._track(storage)
+        # moved to the host counters: the entry's new weakref replaces the device one (whose
+        # callback then never runs)
+        nbytes = self._seen[storage][0]
+        self.live, self.peak = self.live - nbytes, device_peak
         self._seen[storage] = (nbytes, weakref.ref(storage, partial(self._free_host, nbytes)))
         self.host_live += nbytes
         self.host_peak = max(self.host_peak, self.host_live)
