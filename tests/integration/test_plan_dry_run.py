@@ -5,17 +5,26 @@ so the fake default process group never touches the pytest process).
 The ledger of one step must equal the analytic communication model exactly; saved activations
 must agree to 1% and the peak to 10% (plan/activations.py, device="cpu": the fake tensors take
 the CPU attention path), and the executed FLOPs torch's FLOP counter counts to the planner's
-hardware FLOPs within 2% (plan/flops.py)."""
+hardware FLOPs within 2% (plan/flops.py).
+
+At the planner's longest TSP sequence for Llama-3.1-8B on one 8-GPU node (`dry_run_at_longest`:
+the length and layout the planner reports, taken from it when the test runs), the dry run's
+device peak (measured tensors + the planner's reserve) must fit the usable HBM and agree with the
+planner's peak to 10%."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
+from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import model_config
+from tsp_trainer.plan.hardware import HardwareProfile, get_profile
+from tsp_trainer.plan.longest import longest_seq_len
 
 
 def _dry_run(tmp_path, *args: str, timeout: int) -> dict:
@@ -94,3 +103,60 @@ def test_dry_run_of_a_config_folder_with_biases(tmp_path):
     assert tsp["param_shapes"]["layers.0.self_attn.q_proj.bias"] == [256 // 4]
     assert tsp["param_shapes"]["layers.0.self_attn.o_proj.bias"] == [256]
     assert tsp["comm"]["all_reduce/bias.grad"]["count"] == 2 * 2          # o and down, 2 layers
+
+
+def _at_longest(tmp_path, *args: str, timeout: int) -> dict:
+    out = tmp_path / "longest.json"
+    proc = subprocess.run([sys.executable, "-m", "tsp_trainer.plan.dry_run", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _check_at_longest(c: dict, expected_seq_len: int) -> None:
+    assert c["seq_len"] == expected_seq_len
+    assert c["dry_peak"] <= c["usable_hbm"]
+    assert abs(c["dry_peak"] - c["plan_peak"]) / c["plan_peak"] <= 0.10
+    dry, plan = c["components"]["activations_peak"]
+    assert abs(dry - plan) / plan <= 0.10                 # the part the dry run measures
+    for name in ("state", "host_activations"):           # both from the same parameter count
+        assert c["components"][name][0] == c["components"][name][1], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True], ids=["in-hbm", "activation-offload"])
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_dry_run_at_the_planners_longest_llama3_8b_sequence(tmp_path, gpu, offload):
+    """tsp-plan --max-seq-len's TSP length for llama3_8b on one node with optimizer offload, run
+    on fake tensors at world 8 with the planner's layout (CUDA attention route, 1 and 2 layers
+    extrapolated, 2 and 3 under offload): 34 s (H100, in HBM) to 170 s (H200, offload) for the
+    dry run on a loaded 2-core machine."""
+    expected = longest_seq_len(model_config("llama3_8b"), "tsp", hw=get_profile(gpu), nodes=1,
+                               offload=offload, offload_optimizer=True).seq_len
+    assert expected > 1_000_000
+    c = _at_longest(tmp_path, "--gpu", gpu, *(["--offload"] if offload else []), timeout=1800)
+    _check_at_longest(c, expected)
+
+
+# a 2-layer Llama-like shape whose MLP shard is narrower than h (as Llama-3.1-8B's at D = 8) on
+# an H100 profile with 2 GB of HBM: the planner's longest TSP sequence is then ~0.5M tokens
+SMALL = ModelConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=8,
+                    intermediate_size=896, max_seq_len=1 << 20)
+SMALL_GPU = HardwareProfile(**{**get_profile("h100").as_dict(), "hbm_bytes": 2e9})
+
+
+def test_dry_run_at_the_planners_longest_sequence_of_a_small_model():
+    """The same check at a reduced size for the default suite: a small model at the planner's
+    longest length on a small-HBM profile (its own process: the dry run's fake process group)."""
+    script = ("import json, sys; from tsp_trainer.config import ModelConfig; "
+              "from tsp_trainer.plan.hardware import HardwareProfile; "
+              "from tsp_trainer.plan.dry_run import dry_run_at_longest; "
+              "cfg, gpu = json.loads(sys.argv[1]); "
+              "json.dump(dry_run_at_longest(ModelConfig(**cfg), HardwareProfile(**gpu)), sys.stdout)")
+    shapes = json.dumps([asdict(SMALL), SMALL_GPU.as_dict()])
+    proc = subprocess.run([sys.executable, "-c", script, shapes], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads(proc.stdout)
+    expected = longest_seq_len(SMALL, "tsp", hw=SMALL_GPU, nodes=1, offload_optimizer=True).seq_len
+    _check_at_longest(c, expected)

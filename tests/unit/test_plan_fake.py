@@ -183,3 +183,20 @@ def test_extrapolation_from_two_layers_equals_a_full_depth_run():
     assert guess.comm == full.comm
     assert (guess.stored_bytes, guess.peak_bytes) == (full.stored_bytes, full.peak_bytes)
     assert (guess.param_count, guess.param_bytes) == (full.param_count, full.param_bytes)
+
+
+def test_extrapolation_with_activation_offload_equals_a_full_depth_run():
+    """Under activation offload the device holds at most two blocks' saved tensors, so the dry run
+    extrapolates from 2 and 3 layers: device peak, saved bytes, host bytes and ledger equal a
+    4-layer run's (the planner's offload layout: no AC)."""
+    cfg = CFG.replace(num_layers=4)
+    kw = dict(world_size=4, degree=4, seq_len=SEQ, offload_activations=True, attention="cuda")
+    guess = simulate(cfg, "tsp", **kw)
+    full = simulate(cfg, "tsp", layers=4, **kw)
+    assert guess.info["extrapolated_from_layers"] == [2, 3]
+    assert guess.comm == full.comm
+    assert (guess.stored_bytes, guess.peak_bytes, guess.host_bytes) == \
+        (full.stored_bytes, full.peak_bytes, full.host_bytes)
+    per_layer = activation_memory(cfg, Layout("tsp", 4, offload_activations=True), SEQ, BF16,
+                                  device="cuda").terms["layer_saved_no_ac"]
+    assert full.host_bytes == 4 * per_layer                 # every layer's saved tensors moved

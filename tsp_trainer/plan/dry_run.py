@@ -34,7 +34,10 @@ Two local adjustments make the real code run on fake tensors; none changes the p
    X(L) = X(1) + (L - 1) * (X(2) - X(1)). This is exact for the ledger (every layer issues the same
    ops) and for the bytes alive after the forward (every layer saves the same tensors); for the
    peak it holds as long as the peak falls in the same phase (the last layer's backward or the
-   loss), which tests check against full-depth runs of small models.
+   loss), which tests check against full-depth runs of small models. Under activation offload
+   the device holds at most two blocks' saved tensors (the one in use and the one prefetched in
+   backward), a bound a 2-layer run reaches but a 1-layer run does not, so there the runs have 2
+   and 3 layers: X(L) = X(2) + (L - 2) * (X(3) - X(2)).
 
 The fake tensors live on the CPU device, so `attention_core` takes its CPU route (each zigzag run's
 key prefix without a mask and its diagonal block with `is_causal`, merged by log-sum-exp:
@@ -57,7 +60,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -203,6 +208,69 @@ def cuda_attention_path():
 
 
 # ---------------------------------------------------------------------------------------------
+# activation offload on fake tensors
+
+
+class DeviceMemory(LiveTensorMemory):
+    """`LiveTensorMemory` of the device alone: storages allocated while `on_host()` is entered
+    (activation offload's host copies: on the dry run's CPU fake tensors both sides are the same
+    device) are counted in `host_live` / `host_peak` instead of `live` / `peak`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_live = 0
+        self.host_peak = 0
+        self._host_depth = 0
+
+    @contextlib.contextmanager
+    def on_host(self):
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        if not self._host_depth or storage in self._seen:
+            return super()._track(storage)
+        device_peak = self.peak
+        super()._track(storage)
+        # moved to the host counters: the entry's new weakref replaces the device one (whose
+        # callback then never runs)
+        nbytes = self._seen[storage][0]
+        self.live, self.peak = self.live - nbytes, device_peak
+        self._seen[storage] = (nbytes, weakref.ref(storage, partial(self._free_host, nbytes)))
+        self.host_live += nbytes
+        self.host_peak = max(self.host_peak, self.host_live)
+
+    def _free_host(self, nbytes: int, _ref) -> None:
+        self.host_live -= nbytes
+
+
+@contextlib.contextmanager
+def host_copies_on_host(tracker: DeviceMemory):
+    """Inside: activation offload (model/offload.py) makes its host copies under
+    `tracker.on_host()`, so the device peak holds what offload leaves on the GPU (the block whose
+    copy drains in forward, the block in use and the one prefetched in backward) and the host
+    peak what it moved. The store class is looked up by `ActivationOffload` at call time from
+    model.offload, where it is swapped for the duration of the block."""
+    from tsp_trainer.model import offload
+
+    original = offload._BlockStore
+
+    class HostCountedStore(original):
+        def pack(self, t):
+            with tracker.on_host():
+                return super().pack(t)
+
+    offload._BlockStore = HostCountedStore
+    try:
+        yield
+    finally:
+        offload._BlockStore = original
+
+
+# ---------------------------------------------------------------------------------------------
 # one simulated step
 
 
@@ -219,6 +287,7 @@ class StepResult:
     stored_bytes: int                             # alive at the end of the forward
     peak_bytes: int                               # peak alive over forward + backward
     seconds: float
+    host_bytes: int = 0                           # activation offload: peak held in host memory
     info: dict = field(default_factory=dict)
     host_syncs: dict[str, int] = field(default_factory=dict)   # kind -> count (tsp_trainer/tools/host_sync.py)
     flops: int = 0                                # executed FLOPs of the micro-step (tools/flop_count.py)
@@ -243,12 +312,15 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
-             loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto") -> StepResult:
+             loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
+             offload_activations: bool = False) -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
     loss_chunk_tokens: `parallel.loss_chunk_tokens` (the LM head's token chunks);
-    mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's)."""
+    mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's);
+    offload_activations: `train.offload_activations` (model/offload.py around the blocks, its host
+    copies counted apart: `host_copies_on_host`)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -282,13 +354,19 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
                 p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does
         if activation_checkpointing:
             model.block_wrapper = checkpointed_block
+        if offload_activations:                   # as the trainer wraps them
+            from tsp_trainer.model.offload import ActivationOffload
+
+            model.block_wrapper = ActivationOffload(model.block_wrapper)
         batch = par.local_batch(ids, labels)      # real tensors (see the module docstring)
         mesh.ledger.reset()
-        tracker = LiveTensorMemory()
+        tracker = DeviceMemory()
         tracker.ignore(*params, *(p.grad for p in params), *batch)
         syncs = HostSyncCounter(mesh.device)
         path = cuda_attention_path() if attention == "cuda" else contextlib.nullcontext({})
-        with path as fused_calls, mode, RealPassthrough(), tracker, syncs, ExecutedFlops() as counted:
+        offload = host_copies_on_host(tracker) if offload_activations else contextlib.nullcontext()
+        with path as fused_calls, offload, mode, RealPassthrough(), tracker, syncs, \
+                ExecutedFlops() as counted:
             loss_sum, count = par.loss_sum(*batch)
             tracker.mark("forward")
             total = global_count(count, par.token_comms)
@@ -303,31 +381,35 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         param_count = sum(p.numel() for p in params)
         info = dict(par.info, world_size=world_size, degree=degree, dp=world_size // degree,
                     rank=rank, tsp_rank=mesh.tsp_rank, dp_rank=mesh.dp_rank, dtype=str(dtype),
-                    activation_checkpointing=activation_checkpointing, attention=attention)
+                    activation_checkpointing=activation_checkpointing, attention=attention,
+                    offload_activations=offload_activations)
         if fused_calls:
             info["fused_attention_calls"] = dict(fused_calls)     # the step's kernel launches
         del model, par, params
     return StepResult(scheme=scheme, layers_run=cfg.num_layers, param_shapes=shapes,
                       param_bytes=param_bytes, param_count=param_count,
                       comm=comm, stored_bytes=tracker.marks["forward"], peak_bytes=tracker.peak,
-                      seconds=time.perf_counter() - start, info=info, host_syncs=dict(syncs.by_kind),
+                      seconds=time.perf_counter() - start, host_bytes=tracker.host_peak, info=info,
+                      host_syncs=dict(syncs.by_kind),
                       flops=counted.total, flops_by_op=counted.by_op)
 
 
 def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwargs) -> StepResult:
     """`run_step` at full depth (layers = cfg.num_layers), or extrapolated from runs with 1 and 2
     layers (layers=None, the default; module docstring item 2). Parameter counts and bytes are
-    extrapolated the same way; the shapes are those of the run."""
+    extrapolated the same way; the shapes are those of the run. With offload_activations the runs
+    have 2 and 3 layers (module docstring item 2)."""
     if layers is not None and layers >= cfg.num_layers:
         return run_step(cfg, scheme, **kwargs)
     if layers is not None:
         raise ValueError(f"layers={layers}: run the full model (None or >= {cfg.num_layers}) or "
                          "let simulate extrapolate from 1 and 2 layers (layers=None)")
-    if cfg.num_layers <= 2:
+    first = 2 if kwargs.get("offload_activations") else 1
+    if cfg.num_layers <= first + 1:
         return run_step(cfg, scheme, **kwargs)
-    one = run_step(cfg.replace(num_layers=1), scheme, **kwargs)
-    two = run_step(cfg.replace(num_layers=2), scheme, **kwargs)
-    extra = cfg.num_layers - 1
+    one = run_step(cfg.replace(num_layers=first), scheme, **kwargs)
+    two = run_step(cfg.replace(num_layers=first + 1), scheme, **kwargs)
+    extra = cfg.num_layers - first
 
     def lin(a: int, b: int) -> int:
         return a + extra * (b - a)
@@ -337,18 +419,19 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
         a = one.comm.get(key, {"count": 0, "bytes": 0})
         b = two.comm.get(key, {"count": 0, "bytes": 0})
         comm[key] = {"count": lin(a["count"], b["count"]), "bytes": lin(a["bytes"], b["bytes"])}
-    info = dict(two.info, extrapolated_from_layers=[1, 2])
+    info = dict(two.info, extrapolated_from_layers=[first, first + 1])
     if "fused_attention_calls" in two.info:
         info["fused_attention_calls"] = {k: lin(one.info["fused_attention_calls"][k], n)
                                          for k, n in two.info["fused_attention_calls"].items()}
     syncs = {k: lin(one.host_syncs.get(k, 0), two.host_syncs.get(k, 0))
              for k in sorted(set(one.host_syncs) | set(two.host_syncs))}
-    return StepResult(scheme=scheme, layers_run=2, param_shapes=two.param_shapes,
+    return StepResult(scheme=scheme, layers_run=first + 1, param_shapes=two.param_shapes,
                       param_bytes=lin(one.param_bytes, two.param_bytes),
                       param_count=lin(one.param_count, two.param_count), comm=comm,
                       stored_bytes=lin(one.stored_bytes, two.stored_bytes),
                       peak_bytes=lin(one.peak_bytes, two.peak_bytes),
-                      seconds=one.seconds + two.seconds, info=info,
+                      seconds=one.seconds + two.seconds,
+                      host_bytes=lin(one.host_bytes, two.host_bytes), info=info,
                       host_syncs={k: v for k, v in syncs.items() if v},
                       flops=lin(one.flops, two.flops),
                       flops_by_op={k: lin(one.flops_by_op.get(k, 0), two.flops_by_op.get(k, 0))
@@ -363,19 +446,27 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             schemes=("tsp", "tp", "tp_sp"), head_buckets: int = 1, micro_batch: int = 1,
             activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
-            log=None) -> dict:
+            offload_activations: bool = False, offload_optimizer: bool = False,
+            gpu: str | None = None, log=None) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
     equal it exactly; memory within a few %.
     attention="cuda" runs attention_core's CUDA route (`cuda_attention_path`) and compares with the
     analytic model's device="cuda" variant, the one the planner predicts with.
+    offload_activations: train.offload_activations (the device peak without the host copies, which
+    are reported as `host_activations`); offload_optimizer: zero.offload_optimizer=cpu (AdamW's
+    state counted in host memory, as the planner does: the fake step runs no optimizer);
+    gpu: a hardware profile name ("h100"): the planner's reserve for it (plan/reserved.py: buffers
+    the libraries allocate beside the tensors, which fake tensors do not show) is reported and
+    `device_total` = the measured tensors + that reserve, comparable with the planner's total.
     Returns a JSON-friendly report."""
     from tsp_trainer.plan.activations import activation_memory
     from tsp_trainer.plan.communication import model_parallel_comm
     from tsp_trainer.plan.flops import hardware_flops_per_token
     from tsp_trainer.plan.layout import Layout
     from tsp_trainer.plan.precision import BF16
-    from tsp_trainer.plan.state import grad_bytes, state_bytes
+    from tsp_trainer.plan.reserved import reserved_memory
+    from tsp_trainer.plan.state import state_bytes
 
     prec = BF16
     dp = world_size // degree
@@ -383,7 +474,11 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
               "dp": dp, "rank": rank, "micro_batch": micro_batch, "zero_stage": zero_stage,
               "activation_checkpointing": activation_checkpointing, "dtype": "bf16",
               "attention": attention, "tsp_recompute": tsp_recompute,
-              "layers": "all" if full_depth else "extrapolated from 1 and 2 layers", "schemes": {}}
+              "offload_activations": offload_activations, "offload_optimizer": offload_optimizer,
+              "gpu": gpu,
+              "layers": "all" if full_depth else (
+                  f"extrapolated from {'2 and 3' if offload_activations else '1 and 2'} layers"),
+              "schemes": {}}
     for scheme in schemes:
         if log:
             log(f"[dry-run] {scheme}: world {world_size} (D={degree}, DP={dp}), rank {rank}, "
@@ -394,10 +489,12 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
                        world_size=world_size, degree=degree, seq_len=seq_len,
                        micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
                        activation_checkpointing=activation_checkpointing, rank=rank,
-                       attention=attention, tsp_recompute=mode)
+                       attention=attention, tsp_recompute=mode,
+                       offload_activations=offload_activations)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
-                        micro_batch=micro_batch, tsp_recompute=mode)
+                        micro_batch=micro_batch, tsp_recompute=mode,
+                        offload_activations=offload_activations, offload_optimizer=offload_optimizer)
         act = activation_memory(cfg, layout, seq_len, prec, device=attention)
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
@@ -405,10 +502,9 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         flops = hardware_flops_per_token(cfg, layout, seq_len, prec.act)
         # this rank's executed FLOPs are its 1/D share of the replica's micro_batch * seq_len tokens
         counted = res.flops * degree / (micro_batch * seq_len)
-        # optimizer state and gradients from the measured parameter count (ZeRO over DP)
-        measured_state = {"params": res.param_bytes,
-                          "grads": grad_bytes(res.param_count, zero_stage, dp, prec),
-                          "optimizer": -(-res.param_count * prec.optimizer // (dp if zero_stage >= 1 else 1))}
+        measured_state = _measured_state(res, layout, prec)
+        reserve = reserved_memory(cfg, layout, seq_len, prec, gpu=gpu)["total"] if gpu else 0
+        tensors = sum(measured_state.values()) + res.peak_bytes
         report["schemes"][scheme] = {
             "param_shapes": res.param_shapes, "param_count": res.param_count,
             "param_count_model": st["param_count"],
@@ -422,12 +518,26 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             "activations_stored": res.stored_bytes, "activations_stored_model": act.stored,
             "activations_peak": res.peak_bytes, "activations_peak_model": act.peak,
             "peak_phase_model": act.peak_phase,
-            "total_peak": sum(measured_state.values()) + res.peak_bytes,
+            "total_peak": tensors, "reserved_model": reserve, "device_total": tensors + reserve,
+            "host_activations": res.host_bytes, "host_activations_model": act.host,
             "host_syncs": res.host_syncs, "seconds": res.seconds, "info": res.info,
             "flops_per_token": {"counted": counted, "formula": flops["hardware"],
                                 "model": flops["model"]},
             "flops_by_op": res.flops_by_op}
     return report
+
+
+def _measured_state(res: StepResult, layout, prec) -> dict[str, int]:
+    """Parameters as measured; gradients and optimizer state from the measured parameter count
+    by the planner's rules (plan/state.py: ZeRO over DP; with optimizer offload AdamW's state in
+    host memory, 0 on the device)."""
+    from tsp_trainer.plan.state import grad_bytes
+
+    shards = layout.dp if layout.zero_stage >= 1 else 1
+    optimizer = 0 if layout.offload_optimizer else -(-res.param_count * prec.optimizer // shards)
+    return {"params": res.param_bytes, "grads": grad_bytes(res.param_count, layout.zero_stage,
+                                                           layout.dp, prec),
+            "optimizer": optimizer}
 
 
 def format_dry_run(report: dict) -> str:
@@ -439,7 +549,9 @@ def format_dry_run(report: dict) -> str:
            f"group, FakeTensorMode), rank {report['rank']}, bf16, ZeRO-{report['zero_stage']}, "
            f"activation checkpointing {'on' if report['activation_checkpointing'] else 'off'}; "
            f"layers {report['layers']}; attention path {report.get('attention', 'cpu')}; TSP "
-           f"recompute {report.get('tsp_recompute', 'full')}"]
+           f"recompute {report.get('tsp_recompute', 'full')}"
+           + ("; activation offload" if report.get("offload_activations") else "")
+           + ("; optimizer offload" if report.get("offload_optimizer") else "")]
     for scheme, r in report["schemes"].items():
         st = r["state_bytes"]
         out.append("")
@@ -464,6 +576,12 @@ def format_dry_run(report: dict) -> str:
                    f"{r['activations_peak'] / gib:.2f} GiB (model {r['activations_peak_model'] / gib:.2f}, "
                    f"in its {r['peak_phase_model']} phase)")
         out.append(f"  peak per rank: {r['total_peak'] / gib:.2f} GiB = state + peak activations")
+        if r.get("reserved_model"):
+            out.append(f"  with the planner's reserve for {report['gpu']} ({r['reserved_model'] / gib:.2f} GiB: "
+                       f"library buffers fake tensors do not show): {r['device_total'] / gib:.2f} GiB")
+        if report.get("offload_activations"):
+            out.append(f"  activations offloaded to host memory {r['host_activations'] / gib:.2f} GiB "
+                       f"(model {r['host_activations_model'] / gib:.2f})")
         fl = r["flops_per_token"]
         out.append(f"  executed FLOPs per token {fl['counted'] / 1e9:.2f} G counted (torch's FLOP counter), "
                    f"{fl['formula'] / 1e9:.2f} G planner formula; model FLOPs {fl['model'] / 1e9:.2f} G; "
@@ -473,3 +591,104 @@ def format_dry_run(report: dict) -> str:
         out.append(f"  host syncs per micro-step (model forward + backward): {sum(syncs.values())}"
                    + (f" ({', '.join(f'{k} {v}' for k, v in sorted(syncs.items()))})" if syncs else ""))
     return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the dry run at the planner's longest sequence
+
+
+def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool = False,
+                       offload_optimizer: bool = True, ranks=(0,), log=None) -> dict:
+    """The dry run of TSP at the planner's longest sequence on `nodes` nodes of `gpu`
+    (plan/longest.py, activations in HBM or with `offload`; gpu: a profile name or a
+    HardwareProfile), with the layout the planner chose
+    there (D, DP, ZeRO stage, AC, head buckets, recompute, both offloads; the CUDA attention
+    route), for each of `ranks`, beside the planner's prediction. `dry_peak` is the largest
+    device total over the ranks: the measured tensors plus the planner's reserve (the libraries'
+    buffers, which fake tensors do not show); `ratio` = dry_peak / plan_peak. Per component
+    (state, saved and peak activations, reserve) the dry run's bytes and the planner's."""
+    from tsp_trainer.plan.hardware import get_profile
+    from tsp_trainer.plan.longest import longest_seq_len
+
+    hw = get_profile(gpu) if isinstance(gpu, str) else gpu
+    longest = longest_seq_len(cfg, "tsp", hw=hw, nodes=nodes, offload=offload,
+                              offload_optimizer=offload_optimizer)
+    if longest.best is None:
+        raise ValueError(f"gpu={hw.name!r}, nodes={nodes}: no TSP layout fits even "
+                         f"one granule ({longest.refused or 'nothing fits'})")
+    pred, lay, seq = longest.best, longest.best.layout, longest.seq_len
+    model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq))
+    runs = {}
+    for rank in ranks:
+        report = dry_run(model, seq_len=seq, world_size=lay.world, degree=lay.degree, schemes=("tsp",),
+                         head_buckets=lay.head_buckets, micro_batch=lay.micro_batch,
+                         activation_checkpointing=lay.activation_checkpointing,
+                         zero_stage=lay.zero_stage, rank=rank, attention="cuda",
+                         tsp_recompute=lay.tsp_recompute, offload_activations=lay.offload_activations,
+                         offload_optimizer=lay.offload_optimizer, gpu=hw.name, log=log)
+        runs[rank] = report["schemes"]["tsp"]
+    worst = max(runs.values(), key=lambda r: r["device_total"])
+    m = pred.memory
+    components = {
+        "state": [sum(worst["state_bytes"].values()), m["params"] + m["grads"] + m["optimizer"]],
+        "activations_stored": [worst["activations_stored"], m["activations_stored"]],
+        "activations_peak": [worst["activations_peak"], m["activations_peak"]],
+        "reserved": [worst["reserved_model"], m["reserved"]],
+        "host_activations": [worst["host_activations"], m["host_offloaded"]]}
+    return {"gpu": hw.name, "nodes": nodes, "seq_len": seq, "layout": lay.label(),
+            "layout_fields": lay.as_dict(), "ranks": list(runs),
+            "device_total_by_rank": {r: v["device_total"] for r, v in runs.items()},
+            "dry_peak": worst["device_total"], "plan_peak": m["total"], "usable_hbm": pred.capacity,
+            "ratio": worst["device_total"] / m["total"], "peak_phase_model": worst["peak_phase_model"],
+            "components": components, "seconds": sum(v["seconds"] for v in runs.values())}
+
+
+def format_at_longest(c: dict) -> str:
+    gib = 2 ** 30
+    lines = [f"{c['gpu']} x {c['nodes']} node(s): longest TSP sequence {c['seq_len']:,} tokens, "
+             f"{c['layout']}; ranks {c['ranks']}, {c['seconds']:.0f} s",
+             f"  dry-run peak {c['dry_peak'] / gib:.2f} GiB, planner {c['plan_peak'] / gib:.2f} GiB, "
+             f"usable HBM {c['usable_hbm'] / gib:.2f} GiB; dry / plan {c['ratio']:.4f}"]
+    for name, (dry, plan) in c["components"].items():
+        lines.append(f"    {name:20s} dry {dry / gib:9.3f} GiB  plan {plan / gib:9.3f} GiB")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """python -m tsp_trainer.plan.dry_run --model llama3_8b --gpu h100 [--offload] [--ranks 0,1]:
+    `dry_run_at_longest`, printed (and written as JSON with --json)."""
+    import argparse
+    import json
+
+    from tsp_trainer.config.model import model_config
+
+    p = argparse.ArgumentParser(prog="python -m tsp_trainer.plan.dry_run",
+                                description="the dry run at the planner's longest TSP sequence")
+    p.add_argument("--model", default="llama3_8b")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--offload", action="store_true", help="the activation-offload layout")
+    p.add_argument("--no-offload-optimizer", action="store_true",
+                   help="AdamW's state on the GPU (default: zero.offload_optimizer=cpu)")
+    p.add_argument("--ranks", default="0", help="comma-separated global ranks, or 'all'")
+    p.add_argument("--json", default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    cfg = model_config(args.model)
+    if args.ranks == "all":
+        from tsp_trainer.plan.hardware import get_profile
+
+        ranks = range(args.nodes * get_profile(args.gpu).gpus_per_node)
+    else:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    c = dry_run_at_longest(cfg, args.gpu, nodes=args.nodes, offload=args.offload,
+                           offload_optimizer=not args.no_offload_optimizer, ranks=ranks,
+                           log=lambda msg: print(msg, flush=True))
+    print(format_at_longest(c))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(c, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -94,16 +94,15 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     # and the product are the step's own
     step_mids = 2 if mlp_kept else 3
     mlp_fwd = acc + 2 * w_mlp + max(step_mids * mid, mid + e * m * h)
-    # backward of a ring step: full and selective re-run g, u (+ silu(g), its product, dh, dg/du);
-    # none reads the kept g, u instead of re-running them (5: measured on fake tensors with an
-    # MLP-heavy shape, I = 16 h, where the MLP backward is the peak: -2.8 to +3.2%; 4 gave -8.5%)
-    bwd_mids = 5 if mlp_kept else 6
+    # a tiled chunk's dX product [m, h] (untiled it is the size of the final cast, counted apart)
+    dx_product = e * m * h if tiled else 0
     out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
            "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
            "attn_bwd": own + e * n * h + a["bwd"],
            "mlp_bwd": (2 * own + sel + mlp_kept + e * n * h + cast + acc
-                       + _mlp_ring_backward_shards(w_mlp, ew, mlp_kept, d_) + bwd_mids * mid),
+                       + _mlp_ring_backward_shards(w_mlp, ew, mlp_kept, d_)
+                       + _mlp_chunk_backward(mid, dx_product, kept=bool(mlp_kept))),
            # ring of vocab shards: one fp32 logits block [c, V/D] (its exp / softmax computed in
            # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
            # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
@@ -165,6 +164,20 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
         bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
     bwd = acc32 + w_bwd + max(bwd_item, cast)
     return {"fwd": fwd, "bwd": bwd, "kv_bucket": kv}
+
+
+def _mlp_chunk_backward(mid: int, dx_product: int, *, kept: bool) -> int:
+    """Peak bytes of one token chunk of a ring step's backward (parallel/gated_mlp.py,
+    `_chunk_backward_into`), in [m, I/D] intermediates of `mid` bytes each. Full and selective
+    re-run g, u; none (and the AC replay) reads the kept ones, counted in mlp_kept. Two moments
+    compete: the elementwise part (silu(g), its product, dh, dg/du: 5 with g, u kept, measured on
+    fake tensors with an MLP-heavy shape, I = 16 h: -2.8 to +3.2%, 4 gave -8.5%; 6 re-running
+    them), and the last line, where sigmoid(g), silu(g), dg and du (and the re-run g, u) meet the
+    [m, h] product dg W_gate^T added into dX (`dx_product`, e m h once tiled). The second is the
+    larger when h exceeds I/D, e.g. Llama-3.1-8B at D = 8 (h 4,096 against I/D 1,792)."""
+    elementwise = (5 if kept else 6) * mid
+    last_line = (4 if kept else 6) * mid + dx_product
+    return max(elementwise, last_line)
 
 
 def _mlp_ring_backward_shards(w: int, ew: int, kept: int = 0, degree: int = 1) -> int:
