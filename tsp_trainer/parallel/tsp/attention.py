@@ -90,8 +90,10 @@ class TSPAttention(nn.Module):
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
                  head_dim: int, comm: Comm, head_buckets: int = 1, recompute: str = "full",
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None):
+                 o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
+                 replay_keeps: bool = True):
         super().__init__()
+        self.replay_keeps = replay_keeps     # under checkpointing: the replay keeps the items
         self.tiling = tiling if tiling is not None else TokenTiling()
         bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
@@ -110,7 +112,7 @@ class TSPAttention(nn.Module):
         shard = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         if self.q_proj.bias is not None:
             shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-        kept = kept_for_backward(self.recompute != "full")     # selective, none: keep the items
+        kept = kept_for_backward(self.recompute != "full", self.replay_keeps)  # selective, none: keep
         y = _TSPAttentionFn.apply(x, rope, self, kept, *shard)
         if self.o_proj.bias is None:
             return y

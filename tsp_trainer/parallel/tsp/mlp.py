@@ -47,9 +47,10 @@ class TSPGatedMLP(nn.Module):
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, comm: Comm,
                  gate_up_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
                  down_bias: torch.Tensor | None = None, keep_gate_up: bool = False,
-                 tiling: TokenTiling | None = None):
+                 tiling: TokenTiling | None = None, replay_keeps: bool = True):
         super().__init__()
         self.keep_gate_up = keep_gate_up
+        self.replay_keeps = replay_keeps     # under checkpointing: the replay keeps gate/up
         bg, bu = gate_up_bias if gate_up_bias is not None else (None, None)
         self.gate_proj, self.up_proj, self.down_proj = (
             _weight_holder(w, b) for w, b in ((gate, bg), (up, bu), (down, down_bias)))
@@ -61,7 +62,8 @@ class TSPGatedMLP(nn.Module):
         shard = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj)]
         if self.gate_proj.bias is not None:
             shard += [self.gate_proj.bias, self.up_proj.bias]
-        y = _TSPMLPFn.apply(x, self.comm, self, kept_for_backward(self.keep_gate_up), *shard)
+        y = _TSPMLPFn.apply(x, self.comm, self, kept_for_backward(self.keep_gate_up, self.replay_keeps),
+                          *shard)
         if self.down_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.down_proj.bias, self.comm, "bias.grad", True)
