@@ -114,3 +114,17 @@ def test_attention_forward_runs_twice_under_checkpointing_and_full_recompute_onc
                  for k, n in res.info["fused_attention_calls"].items()}
     forwards = 2 if ac or mode == "full" else 1
     assert per_layer == {"forward": forwards, "backward": 1}
+
+
+@pytest.mark.parametrize("keeps,forwards", [("all", 2), ("attention", 2), ("nothing", 3)])
+def test_checkpoint_replay_keeping_nothing_runs_the_attention_forward_a_third_time(keeps, forwards):
+    """Fused attention calls per item under checkpointing (as above): a replay that keeps the
+    attention items (all, attention) serves the backward, one that keeps nothing leaves the
+    backward to run the attention forward once more, as full recompute does."""
+    degree, buckets, runs = 2, 2, 2
+    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=256, dtype=torch.bfloat16,
+                   activation_checkpointing=True, rank=0, attention="cuda", head_buckets=buckets,
+                   checkpoint_replay_keeps=keeps)
+    per_layer = {k: n / GQA.num_layers / (degree * buckets * runs)
+                 for k, n in res.info["fused_attention_calls"].items()}
+    assert per_layer == {"forward": forwards, "backward": 1}

@@ -243,12 +243,14 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              activation_checkpointing: bool = False, rank: int = 0, tp_degree: int | None = None,
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
-             loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto") -> StepResult:
+             loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
+             checkpoint_replay_keeps: str = "all") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
     loss_chunk_tokens: `parallel.loss_chunk_tokens` (the LM head's token chunks);
-    mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's)."""
+    mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's);
+    checkpoint_replay_keeps: TSP's `parallel.checkpoint_replay_keeps` (under checkpointing)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -265,6 +267,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     options = _scheme_options(scheme, head_buckets, tp_degree, sp_degree, tp_sequence_parallel,
                               tsp_recompute)
+    if scheme == "tsp":
+        options["checkpoint_replay_keeps"] = checkpoint_replay_keeps
     with fake_world(world_size, rank):
         mesh = build_mesh(degree)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
