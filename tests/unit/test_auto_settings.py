@@ -96,7 +96,7 @@ def test_nothing_fits_names_the_budget_and_the_smallest_peak():
     assert f"nothing fits the memory budget of {smallest / 2 / GIB:.1f} GiB per process " \
            "(train.memory_budget_gib)" in message
     assert f"the smallest predicted peak is {smallest / GIB:.1f} GiB (tsp_recompute=full, " \
-           "activation_checkpointing=true, head_buckets=1)" in message
+           "activation_checkpointing=true, head_buckets=1, checkpoint_replay_keeps=all)" in message
 
 
 def test_tsp_check_exits_2_when_nothing_fits(capsys, tmp_path):
@@ -116,7 +116,8 @@ def test_tsp_check_exits_2_when_nothing_fits(capsys, tmp_path):
 def test_start_line_names_values_peak_and_budget():
     c = choose_memory_settings(_cfg(), world_size=2, budget=Budget(20 * GIB, "train.memory_budget_gib"),
                                cuda=False)
-    assert c.line() == (f"auto: tsp_recompute=none, activation_checkpointing=false, head_buckets=1 "
+    assert c.line() == (f"auto: tsp_recompute=none, activation_checkpointing=false, head_buckets=1, "
+                        f"checkpoint_replay_keeps=all "
                         f"(predicted peak {c.peak / GIB:.1f} GiB of 20.0 GiB budget: "
                         "train.memory_budget_gib)")
     applied = c.apply(_cfg())

@@ -106,12 +106,14 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE,
                       offload_optimizer: bool = False,
                       offload_activations: tuple[bool, ...] = (False, True),
-                      fields: dict | None = None) -> list[Layout]:
+                      fields: dict | None = None,
+                      replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
     activation checkpointing, head-bucket count and activation offload (`offload_activations`)
-    the trainer takes (`memory_variants`). `offload_optimizer`: every layout offloads (ZeRO 1 and
-    2 only, as the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
+    the trainer takes (`memory_variants`), and under checkpointing each of `replay_keeps` (TSP's
+    checkpoint_replay_keeps). `offload_optimizer`: every layout offloads (ZeRO 1 and 2 only, as
+    the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
     tiled_accumulators)."""
     rejected = rejected if rejected is not None else {}
     if offload_optimizer:
@@ -142,7 +144,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                                           offload_optimizer=offload_optimizer,
                                           **extra, **(fields or {}))
                             out += memory_variants(cfg, base, recompute=tsp_recompute,
-                                                   offload=offload_activations)
+                                                   offload=offload_activations, replay=replay_keeps)
     return out
 
 
