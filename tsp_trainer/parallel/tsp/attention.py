@@ -48,11 +48,14 @@ Recompute (`parallel.tsp_recompute`):
   pre-activations, so no GEMM of the forward runs again in backward.
 Under activation checkpointing (model/activation_checkpoint.py) the block's replay is the
 recompute, whatever the mode (tsp/kept.py): the first forward keeps nothing (X_p is the
-checkpoint's to drop), the replay keeps the items as selective does and hands them through the
-checkpointed call's slot to this function's backward, which then runs as selective's (weights
-re-broadcast for dX and the weight gradients, K/V re-gathered, no projection or attention forward).
-Per item and step that is two attention forwards (forward, replay) and one backward, as full
-recompute without checkpointing; selective and none without it run one forward.
+checkpoint's to drop). With `parallel.checkpoint_replay_keeps` all or attention the replay keeps
+the items as selective does and hands them through the checkpointed call's slot to this
+function's backward, which then runs as selective's (weights re-broadcast for dX and the weight
+gradients, K/V re-gathered, no projection or attention forward): per item and step two attention
+forwards (forward, replay) and one backward, as full recompute without checkpointing. With
+nothing the replay puts None and the backward runs full recompute's path (projections and
+attention forward again): three forwards, and no block's items held. Selective and none without
+checkpointing run one forward.
 The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
 in every mode; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
 ranks is not rounded to bf16 on the way).

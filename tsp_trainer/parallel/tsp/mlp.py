@@ -11,10 +11,12 @@ accumulator sent at one step is the next step's receive buffer: 4 packed buffers
 X_p only; per-shard activations are recomputed in backward (the gate/up GEMMs run again), unless
 `keep_gate_up` (parallel.tsp_recompute=none): then each ring step keeps its gate and up
 pre-activations g_j, u_j [B, T, I/D] (2 T I elements per layer over the D steps) and backward runs
-no GEMM of the forward. Under activation checkpointing the block's replay keeps them in every
-mode and hands them to this backward (tsp/kept.py): the first forward keeps nothing, and gate/up
-run twice per step (forward, replay), down_proj twice, as without checkpointing under full and
-selective. With mlp_bias (Llama), the gate/up
+no GEMM of the forward. Under activation checkpointing, with `parallel.checkpoint_replay_keeps`
+all, the block's replay keeps them in every mode and hands them to this backward (tsp/kept.py):
+the first forward keeps nothing, and gate/up run twice per step (forward, replay), down_proj
+twice, as without checkpointing under full and selective. With attention or nothing the replay
+puts None and this backward recomputes gate/up chunk by chunk (a third gate/up pass; [chunk, I/D]
+alive instead of the block's 2 T I). With mlp_bias (Llama), the gate/up
 biases of the block travel in the packed shard; down_proj's bias is replicated, added once per
 token after the ring, and its gradient summed over the group in fp32 (like a norm's, tag
 "bias.grad").
