@@ -16,7 +16,7 @@ from tsp_trainer.plan import cli as plan_cli
 from tsp_trainer.plan.auto import (GIB, AutoSettingsError, Budget, choose_auto_settings,
                                    choose_memory_settings, run_layout)
 from tsp_trainer.plan.hardware import get_profile
-from tsp_trainer.plan.precision import FP32
+from tsp_trainer.plan.precision import BF16, FP32
 from tsp_trainer.plan.predict import Assumptions, predict
 from tsp_trainer.plan.search import memory_variants
 
@@ -176,3 +176,31 @@ def test_gpu_budget_is_the_devices_memory_times_the_usable_share(monkeypatch):
     assert ranking_profile(True).name == "h200" and ranking_profile(False).name == "h100"
     explicit = memory_budget(_cfg("train.memory_budget_gib=12.5"), world_size=2, cuda=True)
     assert (explicit.bytes, explicit.source) == (12.5 * GIB, "train.memory_budget_gib")
+
+
+def test_checkpoint_replay_keeps_all_unless_the_budget_needs_less():
+    """Llama-3.1-8B at 2M tokens on D=8 (bf16, CUDA's route) under checkpointing: the replay
+    keeping all is the fastest, attention and nothing need less memory and run slower, so each
+    budget between their predicted peaks gives, in turn, all, attention and nothing, and the
+    start-up line says which."""
+    cfg = load_config(None, ["model.size=llama3_8b", "parallel.tsp_degree=8", "data.seq_len=2097152",
+                             "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
+                             "train.activation_checkpointing=true", "parallel.tsp_recompute=full",
+                             "parallel.head_buckets=1"])
+    model, hw = cfg.model.to_model_config(), get_profile("h100")
+    preds = {lay.replay_keeps: predict(model, lay, cfg.data.seq_len, hw, prec=BF16, device="cuda")
+             for lay in memory_variants(model, run_layout(cfg, 8), recompute=("full",),
+                                        checkpointing=(True,), buckets=(1,))}
+    peak = {k: p.memory["total"] for k, p in preds.items()}
+    assert peak["nothing"] < peak["attention"] < peak["all"]                    # the premise
+    assert preds["all"].step_time <= preds["attention"].step_time < preds["nothing"].step_time
+
+    def chosen(budget: float) -> str:
+        c = choose_memory_settings(cfg, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
+                                   cuda=True, hw=hw)
+        assert f"checkpoint_replay_keeps={c.checkpoint_replay_keeps} (predicted peak" in c.line()
+        return c.checkpoint_replay_keeps
+
+    assert chosen(peak["all"]) == "all"
+    assert chosen((peak["attention"] + peak["all"]) / 2) == "attention"
+    assert chosen((peak["nothing"] + peak["attention"]) / 2) == "nothing"
