@@ -115,7 +115,8 @@ class TSPAttention(nn.Module):
         shard = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         if self.q_proj.bias is not None:
             shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-        kept = kept_for_backward(self.recompute != "full", self.replay_keeps)  # selective, none: keep
+        # the items are kept under selective and none, and by a checkpoint replay that keeps them
+        kept = kept_for_backward(self.recompute != "full", self.replay_keeps)
         y = _TSPAttentionFn.apply(x, rope, self, kept, *shard)
         if self.o_proj.bias is None:
             return y
