@@ -43,7 +43,7 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
-from tsp_trainer.plan.auto import choose_auto_settings
+from tsp_trainer.plan.auto import choose_auto_settings, resolved_replay_keeps
 from tsp_trainer.plan.flops import run_flops_per_token
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
 from tsp_trainer.run.placement import place_ranks
@@ -165,8 +165,10 @@ class Trainer:
         c = self.cfg
         with torch.device("meta"):                       # no rank ever holds the full model
             model = Transformer(self.model_cfg)
-        # the baselines refuse options they do not know: tsp_recompute goes to TSP only
-        tsp_only = {"tsp_recompute": c.parallel.tsp_recompute} if c.parallel.scheme == "tsp" else {}
+        # the baselines refuse options they do not know: the recompute settings go to TSP only
+        tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
+                     "checkpoint_replay_keeps": resolved_replay_keeps(c)}
+                    if c.parallel.scheme == "tsp" else {})
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
                           tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree,

@@ -26,7 +26,9 @@ def _run_rank(rank, world, overrides):
         trainer.fit()
     return {"log": log, "wandb": seen.get("config"),
             "checkpointed": trainer.par.model.block_wrapper is checkpointed_block,
-            "recompute": trainer.par.model.layers[0].self_attn.recompute}
+            "recompute": trainer.par.model.layers[0].self_attn.recompute,
+            "replay_keeps": (trainer.par.model.layers[0].self_attn.replay_keeps,
+                             trainer.par.model.layers[0].mlp.replay_keeps)}
 
 
 def _budget_between_checkpointing_and_the_rest(overrides) -> float:
@@ -53,12 +55,14 @@ def test_a_budget_only_checkpointing_fits_is_what_runs_says_and_records(tmp_path
     lines = [[x for x in o["log"] if x.startswith("[rank 0] auto:")] for o in outs]
     assert len(lines[0]) == 1 and lines[1] == []               # once, by rank 0
     assert lines[0][0].startswith("[rank 0] auto: tsp_recompute=full, activation_checkpointing=true, "
-                                  "head_buckets=1 (predicted peak ")
+                                  "head_buckets=1, checkpoint_replay_keeps=all (predicted peak ")
+    assert all(o["replay_keeps"] == (True, True) for o in outs)      # all: the blocks' replay keeps
     assert lines[0][0].endswith(" budget: train.memory_budget_gib)")
     assert all(o["checkpointed"] and o["recompute"] == "full" for o in outs)
     written = yaml.safe_load((out / "config.yaml").read_text())
     assert (written["parallel"]["tsp_recompute"], written["train"]["activation_checkpointing"],
             written["parallel"]["head_buckets"]) == ("full", True, 1)
+    assert written["parallel"]["checkpoint_replay_keeps"] == "all"
     wb = outs[0]["wandb"]
     assert (wb["parallel"]["tsp_recompute"], wb["train"]["activation_checkpointing"],
             wb["parallel"]["head_buckets"]) == ("full", True, 1)

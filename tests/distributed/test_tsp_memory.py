@@ -176,15 +176,29 @@ def test_no_recompute_keeps_the_mlp_gate_and_up_exactly(world):
         assert k["saved"] == 8 * k["tokens"] * inter, (k, 8 * k["tokens"] * inter)
 
 
-def _checkpointed_backward(rank, world, layers, mode, seq):
+def _slot_bytes(value) -> int | None:
+    """Bytes of the tensors a replay put in a checkpoint slot: the MLP's {step: [(g, u) per
+    chunk]} or the attention's items (q, stacked k/v, output a of each); None when the replay kept
+    nothing."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return sum(t.numel() * t.element_size() for kept in value.values() for pair in kept
+                   for t in pair)
+    return sum(t.numel() * t.element_size() for item in value for t in (item.q, item.kv, item.a))
+
+
+def _checkpointed_backward(rank, world, layers, mode, seq, keeps="all"):
     """A `layers`-layer TSP model under activation checkpointing, one forward + backward: the peak
     of live bytes over the blocks' backward (from the arrival of the top block's output gradient,
     past the LM head's and the loss's peak), the bytes alive at the end of the forward and at the
     end of each block's backward (when the gradient of its input arrives), besides the parameters
-    and their preallocated gradients."""
+    and their preallocated gradients; and the bytes each replay put in its slots ("puts": (part,
+    bytes or None), `_slot_bytes`) under parallel.checkpoint_replay_keeps=`keeps`."""
     from tsp_trainer.config import model_config
     from tsp_trainer.model import Transformer
-    from tsp_trainer.model.activation_checkpoint import checkpointed_block
+    from tsp_trainer.model.activation_checkpoint import CheckpointCall, checkpointed_block
+    from tsp_trainer.parallel.tsp.attention import TSPAttention
     from tsp_trainer.parallel import zigzag
     from tsp_trainer.parallel.mesh import build_mesh
     from tsp_trainer.parallel.schemes import parallelize
@@ -195,8 +209,14 @@ def _checkpointed_backward(rank, world, layers, mode, seq):
     mesh = build_mesh(world)
     with torch.device("meta"):
         model = Transformer(cfg)
-    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, tsp_recompute=mode)
+    parallelize(model, "tsp", mesh, seq_len=seq, init_seed=0, tsp_recompute=mode,
+                checkpoint_replay_keeps=keeps)
     params = list(model.parameters())
+    puts, put = [], CheckpointCall.put
+
+    def recording_put(call, key, value):
+        puts.append(("attention" if isinstance(key, TSPAttention) else "mlp", _slot_bytes(value)))
+        put(call, key, value)
     for p in params:
         p.grad = torch.zeros_like(p)
     ids = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
@@ -215,12 +235,16 @@ def _checkpointed_backward(rank, world, layers, mode, seq):
         return y
 
     model.block_wrapper = wrapper
-    with LiveTensorMemory() as mem:
-        mem.ignore(*params, *(p.grad for p in params), local_ids, local_labels)
-        loss_sum, _ = model.loss_sum(local_ids, local_labels, pos)
-        forward = mem.live
-        loss_sum.backward()
-    return {"peak": mem.peak, "forward": forward, "block_ends": block_ends, "top": top[0],
+    CheckpointCall.put = recording_put
+    try:
+        with LiveTensorMemory() as mem:
+            mem.ignore(*params, *(p.grad for p in params), local_ids, local_labels)
+            loss_sum, _ = model.loss_sum(local_ids, local_labels, pos)
+            forward = mem.live
+            loss_sum.backward()
+    finally:
+        CheckpointCall.put = put
+    return {"peak": mem.peak, "forward": forward, "block_ends": block_ends, "top": top[0], "puts": puts,
             "tokens": seq // world,
             "h": cfg.hidden_size, "inter": cfg.intermediate_size, "heads": cfg.num_heads}
 
@@ -241,4 +265,20 @@ def test_checkpointed_replay_keeps_one_block_and_frees_it_with_its_backward(mode
         assert c["forward"] - a["forward"] == 2 * block_input, (a, c)
         assert c["peak"] - a["peak"] == 2 * block_input, (a, c, block_input)
         assert c["peak"] - c["top"] > kept, (c, kept)             # the backward holds one block's items
+        assert c["block_ends"] == [c["top"] - i * block_input for i in (1, 2, 3)], c
+
+
+@pytest.mark.parametrize("keeps", ["all", "attention", "nothing"])
+def test_checkpoint_replay_keeps_what_the_setting_allows(keeps):
+    """parallel.checkpoint_replay_keeps: each block's replay puts in its slots the attention items
+    (q, stacked k/v and output a of every item: 4 h fp32 per token with as many K/V heads as query
+    heads) under all and attention, and the gate/up pre-activations (8 T I bytes in fp32) under all
+    only; a part it does not keep gets None (its backward recomputes). Still one block at a time:
+    the forward keeps only the block inputs and each block's backward ends one block input lower."""
+    world, seq, layers = 2, 64, 3
+    for c in run_on_ranks(_checkpointed_backward, world, layers, "full", seq, keeps):
+        tokens, block_input = c["tokens"], 4 * c["tokens"] * c["h"]
+        items = 4 * tokens * 4 * c["h"] if keeps in ("all", "attention") else None
+        gate_up = 8 * tokens * c["inter"] if keeps == "all" else None
+        assert c["puts"] == [("attention", items), ("mlp", gate_up)] * layers, (c["puts"], items, gate_up)
         assert c["block_ends"] == [c["top"] - i * block_input for i in (1, 2, 3)], c

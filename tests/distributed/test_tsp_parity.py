@@ -94,22 +94,28 @@ def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, s
             torch.testing.assert_close(o["weights"][name], w, rtol=RTOL, atol=ATOL, msg=name)
 
 
-@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode", [
-    (1, 4, 1, 16, None, "full"), (2, 4, 2, 32, "llama_bias_llama3", "full"),
-    (4, 8, 2, 48, None, "selective"), (2, 2, 1, 24, "qwen2_yarn", "selective"),
-    (4, 4, 1, 40, "llama_bias_llama3", "none"),
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode,keeps", [
+    (1, 4, 1, 16, None, "full", "all"), (2, 4, 2, 32, "llama_bias_llama3", "full", "all"),
+    (4, 8, 2, 48, None, "selective", "all"), (2, 2, 1, 24, "qwen2_yarn", "selective", "all"),
+    (4, 4, 1, 40, "llama_bias_llama3", "none", "all"),
+    (1, 4, 1, 16, None, "full", "attention"), (2, 4, 2, 32, "llama_bias_llama3", "full", "attention"),
+    (4, 8, 2, 48, None, "full", "attention"),
+    (1, 4, 1, 16, None, "full", "nothing"), (2, 2, 1, 24, "qwen2_yarn", "full", "nothing"),
+    (4, 4, 1, 40, "llama_bias_llama3", "full", "nothing"),
 ])
 def test_activation_checkpointing_matches_single_process(degree, kv_heads, buckets, seq_len, family,
-                                                          mode):
-    """Under activation checkpointing the block's replay hands its attention items and gate/up
-    pre-activations to the block's backward, in every tsp_recompute mode: the same logits, loss,
-    gradients and, after two SGD steps (each a forward + backward through the replay; the logits
-    forward with grad is never backpropagated, so its blocks never replay), weights."""
+                                                          mode, keeps):
+    """Under activation checkpointing the block's replay hands what parallel.checkpoint_replay_keeps
+    lets it keep to the block's backward (all: attention items and gate/up pre-activations, in every
+    tsp_recompute mode; attention: the items, the MLP recomputing gate/up; nothing: both recomputed):
+    the same logits, loss, gradients and, after two SGD steps (each a forward + backward through the
+    replay; the logits forward with grad is never backpropagated, so its blocks never replay),
+    weights."""
     cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **FAMILY_CFGS.get(family, {}))
     ids, labels = make_batch(cfg, 2, seq_len)
     ref = reference(cfg, 7, ids, labels, steps=2, optim="sgd")
     outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd", mode,
-                        "auto", True)
+                        "auto", True, "auto", False, keeps)
     _assert_parity(ref, outs)
     for o in outs:
         for name, w in ref["weights"].items():

@@ -16,7 +16,7 @@ from tsp_trainer.plan import cli as plan_cli
 from tsp_trainer.plan.auto import (GIB, AutoSettingsError, Budget, choose_auto_settings,
                                    choose_memory_settings, run_layout)
 from tsp_trainer.plan.hardware import get_profile
-from tsp_trainer.plan.precision import FP32
+from tsp_trainer.plan.precision import BF16, FP32
 from tsp_trainer.plan.predict import Assumptions, predict
 from tsp_trainer.plan.search import memory_variants
 
@@ -96,7 +96,7 @@ def test_nothing_fits_names_the_budget_and_the_smallest_peak():
     assert f"nothing fits the memory budget of {smallest / 2 / GIB:.1f} GiB per process " \
            "(train.memory_budget_gib)" in message
     assert f"the smallest predicted peak is {smallest / GIB:.1f} GiB (tsp_recompute=full, " \
-           "activation_checkpointing=true, head_buckets=1)" in message
+           "activation_checkpointing=true, head_buckets=1, checkpoint_replay_keeps=all)" in message
 
 
 def test_tsp_check_exits_2_when_nothing_fits(capsys, tmp_path):
@@ -116,7 +116,8 @@ def test_tsp_check_exits_2_when_nothing_fits(capsys, tmp_path):
 def test_start_line_names_values_peak_and_budget():
     c = choose_memory_settings(_cfg(), world_size=2, budget=Budget(20 * GIB, "train.memory_budget_gib"),
                                cuda=False)
-    assert c.line() == (f"auto: tsp_recompute=none, activation_checkpointing=false, head_buckets=1 "
+    assert c.line() == (f"auto: tsp_recompute=none, activation_checkpointing=false, head_buckets=1, "
+                        f"checkpoint_replay_keeps=all "
                         f"(predicted peak {c.peak / GIB:.1f} GiB of 20.0 GiB budget: "
                         "train.memory_budget_gib)")
     applied = c.apply(_cfg())
@@ -175,3 +176,31 @@ def test_gpu_budget_is_the_devices_memory_times_the_usable_share(monkeypatch):
     assert ranking_profile(True).name == "h200" and ranking_profile(False).name == "h100"
     explicit = memory_budget(_cfg("train.memory_budget_gib=12.5"), world_size=2, cuda=True)
     assert (explicit.bytes, explicit.source) == (12.5 * GIB, "train.memory_budget_gib")
+
+
+def test_checkpoint_replay_keeps_all_unless_the_budget_needs_less():
+    """Llama-3.1-8B at 2M tokens on D=8 (bf16, CUDA's route) under checkpointing: the replay
+    keeping all is the fastest, attention and nothing need less memory and run slower, so each
+    budget between their predicted peaks gives, in turn, all, attention and nothing, and the
+    start-up line says which."""
+    cfg = load_config(None, ["model.size=llama3_8b", "parallel.tsp_degree=8", "data.seq_len=2097152",
+                             "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
+                             "train.activation_checkpointing=true", "parallel.tsp_recompute=full",
+                             "parallel.head_buckets=1"])
+    model, hw = cfg.model.to_model_config(), get_profile("h100")
+    preds = {lay.replay_keeps: predict(model, lay, cfg.data.seq_len, hw, prec=BF16, device="cuda")
+             for lay in memory_variants(model, run_layout(cfg, 8), recompute=("full",),
+                                        checkpointing=(True,), buckets=(1,))}
+    peak = {k: p.memory["total"] for k, p in preds.items()}
+    assert peak["nothing"] < peak["attention"] < peak["all"]                    # the premise
+    assert preds["all"].step_time <= preds["attention"].step_time < preds["nothing"].step_time
+
+    def chosen(budget: float) -> str:
+        c = choose_memory_settings(cfg, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
+                                   cuda=True, hw=hw)
+        assert f"checkpoint_replay_keeps={c.checkpoint_replay_keeps} (predicted peak" in c.line()
+        return c.checkpoint_replay_keeps
+
+    assert chosen(peak["all"]) == "all"
+    assert chosen((peak["attention"] + peak["all"]) / 2) == "attention"
+    assert chosen((peak["nothing"] + peak["attention"]) / 2) == "nothing"

@@ -326,11 +326,13 @@ def test_at_128k_on_one_h100_node_tsp_fits_where_sp_does_not():
 def test_plan_errors():
     with pytest.raises(PlanError, match=r"nothing fits: the smallest layout.*needs"):
         plan(model_config("7b"), seq_len=16777216, global_batch=1, hw=get_profile("h100"), nodes=1)
-    # at 4M an offloading layout fits in HBM, but its node would pin 4.5 TB of host memory
+    # at 4M a checkpointed offloading layout (its replay keeping the attention items) fits in HBM,
+    # but its node would pin 1.2 TB of host memory, more than a 1 TB node has
     with pytest.raises(PlanError, match=r"nothing fits: the layouts that fit in HBM pin too much host "
-                                        r"memory; the smallest, tsp .* offload, needs 4,493 GB per node, "
-                                        r"more than the 2,000 GB"):
-        plan(model_config("7b"), seq_len=4194304, global_batch=1, hw=get_profile("h100"), nodes=1)
+                                        r"memory; the smallest, tsp .* keep=attn .*offload, needs 1,194 GB "
+                                        r"per node, more than the 1,000 GB"):
+        plan(model_config("7b"), seq_len=4194304, global_batch=1,
+             hw=get_profile("h100", host_memory_gb=1000), nodes=1)
     with pytest.raises(PlanError, match=r"--global-batch=3 .*multiple of the data-parallel degree"):
         plan(model_config("7b"), seq_len=4096, global_batch=3, hw=get_profile("h100"), nodes=4,
              max_degree=8)
@@ -394,7 +396,7 @@ def test_cli_optimizer_offload(capsys):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--global-batch", "1", "--seq-len", "4194304", "--gpu", "h100"], r"nothing fits"),
+    (["--global-batch", "1", "--seq-len", "8388608", "--gpu", "h100"], r"nothing fits"),
     (["--global-batch", "3", "--seq-len", "4096", "--nodes", "4", "--max-degree", "8"],
      r"--global-batch=3 sequences.*multiple of the data-parallel degree"),
     (["--seq-len", "4096"], r"--global-batch .* is required"),

@@ -32,14 +32,20 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
     lengths = [r.longest.seq_len for r in rows]
     assert [r.step.name for r in rows] == [s.name for s in STEPS]
     assert lengths == sorted(lengths) and lengths[0] > 0
-    assert lengths[-1] > 2 * lengths[-2]           # activation offload is the big step
+    assert lengths[5] > 2 * lengths[4]             # activation offload is the big step
     # the tiled-MLP row (loss tiled, MLP tiled, accumulators fp32), asked for directly
-    mlp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1,
+    mlp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, replay_keeps=("all",),
                           fields={"loss_chunk_tokens": "auto", "mlp_chunk_tokens": "auto",
                                   "tiled_accumulators": False})
     assert mlp.seq_len == rows[2].longest.seq_len
-    # the row with every tiling is the default planner's answer
-    assert rows[3].longest.seq_len == longest_seq_len(CFG, "tsp", hw=H100, nodes=1).seq_len
+    # the row with every tiling is the planner's answer with the replay keeping all
+    assert rows[3].longest.seq_len == longest_seq_len(CFG, "tsp", hw=H100, nodes=1,
+                                                      replay_keeps=("all",)).seq_len
+    # the lean replay is the default planner's answer with both offloads, and it is longer: the
+    # replay no longer holds one block's gate/up and attention items
+    lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
+    assert rows[6].longest.seq_len == lean.seq_len > 2 * lengths[5]
+    assert rows[6].longest.best.layout.replay_keeps == "nothing"
     base = rows[0].longest.best.layout
     assert base.loss_chunk_tokens == UNTILED and not base.tiled_accumulators
     assert rows[4].longest.best.layout.offload_optimizer

@@ -98,19 +98,33 @@ def test_attention_path_is_named():
         run_step(GQA, "tsp", world_size=2, degree=2, seq_len=SEQ, attention="gpu")
 
 
+def _fused_calls_per_item(**options) -> dict[str, float]:
+    """Fused attention kernel calls per layer and step through the CUDA route, per item (owner,
+    head bucket; each item attends this rank's two zigzag runs, one call each): TSP at D 2 with 2
+    head buckets, bf16, `options` passed to run_step."""
+    degree, buckets, runs = 2, 2, 2
+    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=256, dtype=torch.bfloat16,
+                   rank=0, attention="cuda", head_buckets=buckets, **options)
+    return {k: n / GQA.num_layers / (degree * buckets * runs)
+            for k, n in res.info["fused_attention_calls"].items()}
+
+
 @pytest.mark.parametrize("ac", [True, False], ids=["AC", "noAC"])
 @pytest.mark.parametrize("mode", ["full", "selective", "none"])
 def test_attention_forward_runs_twice_under_checkpointing_and_full_recompute_once_otherwise(ac, mode):
-    """Fused attention kernel calls per layer and step through the CUDA route, per item (owner,
-    head bucket; each item attends this rank's two zigzag runs, one call each): under activation
-    checkpointing the block's replay is TSP's recompute, so every mode runs the forward twice
-    (forward, replay); without it full recompute runs it twice (forward, backward), selective and
-    none once. The backward kernel runs once per item in every case."""
-    degree, buckets, runs = 2, 2, 2
-    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=256, dtype=torch.bfloat16,
-                   activation_checkpointing=ac, rank=0, attention="cuda", head_buckets=buckets,
-                   tsp_recompute=mode)
-    per_layer = {k: n / GQA.num_layers / (degree * buckets * runs)
-                 for k, n in res.info["fused_attention_calls"].items()}
+    """Fused attention calls per item: under activation checkpointing the block's replay is TSP's
+    recompute, so every mode runs the forward twice (forward, replay); without it full recompute
+    runs it twice (forward, backward), selective and none once. The backward kernel runs once per
+    item in every case."""
+    per_layer = _fused_calls_per_item(activation_checkpointing=ac, tsp_recompute=mode)
     forwards = 2 if ac or mode == "full" else 1
+    assert per_layer == {"forward": forwards, "backward": 1}
+
+
+@pytest.mark.parametrize("keeps,forwards", [("all", 2), ("attention", 2), ("nothing", 3)])
+def test_checkpoint_replay_keeping_nothing_runs_the_attention_forward_a_third_time(keeps, forwards):
+    """Fused attention calls per item under checkpointing: a replay that keeps the attention
+    items (all, attention) serves the backward, one that keeps nothing leaves the backward to run
+    the attention forward once more, as full recompute does."""
+    per_layer = _fused_calls_per_item(activation_checkpointing=True, checkpoint_replay_keeps=keeps)
     assert per_layer == {"forward": forwards, "backward": 1}

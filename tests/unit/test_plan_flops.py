@@ -87,12 +87,17 @@ LAYOUTS = [(c, ac, "cpu") for c in CASES for ac in (False, True)
            if not (ac and c[2].get("tsp_recompute", "full") != "full")]
 LAYOUTS += [(CASES[0], False, "cuda"), (CASES[0], True, "cuda"), (CASES[3], True, "cuda"),
             (CASES[5], False, "cuda")]
+# what TSP's checkpoint replay keeps: attention re-runs gate/up in backward, nothing also the
+# projections and the attention forward
+LAYOUTS += [(("tsp", 2, {"checkpoint_replay_keeps": keeps}), True, route)
+            for keeps in ("attention", "nothing") for route in ("cpu", "cuda")]
 
 
 def _layout(scheme: str, degree: int, kw: dict, ac: bool) -> Layout:
     axes = {"tp": kw["tp_degree"], "sp": kw["sp_degree"]} if scheme == "tp_x_sp" else {}
     return Layout(scheme, degree, dp=2, activation_checkpointing=ac, head_buckets=kw.get("head_buckets", 1),
-                  tsp_recompute=kw.get("tsp_recompute", "full"), **axes)
+                  tsp_recompute=kw.get("tsp_recompute", "full"),
+                  replay_keeps=kw.get("checkpoint_replay_keeps", "all"), **axes)
 
 
 @pytest.mark.parametrize("case,ac,attention", LAYOUTS,
@@ -115,6 +120,12 @@ def test_forward_runs_per_layout():
     # under checkpointing the replay is TSP's recompute: forward + replay, no third run
     assert (tsp_ac["qkv"], tsp_ac["core"], tsp_ac["o"], tsp_ac["gate_up"], tsp_ac["down"], tsp_ac["head"]) == (
         2, 2, 2, 2, 2, 2)
+    runs = [forward_runs(Layout("tsp", 2, activation_checkpointing=True, replay_keeps=keeps))
+            for keeps in ("attention", "nothing")]
+    # a replay keeping only attention runs gate/up a third time; keeping nothing, qkv and core too
+    assert [(r["qkv"], r["core"], r["o"], r["gate_up"], r["down"]) for r in runs] == [
+        (2, 2, 2, 3, 2), (3, 3, 2, 3, 2)]
+    assert forward_runs(Layout("tsp", 2, replay_keeps="nothing")) == tsp    # no effect without AC
     tp_ac = forward_runs(Layout("tp", 2, activation_checkpointing=True))
     assert (tp_ac["qkv"], tp_ac["down"], tp_ac["head"]) == (2, 1, 1)
     assert forward_pieces(CFG, SEQ)["core"] == 2 * CFG.num_layers * SEQ * CFG.num_heads * CFG.head_dim

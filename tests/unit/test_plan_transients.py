@@ -6,45 +6,52 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsp_trainer.parallel.gated_mlp import gate_up, gated_mlp_backward_into
+from tsp_trainer.parallel.gated_mlp import _gate_up, gated_mlp_backward_into
 from tsp_trainer.plan.transients import _mlp_chunk_backward
 from tsp_trainer.tools.memory import LiveTensorMemory
 
 
-def _chunk_backward_peak(tokens: int, h: int, inter: int, *, kept: bool) -> int:
+def _chunk_backward_peak(tokens: int, h: int, inter: int, *, kept: bool, dx_dtype=torch.bfloat16) -> int:
     """Live-bytes peak of one bf16 chunk of the MLP's backward (gated_mlp_backward_into with one
-    chunk), beyond its inputs, preallocated accumulators and (kept) gate/up pre-activations."""
+    chunk, the fused [W_gate; W_up] layout), beyond its inputs, preallocated accumulators and
+    (kept) gate|up pre-activations."""
     gen = torch.Generator().manual_seed(0)
 
     def rand(*shape):
         return torch.randn(*shape, dtype=torch.bfloat16, generator=gen)
 
     x, dy = rand(tokens, h), rand(tokens, h)
-    ws = [rand(inter, h), rand(inter, h), rand(h, inter)]
+    ws = [rand(2 * inter, h), rand(h, inter)]                  # [W_gate; W_up], W_down
     acc = [torch.zeros(w.shape) for w in ws]
-    dx = torch.zeros(tokens, h, dtype=torch.bfloat16)
-    pairs = [gate_up(x, ws)] if kept else None
+    dx = torch.zeros(tokens, h, dtype=dx_dtype)
+    pairs = [_gate_up(x, ws[0], None)] if kept else None
     tracker = LiveTensorMemory()
-    tracker.ignore(x, dy, *ws, *acc, dx, *(pairs[0] if kept else ()))
+    tracker.ignore(x, dy, *ws, *acc, dx, *(pairs if kept else ()))
     with tracker:
         gated_mlp_backward_into(x, dy, ws, acc, dx, [slice(0, tokens)], pairs)
     return tracker.peak
 
 
+@pytest.mark.parametrize("shape", [(512, 256, 64), (512, 64, 256)], ids=["h-over-shard", "shard-over-h"])
 @pytest.mark.parametrize("kept", [True, False], ids=["gate-up-kept", "gate-up-rerun"])
-def test_mlp_chunk_backward_counts_the_dx_product_when_h_exceeds_the_shard(kept):
-    """h = 4 I/D (Llama-3.1-8B at D = 8 has h / (I/D) = 2.3): the chunk's peak is its last line,
-    sigmoid(g), silu(g), dg, du (and re-run g, u) with the [m, h] product added into dX, to the
-    byte: 4 (6) intermediates of [m, I/D] and e m h."""
+def test_mlp_chunk_backward_of_a_tiled_layer_is_its_elementwise_part(kept, shape):
+    """A tiled layer's dX is in the activation dtype, so dX += [dg | du] [W_gate; W_up] is one
+    in-place addmm_ (no [m, h] product), whether h exceeds I/D (Llama-3.1-8B at D = 8) or not:
+    the peak is the elementwise part, 6 (8 re-running gate|up) [m, I/D] intermediates, to the
+    byte."""
+    m, h, inter = shape
+    mid = 2 * m * inter
+    expected = (6 if kept else 8) * mid
+    assert _mlp_chunk_backward(mid, 0, kept=kept) == expected
+    assert _chunk_backward_peak(m, h, inter, kept=kept) == expected
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["gate-up-kept", "gate-up-rerun"])
+def test_mlp_chunk_backward_with_a_dx_product_is_its_last_line(kept):
+    """CPU's bf16 GEMM into an fp32 dX writes a [m, h] product first: with h = 4 I/D the last line,
+    4 (6) intermediates and the product, is the peak, to the byte."""
     m, h, inter = 512, 256, 64
     mid, product = 2 * m * inter, 2 * m * h
     expected = (4 if kept else 6) * mid + product
     assert _mlp_chunk_backward(mid, product, kept=kept) == expected
-    assert _chunk_backward_peak(m, h, inter, kept=kept) == expected       # 524,288 / 655,360 B
-
-
-def test_mlp_chunk_backward_without_the_product_is_the_elementwise_count():
-    """Untiled (no product term: the final cast, counted apart, has its size) the chunk's
-    backward is its elementwise part: 5 intermediates with g, u kept, 6 re-running them."""
-    assert _mlp_chunk_backward(1000, 0, kept=True) == 5000
-    assert _mlp_chunk_backward(1000, 0, kept=False) == 6000
+    assert _chunk_backward_peak(m, h, inter, kept=kept, dx_dtype=torch.float32) == expected

@@ -22,6 +22,8 @@ TspRecompute = Literal["full", "selective", "none"]
 # "auto": the planner's memory model chooses the value at start-up (plan/auto.py)
 Auto = Literal["auto"]
 TspRecomputeSetting = Literal["auto", TspRecompute]
+ReplayKeeps = Literal["all", "attention", "nothing"]
+ReplayKeepsSetting = Literal["auto", ReplayKeeps]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub"]
 LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
@@ -118,6 +120,13 @@ class ParallelSection:
                     "pre-activations (+2 B S/D I elements per layer): backward re-runs no forward GEMM; "
                     "auto = the fastest of these, checkpointing and head buckets whose predicted "
                     "peak fits train.memory_budget_gib (docs/planner.md)")
+    checkpoint_replay_keeps: ReplayKeepsSetting = setting(
+        "auto", doc="TSP under train.activation_checkpointing (no effect without it): what a "
+                    "block's replay keeps for its backward; all = the attention items and the MLP's "
+                    "gate/up (no forward runs a third time); attention = the items only, the MLP's "
+                    "backward recomputes gate/up per token chunk; nothing = neither, attention also "
+                    "runs its forward again in backward; auto = all unless the predicted peak needs "
+                    "less to fit train.memory_budget_gib (docs/long_context.md)")
     loss_chunk_tokens: int | Literal["auto"] = setting(
         "auto", min=1, doc="local tokens the LM head's loss takes at a time (fp32 logits [chunk, "
                            "V/D]); auto: all at once unless that block exceeds 1 GiB, else the "

@@ -8,11 +8,13 @@ record checkpointing and export use to gather, reshard or slice state dicts.
 from __future__ import annotations
 
 import fnmatch
+import typing
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from tsp_trainer.config.schema import ReplayKeeps
 from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.model.transformer import Transformer, init_parameter
 from tsp_trainer.parallel.comm import Comm
@@ -75,28 +77,32 @@ def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
 def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len: int | None = None,
               init_seed: int | None = None, recompute: str = "full",
               loss_chunk_tokens: int | str = "auto",
-              mlp_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
+              mlp_chunk_tokens: int | str = "auto",
+              checkpoint_replay_keeps: str = "all") -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
     with init_parameter, one full parameter at a time: the same values a plain model gets).
     `loss_chunk_tokens`: the LM head's token chunks (parallel/loss_chunks.py);
-    `mlp_chunk_tokens`: the layers' token chunks (parallel/gated_mlp.py)."""
+    `mlp_chunk_tokens`: the layers' token chunks (parallel/gated_mlp.py);
+    `checkpoint_replay_keeps`: what each block's replay keeps under activation checkpointing
+    ("all", "attention" or "nothing"; tsp/kept.py)."""
     cfg = model.cfg
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
     specs = tsp_specs(model, comm.size)
     local = LocalShards(model, specs, comm.rank, init_seed)
     tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // comm.size)
+    replay_attention, replay_mlp = replay_keeps(checkpoint_replay_keeps)
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         weights, biases = local.attention(attn, cfg)
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute,
-                                       tiling=tiling, **biases)
+                                       tiling=tiling, replay_keeps=replay_attention, **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
-                                tiling=tiling, **biases)
+                                tiling=tiling, replay_keeps=replay_mlp, **biases)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
                                                         pre + "input_layernorm"), comm=comm)
         block.post_attention_layernorm = TSPRMSNorm(
@@ -110,6 +116,17 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
                               loss_chunk_tokens=loss_chunk_tokens)
     mark_model_parallel(model, specs)
     return specs
+
+
+REPLAY_KEEPS = typing.get_args(ReplayKeeps)      # parallel.checkpoint_replay_keeps
+
+
+def replay_keeps(value: str) -> tuple[bool, bool]:
+    """(attention, MLP): whether a block's activation-checkpoint replay keeps that part's
+    activations for its backward under `parallel.checkpoint_replay_keeps=value`."""
+    if value not in REPLAY_KEEPS:
+        raise ValueError(f"parallel.checkpoint_replay_keeps={value!r} is not one of {REPLAY_KEEPS}")
+    return value in ("all", "attention"), value == "all"
 
 
 class LocalShards:

@@ -9,6 +9,9 @@ in the form of ALST's ablation table: each row keeps the techniques of the rows 
                            behaviour whenever the MLP is tiled)
     + optimizer offload    zero.offload_optimizer: cpu
     + activation offload   train.offload_activations: true (with or without checkpointing)
+    + lean replay          parallel.checkpoint_replay_keeps: attention or nothing as well as all
+                           (the rows above keep all: the replay holds one block's attention items
+                           and gate/up)
 
 Every row is `longest_seq_len` of scheme tsp with that row's switches (activation checkpointing,
 head buckets and ZeRO stage searched as usual), checked against HBM and the node's host memory.
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.hardware import HardwareProfile
-from tsp_trainer.plan.layout import UNTILED
+from tsp_trainer.plan.layout import REPLAY_KEEPS, UNTILED
 from tsp_trainer.plan.longest import Longest, format_seconds, longest_seq_len, peak_breakdown
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions
@@ -36,6 +39,7 @@ class Step:
     fields: dict
     offload_optimizer: bool = False
     offload: bool = False
+    replay_keeps: tuple[str, ...] = ("all",)    # checkpoint_replay_keeps under checkpointing
 
 
 _UNTILED = {"loss_chunk_tokens": UNTILED, "mlp_chunk_tokens": UNTILED, "tiled_accumulators": False}
@@ -46,6 +50,7 @@ STEPS = (
     Step("+ tiled accumulators", {}),
     Step("+ optimizer offload", {}, offload_optimizer=True),
     Step("+ activation offload", {}, offload_optimizer=True, offload=True),
+    Step("+ lean replay", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS),
 )
 
 
@@ -74,7 +79,7 @@ def ablation(cfg: ModelConfig, *, hw: HardwareProfile, nodes: int = 1, prec: Pre
                                               assumptions=assumptions, max_degree=max_degree,
                                               granule=granule, offload=step.offload,
                                               offload_optimizer=step.offload_optimizer,
-                                              fields=step.fields))
+                                              fields=step.fields, replay_keeps=step.replay_keeps))
             for step in STEPS]
 
 

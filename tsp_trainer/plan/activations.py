@@ -283,20 +283,24 @@ def _gate_up_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
 def tsp_replay_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16,
                     device: str = "cuda") -> tuple[int, int]:
     """(attention, MLP) bytes per rank that a TSP block's replay keeps under activation
-    checkpointing (parallel/tsp/kept.py), in every tsp_recompute mode: the attention items of
-    selective (`tsp_selective_saved`) and the gate/up pre-activations of none (`tsp_mlp_kept`),
-    for one block only, alive from its replay until its attention (MLP) backward. On CUDA's
+    checkpointing (parallel/tsp/kept.py), in every tsp_recompute mode, as far as
+    layout.replay_keeps lets it: the attention items of selective (`tsp_selective_saved`; all,
+    attention) and the gate/up pre-activations of none (`tsp_mlp_kept`; all only), for one block
+    only, alive from its replay until its attention (MLP) backward. A part the replay does not keep
+    counts 0 here: its backward recomputes as full recompute does (transients.py). On CUDA's
     memory-efficient route (fp32 + GQA) the kernel's saved K/V are copies expanded to the query
     heads, [B, S, hq_b, d] each per item, kept too: 2 e B S n_h d over the D n_b items (the refusal
     of parallel/tsp/recompute_rules.py concerns every layer's; under AC it is one block's). (0, 0)
     without AC or for the baselines. The replay's forward peak stays below the block's backward
     (fewer weight buffers, no gradient buffers), so no phase of its own is needed."""
-    if not (layout.activation_checkpointing and layout.scheme == "tsp"):
-        return 0, 0
-    attn = _attention_items_bytes(cfg, layout, seq_len, prec)
-    if expands_kv(prec.act, device, cfg.num_heads != cfg.num_kv_heads):
-        attn += 2 * prec.act * layout.micro_batch * seq_len * cfg.num_heads * cfg.head_dim
-    return attn, _gate_up_bytes(cfg, layout, seq_len, prec)
+    attn = mlp = 0
+    if layout.replay_keeps_attention:
+        attn = _attention_items_bytes(cfg, layout, seq_len, prec)
+        if expands_kv(prec.act, device, cfg.num_heads != cfg.num_kv_heads):
+            attn += 2 * prec.act * layout.micro_batch * seq_len * cfg.num_heads * cfg.head_dim
+    if layout.replay_keeps_mlp:
+        mlp = _gate_up_bytes(cfg, layout, seq_len, prec)
+    return attn, mlp
 
 
 __all__ = ["ActivationEstimate", "activation_memory", "loss_chunk", "mlp_chunk",

@@ -1,11 +1,14 @@
-"""`auto` for parallel.tsp_recompute, train.activation_checkpointing and parallel.head_buckets: the
-fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
+"""`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets and
+parallel.checkpoint_replay_keeps: the fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
 process (model state + the activation peak of activations.py and transients.py) fits the memory
 budget. An explicit value stays as written; `auto` chooses the others around it.
 
     choice = choose_auto_settings(cfg, world_size=world, cuda=cuda)   # None: nothing is auto
     cfg = choice.apply(cfg)                    # ValueError above: nothing fits the budget
     log.info(choice.line())                    # auto: tsp_recompute=selective, ... (predicted peak ...)
+
+Under checkpointing the replay keeping all is the fastest (no forward runs a third time), so
+checkpoint_replay_keeps resolves to all unless only attention or nothing fits.
 
 One ranking with tsp-plan: the candidates are `search.memory_variants` of the run's layout and
 `search.ranking_key` orders them, so for the same scheme, D, batch split and budget tsp-plan's top
@@ -31,7 +34,7 @@ from typing import Callable
 from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
-from tsp_trainer.plan.layout import TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.layout import REPLAY_KEEPS, TSP_RECOMPUTE, Layout
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.search import memory_variants, ranking_key
@@ -64,11 +67,13 @@ class MemoryChoice:
     head_buckets: int
     peak: float
     budget: Budget
+    checkpoint_replay_keeps: str = "all"
 
     def values(self) -> str:
         ac = str(self.activation_checkpointing).lower()
         return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
-                f"head_buckets={self.head_buckets}")
+                f"head_buckets={self.head_buckets}, "
+                f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}")
 
     def line(self) -> str:
         """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`."""
@@ -76,10 +81,11 @@ class MemoryChoice:
                 f"{gib_text(self.budget.bytes)} budget: {self.budget.source})")
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
-        """`cfg` with the three keys set to this choice (what the run saves and logs)."""
+        """`cfg` with the four keys set to this choice (what the run saves and logs)."""
         return dataclasses.replace(
             cfg, parallel=dataclasses.replace(cfg.parallel, tsp_recompute=self.tsp_recompute,
-                                              head_buckets=self.head_buckets),
+                                              head_buckets=self.head_buckets,
+                                              checkpoint_replay_keeps=self.checkpoint_replay_keeps),
             train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing))
 
     def facts(self) -> dict:
@@ -94,8 +100,18 @@ def gib_text(n: float) -> str:
 
 
 def uses_auto(cfg: TrainConfig) -> bool:
-    return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets,
+    """Whether any key `auto` resolves is auto (checkpoint_replay_keeps only where checkpointing
+    may be on: without it there is no replay, and `resolved_replay_keeps` is all)."""
+    replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
+    return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
                     cfg.train.activation_checkpointing)
+
+
+def resolved_replay_keeps(cfg: TrainConfig) -> str:
+    """parallel.checkpoint_replay_keeps as the blocks are built: still auto only when
+    checkpointing is off (`uses_auto`), where every value runs the same, so all."""
+    keeps = cfg.parallel.checkpoint_replay_keeps
+    return "all" if keeps == AUTO else keeps
 
 
 def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
@@ -129,8 +145,9 @@ def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget,
         ranked.append(worst)
     if not ranked:
         raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
-                                "parallel.tsp_recompute, train.activation_checkpointing and "
-                                "parallel.head_buckets explicitly")
+                                "parallel.tsp_recompute, train.activation_checkpointing, "
+                                "parallel.head_buckets and parallel.checkpoint_replay_keeps "
+                                "explicitly")
     ranked.sort(key=lambda p: ranking_key(p, budget.bytes))
     best = ranked[0]
     if best.memory["total"] > budget.bytes:
@@ -158,10 +175,12 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
 def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
     """The run's layout under every value of the auto keys (the explicit ones fixed)."""
     p, ac = cfg.parallel, cfg.train.activation_checkpointing
+    keeps = p.checkpoint_replay_keeps
     return memory_variants(cfg.model.to_model_config(), run_layout(cfg, world_size),
                            recompute=TSP_RECOMPUTE if p.tsp_recompute == AUTO else (p.tsp_recompute,),
                            checkpointing=(False, True) if ac == AUTO else (ac,),
-                           buckets=None if p.head_buckets == AUTO else (p.head_buckets,))
+                           buckets=None if p.head_buckets == AUTO else (p.head_buckets,),
+                           replay=REPLAY_KEEPS if keeps == AUTO else (keeps,))
 
 
 def _stages(cfg: TrainConfig) -> list[tuple[int, int]]:
@@ -185,7 +204,7 @@ def _worst_stage(cfg: TrainConfig, layout: Layout, hw: HardwareProfile, cuda: bo
 
 def _choice(layout: Layout, peak: float, budget: Budget) -> MemoryChoice:
     return MemoryChoice(layout.tsp_recompute, layout.activation_checkpointing, layout.head_buckets,
-                        peak=peak, budget=budget)
+                        peak=peak, budget=budget, checkpoint_replay_keeps=layout.replay_keeps)
 
 
 def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None) -> Budget:
@@ -249,4 +268,5 @@ def choose_bench_recompute(model: ModelConfig, *, degree: int, seq_len: int, mic
 
 
 __all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_auto_settings",
-           "choose_bench_recompute", "choose_memory_settings", "device_budget", "memory_budget", "uses_auto"]
+           "choose_bench_recompute", "choose_memory_settings", "device_budget", "memory_budget",
+           "resolved_replay_keeps", "uses_auto"]

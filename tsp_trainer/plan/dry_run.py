@@ -313,14 +313,15 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
              loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
-             offload_activations: bool = False) -> StepResult:
+             offload_activations: bool = False, checkpoint_replay_keeps: str = "all") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
     loss_chunk_tokens: `parallel.loss_chunk_tokens` (the LM head's token chunks);
     mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's);
     offload_activations: `train.offload_activations` (model/offload.py around the blocks, its host
-    copies counted apart: `host_copies_on_host`)."""
+    copies counted apart: `host_copies_on_host`);
+    checkpoint_replay_keeps: TSP's `parallel.checkpoint_replay_keeps` (under checkpointing)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -337,6 +338,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     options = _scheme_options(scheme, head_buckets, tp_degree, sp_degree, tp_sequence_parallel,
                               tsp_recompute)
+    if scheme == "tsp":
+        options["checkpoint_replay_keeps"] = checkpoint_replay_keeps
     with fake_world(world_size, rank):
         mesh = build_mesh(degree)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -447,7 +450,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
             offload_activations: bool = False, offload_optimizer: bool = False,
-            gpu: str | None = None, log=None) -> dict:
+            checkpoint_replay_keeps: str = "all", gpu: str | None = None, log=None) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
     equal it exactly; memory within a few %.
@@ -456,6 +459,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     offload_activations: train.offload_activations (the device peak without the host copies, which
     are reported as `host_activations`); offload_optimizer: zero.offload_optimizer=cpu (AdamW's
     state counted in host memory, as the planner does: the fake step runs no optimizer);
+    checkpoint_replay_keeps: TSP's parallel.checkpoint_replay_keeps (under checkpointing);
     gpu: a hardware profile name ("h100"): the planner's reserve for it (plan/reserved.py: buffers
     the libraries allocate beside the tensors, which fake tensors do not show) is reported and
     `device_total` = the measured tensors + that reserve, comparable with the planner's total.
@@ -475,7 +479,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
               "activation_checkpointing": activation_checkpointing, "dtype": "bf16",
               "attention": attention, "tsp_recompute": tsp_recompute,
               "offload_activations": offload_activations, "offload_optimizer": offload_optimizer,
-              "gpu": gpu,
+              "checkpoint_replay_keeps": checkpoint_replay_keeps, "gpu": gpu,
               "layers": "all" if full_depth else (
                   f"extrapolated from {'2 and 3' if offload_activations else '1 and 2'} layers"),
               "schemes": {}}
@@ -485,15 +489,16 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
                 f"seq {seq_len} ...")
         nb = head_buckets if scheme == "tsp" else 1
         mode = tsp_recompute if scheme == "tsp" else "full"
+        keeps = checkpoint_replay_keeps if scheme == "tsp" else "all"
         res = simulate(cfg, scheme, layers=cfg.num_layers if full_depth else None,
                        world_size=world_size, degree=degree, seq_len=seq_len,
                        micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
                        activation_checkpointing=activation_checkpointing, rank=rank,
                        attention=attention, tsp_recompute=mode,
-                       offload_activations=offload_activations)
+                       offload_activations=offload_activations, checkpoint_replay_keeps=keeps)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
-                        micro_batch=micro_batch, tsp_recompute=mode,
+                        micro_batch=micro_batch, tsp_recompute=mode, replay_keeps=keeps,
                         offload_activations=offload_activations, offload_optimizer=offload_optimizer)
         act = activation_memory(cfg, layout, seq_len, prec, device=attention)
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
@@ -625,6 +630,7 @@ def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool =
                          activation_checkpointing=lay.activation_checkpointing,
                          zero_stage=lay.zero_stage, rank=rank, attention="cuda",
                          tsp_recompute=lay.tsp_recompute, offload_activations=lay.offload_activations,
+                         checkpoint_replay_keeps=lay.replay_keeps,
                          offload_optimizer=lay.offload_optimizer, gpu=hw.name, log=log)
         runs[rank] = report["schemes"]["tsp"]
     worst = max(runs.values(), key=lambda r: r["device_total"])

@@ -18,7 +18,9 @@ Executed FLOPs = sum over pieces of f * (forward runs + backward cost), where
   checkpointing replays the block once in backward (`checkpoint_replay`: every piece under TSP,
   all but down elsewhere); without checkpointing TSP's own recompute re-runs qkv and core
   (tsp_recompute=full) and gate_up (full and selective) inside its backward (under checkpointing
-  the replay is that recompute: its items and gate/up serve the block's backward), and its
+  the replay is that recompute: what it keeps serves the block's backward, and what
+  checkpoint_replay_keeps does not let it keep runs a third time there: gate_up under attention;
+  qkv, core and gate_up under nothing), and its
   vocab-parallel loss rebuilds the logits (head); SP-style context attention (S_p > 1 outside TSP) re-runs the core in its
   backward;
 * backward cost = 2 for a GEMM (dX and dW) and 2.5 for the attention core: the flash backward
@@ -71,13 +73,13 @@ def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset()) -> dict[st
     _, s_p, _ = layout.axes
     if tsp:
         runs["head"] += 1                            # the vocab ring rebuilds each logits block
-        # TSP's backward re-runs from X_p what its mode does not keep; under checkpointing the
-        # replay is that recompute (its items and gate/up serve the block's backward)
-        recomputes = not layout.activation_checkpointing
-        if recomputes and not layout.keeps_attention:
+        # TSP's backward re-runs from X_p what is not kept for it: without checkpointing what its
+        # mode does not keep; under checkpointing what the replay does not keep (replay_keeps)
+        ac = layout.activation_checkpointing
+        if not (layout.replay_keeps_attention if ac else layout.keeps_attention):
             runs["qkv"] += 1
             runs["core"] += 1
-        if recomputes and not layout.keeps_mlp:
+        if not (layout.replay_keeps_mlp if ac else layout.keeps_mlp):
             runs["gate_up"] += 1
     elif s_p > 1:                                    # context attention recomputes its core
         runs["core"] += 1
@@ -162,6 +164,8 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
     p = cfg.parallel
     unresolved = [k for k, v in (("train.activation_checkpointing", cfg.train.activation_checkpointing),
                                  ("parallel.tsp_recompute", p.tsp_recompute),
+                                 ("parallel.checkpoint_replay_keeps",
+                                  p.checkpoint_replay_keeps if cfg.train.activation_checkpointing else None),
                                  ("parallel.head_buckets", p.head_buckets)) if v == "auto"]
     if unresolved:
         raise ValueError(f"{', '.join(unresolved)}=auto: the FLOPs need the resolved layout "
@@ -171,7 +175,9 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
     return Layout(p.scheme, p.tsp_degree, activation_checkpointing=cfg.train.activation_checkpointing,
                   offload_activations=cfg.train.offload_activations,
                   head_buckets=p.head_buckets if tsp else 1,
-                  tsp_recompute=p.tsp_recompute if tsp else "full", **axes)
+                  tsp_recompute=p.tsp_recompute if tsp else "full",
+                  replay_keeps=p.checkpoint_replay_keeps if tsp and cfg.train.activation_checkpointing
+                  else "all", **axes)
 
 
 def run_flops_per_token(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> tuple[float, float]:

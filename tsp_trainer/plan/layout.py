@@ -8,13 +8,16 @@ from __future__ import annotations
 import typing
 from dataclasses import asdict, dataclass
 
-from tsp_trainer.config.schema import Scheme, TspRecompute
+from tsp_trainer.config.schema import ReplayKeeps, Scheme, TspRecompute
 
 SCHEMES = typing.get_args(Scheme)                # parallel.scheme
 TSP_RECOMPUTE = typing.get_args(TspRecompute)   # parallel.tsp_recompute (parallel/tsp/)
+REPLAY_KEEPS = typing.get_args(ReplayKeeps)     # parallel.checkpoint_replay_keeps (tsp/kept.py)
 
 # the short marker of a tsp_recompute other than full in layout labels and tables
 RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
+# the label mark of a checkpoint_replay_keeps other than all (TSP under checkpointing)
+REPLAY_MARK = {"attention": "keep=attn", "nothing": "keep=nothing"}
 
 # a chunk setting larger than any rank's tokens: parallel.loss_chunk_tokens or mlp_chunk_tokens
 # set to it takes all local tokens at once (no tiling; the trainer takes any such integer)
@@ -40,6 +43,8 @@ class Layout:
     offload_activations: bool = False      # blocks' saved tensors in host memory (model/offload.py)
     tsp_recompute: str = "full"            # tsp only: "selective" keeps q, k/v, attention outputs;
                                            # "none" also the MLP's gate/up pre-activations
+    replay_keeps: str = "all"              # tsp under AC: what the replay keeps, "all",
+                                           # "attention" or "nothing" (no effect without AC)
     offload_optimizer: bool = False        # zero.offload_optimizer=cpu: DeepSpeed's ZeRO-Offload
     loss_chunk_tokens: int | str = "auto"  # parallel.loss_chunk_tokens (UNTILED: one chunk)
     mlp_chunk_tokens: int | str = "auto"   # parallel.mlp_chunk_tokens (UNTILED: one chunk)
@@ -69,6 +74,8 @@ class Layout:
     def _check_recompute(self) -> None:
         """The trainer's rules (config/validate.py::_check_tsp_recompute), so that no layout the
         planner offers is one the trainer refuses."""
+        if self.replay_keeps not in REPLAY_KEEPS:
+            raise ValueError(f"replay_keeps={self.replay_keeps!r} is not one of {', '.join(REPLAY_KEEPS)}")
         mode = self.tsp_recompute
         if mode not in TSP_RECOMPUTE:
             raise ValueError(f"tsp_recompute={mode!r} is not one of {', '.join(TSP_RECOMPUTE)}")
@@ -103,6 +110,21 @@ class Layout:
         return self.scheme == "tsp" and self.tsp_recompute == "none"
 
     @property
+    def replay_keeps_attention(self) -> bool:
+        """TSP under checkpointing: the block's replay keeps the attention items for its backward
+        (replay_keeps all, attention), so that backward runs no projection or attention forward."""
+        return self._replays() and self.replay_keeps in ("all", "attention")
+
+    @property
+    def replay_keeps_mlp(self) -> bool:
+        """TSP under checkpointing: the replay also keeps every ring step's gate/up (all), so the
+        MLP's backward runs no gate/up GEMM."""
+        return self._replays() and self.replay_keeps == "all"
+
+    def _replays(self) -> bool:
+        return self.scheme == "tsp" and self.activation_checkpointing
+
+    @property
     def axes(self) -> tuple[int, int, bool]:
         """(T, S_p, Megatron SP): weight split, token split, sequence-parallel TP regions."""
         d = self.degree
@@ -133,6 +155,8 @@ class Layout:
             parts.append(f"nb={self.head_buckets}")
             if self.tsp_recompute != "full":
                 parts.append(RECOMPUTE_MARK[self.tsp_recompute])
+            if self.activation_checkpointing and self.replay_keeps != "all":
+                parts.append(REPLAY_MARK[self.replay_keeps])
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
             parts.append("offload")
@@ -160,4 +184,4 @@ class Layout:
         return asdict(self)
 
 
-__all__ = ["RECOMPUTE_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]
+__all__ = ["RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]

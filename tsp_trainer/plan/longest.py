@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.layout import REPLAY_KEEPS, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -46,7 +46,7 @@ class Longest:
 def _predictions(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
                  global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
                  offload: bool, tsp_recompute: str, offload_optimizer: bool,
-                 fields: dict | None) -> list[Prediction]:
+                 fields: dict | None, replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> list[Prediction]:
     """Every candidate layout of `scheme` at seq_len, predicted (offload: all of them offload
     their activations, none otherwise)."""
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
@@ -54,7 +54,7 @@ def _predictions(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwarePro
                                 schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
                                 micro_batches=(1,), tsp_recompute=(tsp_recompute,),
                                 offload_optimizer=offload_optimizer, offload_activations=(offload,),
-                                fields=fields)
+                                fields=fields, replay_keeps=replay_keeps)
     return [predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec,
                     assumptions=assumptions) for lay in layouts]
 
@@ -68,12 +68,14 @@ def _least_memory(preds: list[Prediction]) -> Prediction | None:
 def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
              global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
              offload: bool, tsp_recompute: str = "full",
-             offload_optimizer: bool = False, fields: dict | None = None) -> Prediction | None:
+             offload_optimizer: bool = False, fields: dict | None = None,
+             replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> Prediction | None:
     """The layout of `scheme` with the least GPU memory at seq_len, if one fits (HBM and host)."""
     return _least_memory(_predictions(cfg, scheme, seq_len, hw=hw, world=world, global_batch=global_batch,
                                       prec=prec, assumptions=assumptions, max_degree=max_degree,
                                       offload=offload, tsp_recompute=tsp_recompute,
-                                      offload_optimizer=offload_optimizer, fields=fields))
+                                      offload_optimizer=offload_optimizer, fields=fields,
+                                      replay_keeps=replay_keeps))
 
 
 def _bound(preds: list[Prediction]) -> str:
@@ -86,13 +88,15 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
                     global_batch: int = 1, prec: Precision = BF16,
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
                     offload: bool = False, granule: int = 1024, tsp_recompute: str = "full",
-                    offload_optimizer: bool = False, fields: dict | None = None) -> Longest:
+                    offload_optimizer: bool = False, fields: dict | None = None,
+                    replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
     bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with activation
     offload, the trainer refuses the pair); `offload`: every layout offloads its activations
     (with or without activation checkpointing); `offload_optimizer`: AdamW's state in host memory
     (ZeRO-Offload) in every layout; `fields`: Layout fields set on every layout (the ablation's
-    switches: loss_chunk_tokens, mlp_chunk_tokens, tiled_accumulators)."""
+    switches: loss_chunk_tokens, mlp_chunk_tokens, tiled_accumulators); `replay_keeps`: the
+    values of TSP's checkpoint_replay_keeps its checkpointed layouts take (default all three)."""
     world = nodes * hw.gpus_per_node
     if offload and scheme == "tsp" and tsp_recompute != "full":
         return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "
@@ -102,7 +106,7 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
         preds = _predictions(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
                              prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
                              tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
-                             fields=fields)
+                             fields=fields, replay_keeps=replay_keeps)
         return _least_memory(preds), preds
 
     lo, lo_pred = 0, None                      # lo units fit (0: trivially)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
-from tsp_trainer.plan.layout import SCHEMES, TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.layout import REPLAY_KEEPS, SCHEMES, TSP_RECOMPUTE, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -66,13 +66,16 @@ def ranking_key(p: Prediction, capacity: float):
 
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
                     checkpointing=(False, True), buckets: tuple[int, ...] | None = None,
-                    offload: tuple[bool, ...] | None = None) -> list[Layout]:
+                    offload: tuple[bool, ...] | None = None,
+                    replay: tuple[str, ...] = REPLAY_KEEPS) -> list[Layout]:
     """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
     takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
-    buckets, so the baselines vary checkpointing alone), and under each of `offload` (activation
-    offload off / on; None: base's own). A combination the trainer refuses (Layout's rules: no
-    selective or none recompute with checkpointing or offload) is left out. buckets=None: every
-    divisor of the K/V heads per weight shard."""
+    buckets, so the baselines vary checkpointing alone), under each of `replay` (what TSP's
+    checkpoint replay keeps, varied under checkpointing only: without it the setting changes
+    nothing, and the first of `replay` stands), and under each of `offload` (activation offload
+    off / on; None: base's own). A combination the trainer refuses (Layout's rules: no selective
+    or none recompute with checkpointing or offload) is left out. buckets=None: every divisor of
+    the K/V heads per weight shard."""
     tsp = base.scheme == "tsp"
     modes = recompute if tsp else ("full",)
     counts = (buckets or _buckets(cfg, base.degree)) if tsp else (1,)
@@ -81,12 +84,14 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
     for nb in counts:
         for mode in modes:
             for ac in checkpointing:
-                for off in offloads:
-                    try:
-                        out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
-                                           head_buckets=nb, offload_activations=off))
-                    except ValueError:                      # refused by the trainer
-                        continue
+                for keeps in (replay if tsp and ac else replay[:1]):
+                    for off in offloads:
+                        try:
+                            out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
+                                               head_buckets=nb, offload_activations=off,
+                                               replay_keeps=keeps))
+                        except ValueError:                      # refused by the trainer
+                            continue
     return out
 
 
@@ -101,12 +106,14 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       tsp_recompute: tuple[str, ...] = TSP_RECOMPUTE,
                       offload_optimizer: bool = False,
                       offload_activations: tuple[bool, ...] = (False, True),
-                      fields: dict | None = None) -> list[Layout]:
+                      fields: dict | None = None,
+                      replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
     activation checkpointing, head-bucket count and activation offload (`offload_activations`)
-    the trainer takes (`memory_variants`). `offload_optimizer`: every layout offloads (ZeRO 1 and
-    2 only, as the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
+    the trainer takes (`memory_variants`), and under checkpointing each of `replay_keeps` (TSP's
+    checkpoint_replay_keeps). `offload_optimizer`: every layout offloads (ZeRO 1 and 2 only, as
+    the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
     tiled_accumulators)."""
     rejected = rejected if rejected is not None else {}
     if offload_optimizer:
@@ -137,7 +144,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                                           offload_optimizer=offload_optimizer,
                                           **extra, **(fields or {}))
                             out += memory_variants(cfg, base, recompute=tsp_recompute,
-                                                   offload=offload_activations)
+                                                   offload=offload_activations, replay=replay_keeps)
     return out
 
 

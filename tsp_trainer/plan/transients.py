@@ -94,8 +94,10 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     # and the product are the step's own
     step_mids = 2 if mlp_kept else 3
     mlp_fwd = acc + 2 * w_mlp + max(step_mids * mid, mid + e * m * h)
-    # a tiled chunk's dX product [m, h] (untiled it is the size of the final cast, counted apart)
-    dx_product = e * m * h if tiled else 0
+    # dX += [dg | du] [W_gate; W_up] accumulates inside its GEMM (addmm_ into a tiled layer's
+    # accumulator of the activation dtype, the fp32 output of CUDA's GEMM untiled): no [m, h]
+    # product; CPU's bf16 GEMM into fp32 writes one, the size of the final cast, counted apart
+    dx_product = 0
     out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
            "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
@@ -169,13 +171,13 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
 def _mlp_chunk_backward(mid: int, dx_product: int, *, kept: bool) -> int:
     """Peak bytes of one token chunk of a ring step's backward (parallel/gated_mlp.py,
     `_chunk_backward_into`), in [m, I/D] intermediates of `mid` bytes each. Full and selective
-    re-run g, u; none (and the AC replay) reads the kept ones, counted in mlp_kept. Two moments
-    compete: the elementwise part (silu(g), its product, dh, dg/du: 5 with g, u kept, measured on
-    fake tensors with an MLP-heavy shape, I = 16 h: -2.8 to +3.2%, 4 gave -8.5%; 6 re-running
-    them), and the last line, where sigmoid(g), silu(g), dg and du (and the re-run g, u) meet the
-    [m, h] product dg W_gate^T added into dX (`dx_product`, e m h once tiled). The second is the
-    larger when h exceeds I/D, e.g. Llama-3.1-8B at D = 8 (h 4,096 against I/D 1,792)."""
-    elementwise = (5 if kept else 6) * mid
+    re-run gate|up ([m, 2 I/D], 2 of them); none (and the AC replay keeping all) reads the kept
+    ones, counted in mlp_kept. Two moments compete: the elementwise part, where sigmoid(g),
+    silu(g), the [dg | du] buffer (2) and silu''s derivative's temporaries (2) are alive: 6 with
+    gate|up kept, 8 re-running it (measured to the byte on real tensors); and the last line, where
+    sigmoid(g), silu(g) and [dg | du] (and the re-run gate|up) meet a [m, h] product added into dX
+    (`dx_product`; 0 where the GEMM accumulates in place)."""
+    elementwise = (6 if kept else 8) * mid
     last_line = (4 if kept else 6) * mid + dx_product
     return max(elementwise, last_line)
 

@@ -67,11 +67,14 @@ Recompute (`parallel.tsp_recompute`):
   pre-activations, so no GEMM of the forward runs again in backward.
 Under activation checkpointing (model/activation_checkpoint.py) the block's replay is the
 recompute, whatever the mode (tsp/kept.py): the first forward keeps nothing (X_p is the
-checkpoint's to drop), the replay keeps the items as selective does and hands them through the
-checkpointed call's slot to this function's backward, which then runs as selective's (weights
-re-broadcast for dX and the weight gradients, K/V re-gathered, no projection or attention forward).
-Per item and step that is two attention forwards (forward, replay) and one backward, as full
-recompute without checkpointing; selective and none without it run one forward.
+checkpoint's to drop). With `parallel.checkpoint_replay_keeps` all or attention the replay keeps
+the items as selective does and hands them through the checkpointed call's slot to this
+function's backward, which then runs as selective's (weights re-broadcast for dX and the weight
+gradients, K/V re-gathered, no projection or attention forward): per item and step two attention
+forwards (forward, replay) and one backward, as full recompute without checkpointing. With
+nothing the replay puts None and the backward runs full recompute's path (projections and
+attention forward again): three forwards, and no block's items held. Selective and none without
+checkpointing run one forward.
 The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
 in every mode; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
 ranks is not rounded to bf16 on the way).
@@ -110,8 +113,10 @@ class TSPAttention(nn.Module):
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, *,
                  head_dim: int, comm: Comm, head_buckets: int = 1, recompute: str = "full",
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None):
+                 o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
+                 replay_keeps: bool = True):
         super().__init__()
+        self.replay_keeps = replay_keeps     # under checkpointing: the replay keeps the items
         self.tiling = tiling if tiling is not None else TokenTiling()
         bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
@@ -130,7 +135,8 @@ class TSPAttention(nn.Module):
         shard = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
         if self.q_proj.bias is not None:
             shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
-        kept = kept_for_backward(self.recompute != "full")     # selective, none: keep the items
+        # the items are kept under selective and none, and by a checkpoint replay that keeps them
+        kept = kept_for_backward(self.recompute != "full", self.replay_keeps)
         y = _TSPAttentionFn.apply(x, rope, self, kept, *shard)
         if self.o_proj.bias is None:
             return y

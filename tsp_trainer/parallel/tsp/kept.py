@@ -5,9 +5,16 @@ Without activation checkpointing: what `parallel.tsp_recompute` keeps (the atten
 selective and none, the MLP's gate/up pre-activations under none), on the autograd node, and only
 when grad is enabled. Under activation checkpointing (model/activation_checkpoint.py) the block's
 replay in backward is the recompute, in every mode: the first forward keeps nothing beyond what
-checkpointing keeps, the replay keeps everything its block's backward needs and puts it in the
-checkpointed call's slot, and that backward takes it (one block's worth, freed as the backward
-goes), so no forward runs a third time.
+checkpointing keeps, and the replay keeps what `parallel.checkpoint_replay_keeps` lets it keep and
+puts it in the checkpointed call's slot, where that block's backward takes it (one block's worth,
+freed as the backward goes):
+- all: the attention items and the MLP's gate/up, so no forward runs a third time;
+- attention: the attention items only; the MLP's slot holds None and its backward recomputes
+  gate/up per token chunk (one more gate/up GEMM pass, [chunk, I/D] alive instead of the block's
+  [N/D, I]);
+- nothing: both slots hold None; the attention backward also runs its projections and attention
+  forward again, as full recompute does without checkpointing.
+Each TSP block is told at construction (parallel/apply.py) whether its replay keeps.
 """
 
 from __future__ import annotations
@@ -44,10 +51,12 @@ class Kept(typing.NamedTuple):
         return call.take(key) if call is not None else kept
 
 
-def kept_for_backward(mode_keeps: bool) -> Kept:
+def kept_for_backward(mode_keeps: bool, replay_keeps: bool = True) -> Kept:
     """What this forward keeps: `mode_keeps` says whether the block's tsp_recompute mode keeps
-    its activations without checkpointing."""
+    its activations without checkpointing; `replay_keeps` whether, under activation
+    checkpointing, the block's replay keeps them (parallel.checkpoint_replay_keeps). A replay
+    that keeps nothing puts None, and the backward recomputes as full recompute does."""
     current = checkpoint_pass()
     if current is not None:
-        return Kept(items=current.replay, call=current.call, replay=current.replay)
+        return Kept(items=current.replay and replay_keeps, call=current.call, replay=current.replay)
     return Kept(items=mode_keeps and torch.is_grad_enabled(), call=None)

@@ -17,9 +17,12 @@ backward (4 D under none; tests/distributed/test_gemm_launches.py). Saved: X_p o
 activations are recomputed in backward (the gate|up GEMM runs again), unless `keep_gate_up`
 (parallel.tsp_recompute=none): then each ring step keeps its gate and up pre-activations
 [g_j | u_j] [B T, 2 I/D] (2 T I elements per layer over the D steps) and backward runs no GEMM of
-the forward. Under activation checkpointing the block's replay keeps them in every mode and hands
-them to this backward (tsp/kept.py): the first forward keeps nothing, and gate|up runs twice per
-step (forward, replay), down_proj twice, as without checkpointing under full and selective.
+the forward. Under activation checkpointing, with `parallel.checkpoint_replay_keeps` all, the
+block's replay keeps them in every mode and hands them to this backward (tsp/kept.py): the first
+forward keeps nothing, and gate|up runs twice per step (forward, replay), down_proj twice, as
+without checkpointing under full and selective. With attention or nothing the replay puts None and
+this backward recomputes gate|up chunk by chunk (a third gate|up pass; [chunk, 2 I/D] alive
+instead of the block's 2 T I).
 With mlp_bias (Llama), the gate/up biases of the block travel in the packed shard; down_proj's
 bias is replicated, added once per token after the ring, and its gradient summed over the group in
 fp32 (like a norm's, tag "bias.grad").
@@ -53,9 +56,10 @@ class TSPGatedMLP(nn.Module):
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, *, comm: Comm,
                  gate_up_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
                  down_bias: torch.Tensor | None = None, keep_gate_up: bool = False,
-                 tiling: TokenTiling | None = None):
+                 tiling: TokenTiling | None = None, replay_keeps: bool = True):
         super().__init__()
         self.keep_gate_up = keep_gate_up
+        self.replay_keeps = replay_keeps     # under checkpointing: the replay keeps gate/up
         bg, bu = gate_up_bias if gate_up_bias is not None else (None, None)
         self.gate_proj, self.up_proj, self.down_proj = (
             _weight_holder(w, b) for w, b in ((gate, bg), (up, bu), (down, down_bias)))
@@ -67,7 +71,8 @@ class TSPGatedMLP(nn.Module):
         shard = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj)]
         if self.gate_proj.bias is not None:
             shard += [self.gate_proj.bias, self.up_proj.bias]
-        y = _TSPMLPFn.apply(x, self.comm, self, kept_for_backward(self.keep_gate_up), *shard)
+        y = _TSPMLPFn.apply(x, self.comm, self, kept_for_backward(self.keep_gate_up, self.replay_keeps),
+                          *shard)
         if self.down_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.down_proj.bias, self.comm, "bias.grad", True)
