@@ -18,6 +18,7 @@ from tsp_trainer.plan.auto import (GIB, AutoSettingsError, Budget, choose_auto_s
 from tsp_trainer.plan.hardware import get_profile
 from tsp_trainer.plan.precision import BF16, FP32
 from tsp_trainer.plan.predict import Assumptions, predict
+from tsp_trainer.plan.layout import REPLAY_KEEPS
 from tsp_trainer.plan.search import memory_variants
 
 # 1B at 8K tokens on D=2 (fp32, the CPU path): compute dominates the predicted step, so the modes
@@ -178,29 +179,33 @@ def test_gpu_budget_is_the_devices_memory_times_the_usable_share(monkeypatch):
     assert (explicit.bytes, explicit.source) == (12.5 * GIB, "train.memory_budget_gib")
 
 
-def test_checkpoint_replay_keeps_all_unless_the_budget_needs_less():
+def test_checkpoint_replay_keeps_auto_is_all_and_the_lean_values_are_explicit():
     """Llama-3.1-8B at 2M tokens on D=8 (bf16, CUDA's route) under checkpointing: the replay
-    keeping all is the fastest, attention and nothing need less memory and run slower, so each
-    budget between their predicted peaks gives, in turn, all, attention and nothing, and the
-    start-up line says which."""
-    cfg = load_config(None, ["model.size=llama3_8b", "parallel.tsp_degree=8", "data.seq_len=2097152",
-                             "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
-                             "train.activation_checkpointing=true", "parallel.tsp_recompute=full",
-                             "parallel.head_buckets=1"])
+    keeping all is the fastest, attention and nothing need less memory and run slower. `auto`
+    takes all (the lean values are not in the planner's default search, layout.PLANNED_REPLAY_KEEPS):
+    a budget only attention fits is refused under auto, and met when attention is asked for."""
+    args = ["model.size=llama3_8b", "parallel.tsp_degree=8", "data.seq_len=2097152",
+            "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
+            "train.activation_checkpointing=true", "parallel.tsp_recompute=full",
+            "parallel.head_buckets=1"]
+    cfg = load_config(None, args)
     model, hw = cfg.model.to_model_config(), get_profile("h100")
     preds = {lay.replay_keeps: predict(model, lay, cfg.data.seq_len, hw, prec=BF16, device="cuda")
              for lay in memory_variants(model, run_layout(cfg, 8), recompute=("full",),
-                                        checkpointing=(True,), buckets=(1,))}
+                                        checkpointing=(True,), buckets=(1,), replay=REPLAY_KEEPS)}
     peak = {k: p.memory["total"] for k, p in preds.items()}
     assert peak["nothing"] < peak["attention"] < peak["all"]                    # the premise
     assert preds["all"].step_time <= preds["attention"].step_time < preds["nothing"].step_time
 
-    def chosen(budget: float) -> str:
-        c = choose_memory_settings(cfg, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
+    def chosen(budget: float, c: TrainConfig = cfg) -> str:
+        c = choose_memory_settings(c, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
                                    cuda=True, hw=hw)
         assert f"checkpoint_replay_keeps={c.checkpoint_replay_keeps} (predicted peak" in c.line()
         return c.checkpoint_replay_keeps
 
+    between = (peak["attention"] + peak["all"]) / 2
     assert chosen(peak["all"]) == "all"
-    assert chosen((peak["attention"] + peak["all"]) / 2) == "attention"
-    assert chosen((peak["nothing"] + peak["attention"]) / 2) == "nothing"
+    with pytest.raises(AutoSettingsError):
+        chosen(between)
+    explicit = load_config(None, args + ["parallel.checkpoint_replay_keeps=attention"])
+    assert chosen(between, explicit) == "attention"

@@ -14,7 +14,7 @@ from tsp_trainer.config.model import model_config
 from tsp_trainer.plan import cli
 from tsp_trainer.plan.ablation import STEPS, ablation, cost_at
 from tsp_trainer.plan.hardware import get_profile
-from tsp_trainer.plan.layout import UNTILED, Layout
+from tsp_trainer.plan.layout import REPLAY_KEEPS, UNTILED, Layout
 from tsp_trainer.plan.longest import format_seconds, longest_seq_len, peak_breakdown
 from tsp_trainer.plan.predict import predict
 from tsp_trainer.plan.search import plan
@@ -41,9 +41,10 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
     # the row with every tiling is the planner's answer with the replay keeping all
     assert rows[3].longest.seq_len == longest_seq_len(CFG, "tsp", hw=H100, nodes=1,
                                                       replay_keeps=("all",)).seq_len
-    # the lean replay is the default planner's answer with both offloads, and it is longer: the
-    # replay no longer holds one block's gate/up and attention items
-    lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
+    # the lean replay is the planner's answer with both offloads and every replay value, and it is
+    # longer: the replay no longer holds one block's gate/up and attention items
+    lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True,
+                           replay_keeps=REPLAY_KEEPS)
     assert rows[6].longest.seq_len == lean.seq_len > 2 * lengths[5]
     assert rows[6].longest.best.layout.replay_keeps == "nothing"
     base = rows[0].longest.best.layout

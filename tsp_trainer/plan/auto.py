@@ -7,8 +7,9 @@ budget. An explicit value stays as written; `auto` chooses the others around it.
     cfg = choice.apply(cfg)                    # ValueError above: nothing fits the budget
     log.info(choice.line())                    # auto: tsp_recompute=selective, ... (predicted peak ...)
 
-Under checkpointing the replay keeping all is the fastest (no forward runs a third time), so
-checkpoint_replay_keeps resolves to all unless only attention or nothing fits.
+Under checkpointing the replay keeping all is the fastest (no forward runs a third time), and
+checkpoint_replay_keeps `auto` resolves to all: attention and nothing are explicit choices while
+the planner's model of them is not confirmed by the dry run (layout.PLANNED_REPLAY_KEEPS).
 
 One ranking with tsp-plan: the candidates are `search.memory_variants` of the run's layout and
 `search.ranking_key` orders them, so for the same scheme, D, batch split and budget tsp-plan's top
@@ -34,7 +35,7 @@ from typing import Callable
 from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
-from tsp_trainer.plan.layout import REPLAY_KEEPS, TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.search import memory_variants, ranking_key
@@ -180,7 +181,7 @@ def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
                            recompute=TSP_RECOMPUTE if p.tsp_recompute == AUTO else (p.tsp_recompute,),
                            checkpointing=(False, True) if ac == AUTO else (ac,),
                            buckets=None if p.head_buckets == AUTO else (p.head_buckets,),
-                           replay=REPLAY_KEEPS if keeps == AUTO else (keeps,))
+                           replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,))
 
 
 def _stages(cfg: TrainConfig) -> list[tuple[int, int]]:

@@ -13,6 +13,13 @@ from tsp_trainer.config.schema import ReplayKeeps, Scheme, TspRecompute
 SCHEMES = typing.get_args(Scheme)                # parallel.scheme
 TSP_RECOMPUTE = typing.get_args(TspRecompute)   # parallel.tsp_recompute (parallel/tsp/)
 REPLAY_KEEPS = typing.get_args(ReplayKeeps)     # parallel.checkpoint_replay_keeps (tsp/kept.py)
+# the values the planner's searches and `auto` take by default: only all. The dry run at the
+# longest lengths (plan/dry_run.py dry_run_at_longest) measures more than the planner predicts for
+# a replay keeping attention or nothing (llama3_8b on 8 x H100 with activation offload at
+# 6,275,072 tokens: 88.0 GB against 73.6; in HBM on 8 x H200 at 2,855,936: 132.8 GB against
+# 129.7 usable), so those stay explicit choices (`parallel.checkpoint_replay_keeps`, the
+# ablation's last row) until the planner's model of them agrees with the dry run
+PLANNED_REPLAY_KEEPS = ("all",)
 
 # the short marker of a tsp_recompute other than full in layout labels and tables
 RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
@@ -184,4 +191,4 @@ class Layout:
         return asdict(self)
 
 
-__all__ = ["RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]
+__all__ = ["PLANNED_REPLAY_KEEPS", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.layout import REPLAY_KEEPS, Layout
+from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -46,7 +46,7 @@ class Longest:
 def _predictions(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
                  global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
                  offload: bool, tsp_recompute: str, offload_optimizer: bool,
-                 fields: dict | None, replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> list[Prediction]:
+                 fields: dict | None, replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> list[Prediction]:
     """Every candidate layout of `scheme` at seq_len, predicted (offload: all of them offload
     their activations, none otherwise)."""
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
@@ -69,7 +69,7 @@ def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile
              global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
              offload: bool, tsp_recompute: str = "full",
              offload_optimizer: bool = False, fields: dict | None = None,
-             replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> Prediction | None:
+             replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> Prediction | None:
     """The layout of `scheme` with the least GPU memory at seq_len, if one fits (HBM and host)."""
     return _least_memory(_predictions(cfg, scheme, seq_len, hw=hw, world=world, global_batch=global_batch,
                                       prec=prec, assumptions=assumptions, max_degree=max_degree,
@@ -89,14 +89,14 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
                     offload: bool = False, granule: int = 1024, tsp_recompute: str = "full",
                     offload_optimizer: bool = False, fields: dict | None = None,
-                    replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> Longest:
+                    replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
     bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with activation
     offload, the trainer refuses the pair); `offload`: every layout offloads its activations
     (with or without activation checkpointing); `offload_optimizer`: AdamW's state in host memory
     (ZeRO-Offload) in every layout; `fields`: Layout fields set on every layout (the ablation's
     switches: loss_chunk_tokens, mlp_chunk_tokens, tiled_accumulators); `replay_keeps`: the
-    values of TSP's checkpoint_replay_keeps its checkpointed layouts take (default all three)."""
+    values of TSP's checkpoint_replay_keeps its checkpointed layouts take (default all only: layout.PLANNED_REPLAY_KEEPS)."""
     world = nodes * hw.gpus_per_node
     if offload and scheme == "tsp" and tsp_recompute != "full":
         return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
-from tsp_trainer.plan.layout import REPLAY_KEEPS, SCHEMES, TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, SCHEMES, TSP_RECOMPUTE, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -67,7 +67,7 @@ def ranking_key(p: Prediction, capacity: float):
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
                     checkpointing=(False, True), buckets: tuple[int, ...] | None = None,
                     offload: tuple[bool, ...] | None = None,
-                    replay: tuple[str, ...] = REPLAY_KEEPS) -> list[Layout]:
+                    replay: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> list[Layout]:
     """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
     takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
     buckets, so the baselines vary checkpointing alone), under each of `replay` (what TSP's
@@ -107,7 +107,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       offload_optimizer: bool = False,
                       offload_activations: tuple[bool, ...] = (False, True),
                       fields: dict | None = None,
-                      replay_keeps: tuple[str, ...] = REPLAY_KEEPS) -> list[Layout]:
+                      replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
     activation checkpointing, head-bucket count and activation offload (`offload_activations`)
