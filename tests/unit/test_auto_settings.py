@@ -197,11 +197,11 @@ def test_checkpoint_replay_keeps_auto_is_all_and_the_lean_values_are_explicit():
     assert peak["nothing"] < peak["attention"] < peak["all"]                    # the premise
     assert preds["all"].step_time <= preds["attention"].step_time < preds["nothing"].step_time
 
-    def chosen(budget: float, c: TrainConfig = cfg) -> str:
-        c = choose_memory_settings(c, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
-                                   cuda=True, hw=hw)
-        assert f"checkpoint_replay_keeps={c.checkpoint_replay_keeps} (predicted peak" in c.line()
-        return c.checkpoint_replay_keeps
+    def chosen(budget: float, run: TrainConfig = cfg) -> str:
+        choice = choose_memory_settings(run, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
+                                        cuda=True, hw=hw)
+        assert f"checkpoint_replay_keeps={choice.checkpoint_replay_keeps} (predicted peak" in choice.line()
+        return choice.checkpoint_replay_keeps
 
     between = (peak["attention"] + peak["all"]) / 2
     assert chosen(peak["all"]) == "all"
