@@ -33,10 +33,17 @@ def init_model(model, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
+# AdamW's update m / (sqrt(v) + eps) is scale-free for |g| >> eps: a gradient element at the fp32
+# rounding floor, where the one-process and TSP sums differ in the last bits, would move by up to lr
+# in a direction set by that noise. An eps far above the noise (gradient differences measured
+# <= 1e-7) bounds the weight difference after n steps by n * lr * 1e-7 / eps, first order.
+ADAMW_EPS = 1e-3
+
+
 def make_optimizer(name: str, params, lr: float):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.1)
-    return torch.optim.AdamW(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr, eps=ADAMW_EPS)
 
 
 def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: str = "adamw"):
