@@ -73,9 +73,13 @@ class Watch:
         if not self.states or self.states[-1][0] != state:
             self.states.append((state, time.monotonic()))
         self.restarts = int(info.get("Restarts", self.restarts))
-        # A requeued job waits for its BeginTime (slurmctld holds it back a moment): let it go now.
+        # A requeued job waits for its BeginTime (slurmctld holds it back a while): let it go
+        # sooner, but not in the second of the requeue. slurmd refuses a batch credential created
+        # no later than the second it revoked the job's previous one ("Killing non-startable batch
+        # job: Job credential revoked", the job FAILED); SLURM's own hold exists to avoid that.
         if state[0] == "PENDING" and state[1] == "BeginTime":
-            self.cluster.run(["scontrol", "update", f"JobId={self.job}", "StartTime=now"], check=False)
+            self.cluster.run(["scontrol", "update", f"JobId={self.job}", "StartTime=now+2"],
+                             check=False)
         return info
 
     def until(self, done, timeout_s: float = 600, what: str = ""):
