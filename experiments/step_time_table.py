@@ -5,7 +5,8 @@ Each cell is one tsp-bench launch of TSP and TP on the same weights and batch wh
 are interleaved (TSP step i next to TP step i), so a drift of the machine's speed hits both; the
 cell is the median of the per-step ratios with their min-max range. The cells run one after the
 other in the order of the table (modes innermost), so a slow minute shows as one odd cell, not as
-one odd column.
+one odd column. With --launches N the whole table runs N times, round after round; a cell is then
+the median of its N launch medians with their min-max range, the per-launch cells beside it.
 
     python experiments/step_time_table.py --degrees 2,4 --seq-lens 4096,8192 \
         --modes full,selective,none --steps 3 --json docs/results/step_time_table.json
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +41,20 @@ def run_cell(degree: int, seq_len: int, mode: str, steps: int) -> dict:
             "ratio": doc["step_time_over_tp_by_step"]["tsp"], "tsp_s": times["tsp"], "tp_s": times["tp"]}
 
 
+def combine(launches: list[dict]) -> dict:
+    """One cell from the same cell's launches: the median of their medians, with their min-max."""
+    if len(launches) == 1:
+        return launches[0]
+    medians = [c["ratio"]["median"] for c in launches]
+    first = launches[0]
+    return {"degree": first["degree"], "seq_len": first["seq_len"], "mode": first["mode"],
+            "steps": first["steps"], "launches": len(launches),
+            "ratio": {"median": statistics.median(medians), "min": min(medians), "max": max(medians),
+                      "repeats": len(launches)},
+            "tsp_s": statistics.median(c["tsp_s"] for c in launches),
+            "tp_s": statistics.median(c["tp_s"] for c in launches), "per_launch": launches}
+
+
 def table(cells: list[dict], modes: list[str]) -> str:
     """Markdown: one row per (degree, length), one column per mode: median [min-max] (TSP s / TP s)."""
     head = "| run | " + " | ".join(f"TSP {m} / TP" for m in modes) + " |"
@@ -61,15 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="auto,full,selective,none",
                    help="tsp-bench --tsp-recompute values; auto: the trainer's default choice")
     p.add_argument("--steps", type=int, default=3, help="timed steps per launch (>= 3 for a median)")
+    p.add_argument("--launches", type=int, default=1,
+                   help="run the table this many times; a cell is the median of its launches")
     p.add_argument("--json", default=None, help="write the cells here")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
-    cells = []
-    for seq_len in map(int, args.seq_lens.split(",")):
-        for degree in map(int, args.degrees.split(",")):
-            for mode in modes:
-                cells.append(run_cell(degree, seq_len, mode, args.steps))
-                print(json.dumps(cells[-1]), flush=True)
+    keys = [(degree, seq_len, mode) for seq_len in map(int, args.seq_lens.split(","))
+            for degree in map(int, args.degrees.split(",")) for mode in modes]
+    runs: dict[tuple, list[dict]] = {key: [] for key in keys}
+    for _ in range(args.launches):
+        for key in keys:
+            runs[key].append(run_cell(*key, args.steps))
+            print(json.dumps(runs[key][-1]), flush=True)
+    cells = [combine(runs[key]) for key in keys]
     print(table(cells, modes))
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "cells": cells},

@@ -70,18 +70,26 @@ def test_offload_cost_reports_the_ratio_with_its_range(tmp_path):
 
 
 def test_step_time_table_runs_each_cell_and_tables_median_and_range(tmp_path):
-    """experiments/step_time_table.py: one tsp-bench launch per (degree, length, mode), each cell
-    the median [min-max] of its interleaved TSP/TP step ratios, tabled one row per run."""
+    """experiments/step_time_table.py: one tsp-bench launch per (degree, length, mode) and round,
+    each launch the median [min-max] of its interleaved TSP/TP step ratios, a cell the median
+    [min-max] of its launches, tabled one row per run."""
     out = tmp_path / "t.json"
     script = load_experiment("step_time_table")
-    assert script.main(["--degrees", "2", "--seq-lens", "64", "--modes", "full,selective",
+    assert script.main(["--degrees", "2", "--seq-lens", "64", "--modes", "full", "--launches", "2",
                         "--steps", "3", "--json", str(out)]) == 0
     cells = json.loads(out.read_text())["cells"]
-    assert [(c["degree"], c["seq_len"], c["mode"]) for c in cells] == [(2, 64, "full"), (2, 64, "selective")]
-    for c in cells:
+    assert [(c["degree"], c["seq_len"], c["mode"], c["launches"]) for c in cells] == [(2, 64, "full", 2)]
+    assert cells[0]["ratio"]["repeats"] == 2
+    for c in [cells[0], *cells[0]["per_launch"]]:
         r = c["ratio"]
-        assert r["repeats"] == 3 and r["min"] <= r["median"] <= r["max"] and c["tsp_s"] > 0 < c["tp_s"]
-    fake = [{"degree": 4, "seq_len": 8192, "mode": "none", "tsp_s": 2.5, "tp_s": 2.0,
+        assert r["min"] <= r["median"] <= r["max"] and c["tsp_s"] > 0 < c["tp_s"]
+    assert [c["ratio"]["repeats"] for c in cells[0]["per_launch"]] == [3, 3]
+    fake = [{"degree": 4, "seq_len": 8192, "mode": "none", "steps": 3, "tsp_s": 2.5, "tp_s": 2.0,
              "ratio": {"median": 1.25, "min": 1.2, "max": 1.31, "repeats": 3}}]
     assert script.table(fake, ["none"]).splitlines() == [
         "| run | TSP none / TP |", "|---|---|", "| D = 4, 8K | 1.25x [1.20-1.31] (2.50 / 2.00 s) |"]
+    launches = [dict(fake[0], tsp_s=t, ratio=dict(fake[0]["ratio"], median=m))
+                for t, m in [(2.5, 1.25), (2.2, 1.05), (2.4, 1.10)]]
+    cell = script.combine(launches)
+    assert cell["ratio"] == {"median": 1.10, "min": 1.05, "max": 1.25, "repeats": 3}
+    assert (cell["tsp_s"], cell["launches"], cell["per_launch"]) == (2.4, 3, launches)
