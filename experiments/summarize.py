@@ -124,7 +124,9 @@ def plot(docs: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     data = sweeps(docs)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    # Memory and bytes only: they are exact. Step times on this shared CPU need interleaved repeats
+    # (experiments/step_time_table.py), which single timed launches are not.
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for degree, style in ((4, "-o"), (2, "--s")):
         for scheme in ORDER:
             rows = data.get(degree, {}).get(scheme)
@@ -143,17 +145,6 @@ def plot(docs: list[dict], path: str) -> None:
         ax.set_ylabel("MiB")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7, ncol=2)
-    timed = [d for d in docs if d["spec"]["steps"] > 0 and len(d["spec"]["schemes"]) > 1]
-    labels, values, colors = [], [], []
-    for doc in timed:
-        for r in _rows(doc):
-            labels.append(f"{r['scheme']}\nD={doc['spec']['degree']} {doc['spec']['seq_len'] // 1024}K")
-            values.append(r["tokens_per_s"] or 0)
-            colors.append(f"C{ORDER.index(r['scheme'])}")
-    axes[2].bar(range(len(values)), values, color=colors)
-    axes[2].set_xticks(range(len(values)), labels, fontsize=6)
-    axes[2].set_ylabel("tokens / s (group)")
-    axes[2].set_title("throughput, fwd+bwd+AdamW (2 shared CPU cores: indicative)", fontsize=10)
     fig.suptitle("h=256, 4 layers, 4 MHA heads, I=688, V=2048, fp32, gloo on CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
