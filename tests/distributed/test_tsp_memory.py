@@ -249,6 +249,16 @@ def _checkpointed_backward(rank, world, layers, mode, seq, keeps="all"):
             "h": cfg.hidden_size, "inter": cfg.intermediate_size, "heads": cfg.num_heads}
 
 
+def _assert_one_block_input_per_block_end(c: dict, block_input: int) -> None:
+    """Each block's backward ends exactly one block input below the previous block's end. The first
+    end sits one block input below the backward's top, or one int64 [T] index tensor (8 T bytes)
+    more: in some runs that tensor is still live at the top and gone by the first block's end (its
+    release order varies between runs; seen as 256 bytes at T = 32, under a second suite's load)."""
+    ends = c["block_ends"]
+    assert [a - b for a, b in zip(ends, ends[1:])] == [block_input] * (len(ends) - 1), c
+    assert 0 <= c["top"] - ends[0] - block_input <= 8 * c["tokens"], c
+
+
 @pytest.mark.parametrize("mode", ["full", "none"])
 def test_checkpointed_replay_keeps_one_block_and_frees_it_with_its_backward(mode):
     """Under activation checkpointing each block's replay keeps its attention items and gate/up
@@ -265,7 +275,7 @@ def test_checkpointed_replay_keeps_one_block_and_frees_it_with_its_backward(mode
         assert c["forward"] - a["forward"] == 2 * block_input, (a, c)
         assert c["peak"] - a["peak"] == 2 * block_input, (a, c, block_input)
         assert c["peak"] - c["top"] > kept, (c, kept)             # the backward holds one block's items
-        assert c["block_ends"] == [c["top"] - i * block_input for i in (1, 2, 3)], c
+        _assert_one_block_input_per_block_end(c, block_input)
 
 
 @pytest.mark.parametrize("keeps", ["all", "attention", "nothing"])
@@ -281,4 +291,4 @@ def test_checkpoint_replay_keeps_what_the_setting_allows(keeps):
         items = 4 * tokens * 4 * c["h"] if keeps in ("all", "attention") else None
         gate_up = 8 * tokens * c["inter"] if keeps == "all" else None
         assert c["puts"] == [("attention", items), ("mlp", gate_up)] * layers, (c["puts"], items, gate_up)
-        assert c["block_ends"] == [c["top"] - i * block_input for i in (1, 2, 3)], c
+        _assert_one_block_input_per_block_end(c, block_input)
