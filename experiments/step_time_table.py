@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tsp_trainer.bench.report import format_spread, spread
+
 # The benchmark model of docs/benchmarks.md: h 256, 4 layers, 4 MHA heads, I 688, V 2048.
 MODEL = ["--model", "tiny", "--hidden", "256", "--layers", "4", "--heads", "4", "--kv-heads", "4",
          "--intermediate", "688", "--vocab", "2048", "--schemes", "tsp,tp", "--threads", "1", "--no-hf"]
@@ -45,12 +47,10 @@ def combine(launches: list[dict]) -> dict:
     """One cell from the same cell's launches: the median of their medians, with their min-max."""
     if len(launches) == 1:
         return launches[0]
-    medians = [c["ratio"]["median"] for c in launches]
     first = launches[0]
     return {"degree": first["degree"], "seq_len": first["seq_len"], "mode": first["mode"],
             "steps": first["steps"], "launches": len(launches),
-            "ratio": {"median": statistics.median(medians), "min": min(medians), "max": max(medians),
-                      "repeats": len(launches)},
+            "ratio": spread([c["ratio"]["median"] for c in launches]),
             "tsp_s": statistics.median(c["tsp_s"] for c in launches),
             "tp_s": statistics.median(c["tp_s"] for c in launches), "per_launch": launches}
 
@@ -64,8 +64,7 @@ def table(cells: list[dict], modes: list[str]) -> str:
         row = [f"D = {degree}, {seq_len // 1024}K"]
         for mode in modes:
             c = next(c for c in cells if (c["degree"], c["seq_len"], c["mode"]) == (degree, seq_len, mode))
-            r = c["ratio"]
-            row.append(f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}] ({c['tsp_s']:.2f} / {c['tp_s']:.2f} s)")
+            row.append(f"{format_spread(c['ratio'])} ({c['tsp_s']:.2f} / {c['tp_s']:.2f} s)")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

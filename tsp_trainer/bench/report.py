@@ -136,11 +136,15 @@ def ratio_spread(numer: list[float], denom: list[float]) -> dict[str, float] | N
     """Repeat i of one variant over repeat i of another (interleaved repeats ran next to each other,
     so drifts of the machine's speed cancel): {"median", "min", "max", "repeats"}; None when there
     is no pair."""
-    ratios = [a / b for a, b in zip(numer, denom)]
-    if not ratios:
+    return spread([a / b for a, b in zip(numer, denom)])
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    """{"median", "min", "max", "repeats"} of some repeats; None when there are none."""
+    if not values:
         return None
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-            "repeats": len(ratios)}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "repeats": len(values)}
 
 
 def format_spread(spread: dict[str, float]) -> str:
