@@ -55,6 +55,19 @@ def test_only_signals_give_128_plus_the_signal(tmp_path):
     assert (exit_code(75), exit_code(-15)) == (75, 143)
 
 
+def test_a_rank_killed_from_outside_is_named_before_the_peers_that_lost_it(tmp_path):
+    """Rank 3 is SIGKILLed at t=10; ranks 0 and 1 exit 1 in the same second (lost contact) and
+    torch elastic SIGTERMs rank 2: the job's code is rank 3's 137, not rank 0's 1."""
+    err = ChildFailedError("tsp_trainer", {0: _failure(0, 1, 10, tmp_path),
+                                           1: _failure(1, 1, 10, tmp_path),
+                                           2: _failure(2, -15, 10, tmp_path),
+                                           3: _failure(3, -9, 10, tmp_path)})
+    assert first_failure(err) == (3, 137, 4)
+    later = ChildFailedError("tsp_trainer", {0: _failure(0, 2, 10, tmp_path),
+                                             1: _failure(1, -9, 40, tmp_path)})
+    assert first_failure(later) == (0, 2, 2)     # elastic's SIGKILL after its 30 s grace comes later
+
+
 @pytest.mark.parametrize("machine,first_rank", [("0", 0), ("1", 4)])
 def test_every_machines_launcher_checks_the_inputs_as_its_first_rank(monkeypatch, machine, first_rank):
     """Each machine's tsp-launch checks (one line and exit 2 on every node), as that machine's first

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -107,11 +108,13 @@ def run_launcher(args: argparse.Namespace) -> int:
 
 
 def first_failure(err: ChildFailedError) -> tuple[int, int, int]:
-    """(rank, exit code, ranks failed) of the rank that failed first by its own exit, before the
-    ones torch elastic then stopped with a signal (negative exit codes)."""
+    """(rank, exit code, ranks failed) of the rank that failed first, leaving out the ranks torch
+    elastic then stopped with SIGTERM. A rank killed by another signal (SIGKILL from a user or the
+    OOM killer, a segfault) counts as failing first on a tie: failures carry whole seconds, and
+    its peers' own exits in that second are their reaction to losing it."""
     failures = err.failures
-    own = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
-    rank = min(own, key=lambda r: (own[r].timestamp, r))
+    own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    rank = min(own, key=lambda r: (own[r].timestamp, own[r].exitcode > 0, r))
     return rank, exit_code(own[rank].exitcode), len(failures)
 
 
