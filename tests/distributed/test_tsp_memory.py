@@ -250,13 +250,15 @@ def _checkpointed_backward(rank, world, layers, mode, seq, keeps="all"):
 
 
 def _assert_one_block_input_per_block_end(c: dict, block_input: int) -> None:
-    """Each block's backward ends exactly one block input below the previous block's end. The first
-    end sits one block input below the backward's top, or one int64 [T] index tensor (8 T bytes)
-    more: in some runs that tensor is still live at the top and gone by the first block's end (its
-    release order varies between runs; seen as 256 bytes at T = 32, under a second suite's load)."""
-    ends = c["block_ends"]
-    assert [a - b for a, b in zip(ends, ends[1:])] == [block_input] * (len(ends) - 1), c
-    assert 0 <= c["top"] - ends[0] - block_input <= 8 * c["tokens"], c
+    """Each block's backward ends one block input below the previous block's end, and the first end
+    one block input below the backward's top, each up to one norm-weight gradient (fp32 [h]): those
+    are summed over the group by a gloo all-reduce, and under load gloo's worker thread can drop its
+    last hold on one a moment after the op completed (the storage's free then runs on that thread,
+    LiveTensorMemory's docstring), so it is counted live at one measuring point more. A block input
+    kept or freed early (T h fp32, 32 times larger here) still fails."""
+    ends, small = c["block_ends"], 4 * c["h"]
+    steps = [a - b for a, b in zip([c["top"], *ends], ends)]
+    assert all(abs(step - block_input) <= small for step in steps), (steps, block_input, c)
 
 
 @pytest.mark.parametrize("mode", ["full", "none"])
