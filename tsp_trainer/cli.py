@@ -156,7 +156,9 @@ def train_main(argv: list[str] | None = None) -> None:
 
     code, trainer = 0, None
     try:
-        trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs)
+        resolved = _settle(cfg, inputs, world=world, rank=rank, cuda=cuda)
+        trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs,
+                          resolved=resolved)
         history = trainer.fit()
         code = EXIT_PREEMPTED if trainer.stop_reason else 0
         if rank == 0:
@@ -178,6 +180,19 @@ def train_main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def _settle(cfg, inputs, *, world: int, rank: int, cuda: bool):
+    """The job's process group, and the `auto` settings global rank 0 decided for every rank
+    (run/startup.py), checked against this device's rules."""
+    import torch
+
+    from tsp_trainer.engine.device_support import check_device_support
+    from tsp_trainer.run.startup import settle
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return settle(cfg, inputs, world_size=world, rank=rank, cuda=cuda, device=device,
+                  refuses=lambda c: check_device_support(c, c.model.to_model_config(), device=device))
 
 
 def comm_failure_line(err, rank: int, placement) -> str:
@@ -211,10 +226,12 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
             validate_config(cfg, world)
             from tsp_trainer.observability.wandb_sink import check_wandb_credentials
             from tsp_trainer.run import check_inputs
+            from tsp_trainer.run.startup import reuse_launcher_check
 
             check_wandb_credentials(cfg.logging.wandb_mode)   # before the lease makes the run folder
             _take_run_lease(cfg.train.output_dir, rank, take=take_lease)
-            inputs = check_inputs(cfg, world_size=world, rank=rank)
+            inputs = (prog == "tsp-train" and reuse_launcher_check(cfg, world_size=world, rank=rank)
+                      or check_inputs(cfg, world_size=world, rank=rank))
         except ValueError as err:
             # One line per job: tsp-train's rank 0 says it; tsp-launch and check are one process
             # per machine and always do.
@@ -235,17 +252,28 @@ def launch_main(argv: list[str] | None = None) -> None:
     exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
     `-m tsp_trainer train`."""
     _quiet_known_warnings()
-    from tsp_trainer.engine.launch import (launch_first_rank, launch_world_size, parse_launch_args,
-                                           run_launcher)
+    from tsp_trainer.engine.launch import (launch_first_rank, launch_ranks_here, launch_world_size,
+                                           parse_launch_args, run_launcher)
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
     # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
     # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
-    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=launch_first_rank(args, world),
-                          prog="tsp-launch", take_lease=False)
+    first = launch_first_rank(args, world)
+    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=first,
+                                        prog="tsp-launch", take_lease=False)
+    from tsp_trainer.run.startup import CHECKED_INPUTS_ENV, hand_over_check
+
+    # the ranks take this check's result instead of repeating it (run/startup.py)
+    handed = hand_over_check(cfg, inputs, world_size=world, first_rank=first,
+                             ranks_here=launch_ranks_here(args, world))
+    os.environ[CHECKED_INPUTS_ENV] = str(handed)
     sys.stdout.flush()
-    sys.exit(run_launcher(args))
+    try:
+        code = run_launcher(args)
+    finally:
+        handed.unlink(missing_ok=True)
+    sys.exit(code)
 
 
 def check_main(argv: list[str] | None = None) -> None:

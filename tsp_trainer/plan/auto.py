@@ -184,7 +184,7 @@ def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
                            replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,))
 
 
-def _stages(cfg: TrainConfig) -> list[tuple[int, int]]:
+def length_stages(cfg: TrainConfig) -> list[tuple[int, int]]:
     """(seq_len, micro-batch) of every stage of data.seq_len_schedule, or of the whole run."""
     d = cfg.data
     return ([(s.seq_len, s.micro_batch_size or d.micro_batch_size) for s in d.seq_len_schedule]
@@ -196,7 +196,7 @@ def _worst_stage(cfg: TrainConfig, layout: Layout, hw: HardwareProfile, cuda: bo
     model = cfg.model.to_model_config()
     prec = PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)]
     preds = []
-    for seq_len, micro in _stages(cfg):
+    for seq_len, micro in length_stages(cfg):
         stage = dataclasses.replace(layout, micro_batch=micro)
         preds.append(predict(model.replace(max_seq_len=max(seq_len, model.max_seq_len)), stage,
                              seq_len, hw, prec=prec, device="cuda" if cuda else "cpu"))
