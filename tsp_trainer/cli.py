@@ -230,8 +230,11 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
 
             check_wandb_credentials(cfg.logging.wandb_mode)   # before the lease makes the run folder
             _take_run_lease(cfg.train.output_dir, rank, take=take_lease)
-            inputs = (prog == "tsp-train" and reuse_launcher_check(cfg, world_size=world, rank=rank)
-                      or check_inputs(cfg, world_size=world, rank=rank))
+            # under tsp-launch: its check of this very recipe, not repeated (run/startup.py)
+            inputs = prog == "tsp-train" and reuse_launcher_check(cfg, world_size=world, rank=rank)
+            checked = "recipe checked, inputs as tsp-launch checked them" if inputs else \
+                "recipe and inputs checked (config, tokenizer, data, resume path, output folder)"
+            inputs = inputs or check_inputs(cfg, world_size=world, rank=rank)
         except ValueError as err:
             # One line per job: tsp-train's rank 0 says it; tsp-launch and check are one process
             # per machine and always do.
@@ -241,8 +244,7 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
     if held:                                           # the launcher is tearing the job down
         sys.exit(128 + signal.SIGTERM)
     if report and rank == 0:    # the first line of a start-up that is otherwise silent for seconds
-        print(f"{prog}: start-up: recipe and inputs checked (config, tokenizer, data, resume path, "
-              f"output folder) ({time.monotonic() - _STARTED:.1f} s)", flush=True)
+        print(f"{prog}: start-up: {checked} ({time.monotonic() - _STARTED:.1f} s)", flush=True)
     return cfg, inputs
 
 

@@ -27,7 +27,7 @@ from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolv
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import MODEL_SIZES
 from tsp_trainer.config.schema import DType, TspRecomputeSetting, resolved_dtype
-from tsp_trainer.plan.auto import choose_bench_recompute
+from tsp_trainer.plan.resolve import choose_bench_settings
 from tsp_trainer.tools import launch
 
 _OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
@@ -104,12 +104,13 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 def _tsp_recompute(args: argparse.Namespace, model: ModelConfig, *, cuda: bool) -> str:
     """--tsp-recompute auto resolved as the trainer resolves it (plan/auto.py), said once."""
-    mode, budget = choose_bench_recompute(
+    choice = choose_bench_settings(
         model, degree=args.degree, seq_len=args.seq_len, micro_batch=args.micro_batch,
         head_buckets=args.head_buckets, activation_checkpointing=args.activation_checkpointing,
         dtype=resolved_dtype(args.dtype, cuda=cuda), cuda=cuda)
-    print(f"tsp-bench: auto: tsp_recompute={mode} (the trainer's rule against {budget.source})", flush=True)
-    return mode
+    print(f"tsp-bench: auto: tsp_recompute={choice.tsp_recompute} (the trainer's rule against "
+          f"{choice.budget.source})", flush=True)
+    return choice.tsp_recompute
 
 
 def _two_axes(args, schemes) -> tuple[int | None, int | None]:

@@ -20,12 +20,8 @@ from dataclasses import dataclass
 
 from tsp_trainer.config import TrainConfig, resolve_config
 from tsp_trainer.observability.flops import flops_per_token
-from tsp_trainer.plan.auto import (
-    AutoSettingsError,
-    MemoryChoice,
-    choose_auto_settings,
-    length_stages,
-)
+from tsp_trainer.plan.auto import (AutoSettingsError, MemoryChoice, choose_auto_settings, choose_bench_settings,
+                                   length_stages)
 from tsp_trainer.plan.flops import run_recompute
 
 
@@ -65,4 +61,4 @@ def resolve_run(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
     return Resolved(cfg, memory, flops)
 
 
-__all__ = ["AutoSettingsError", "MemoryChoice", "Resolved", "resolve_run"]
+__all__ = ["AutoSettingsError", "MemoryChoice", "Resolved", "choose_bench_settings", "resolve_run"]
