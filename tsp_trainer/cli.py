@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
 EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
 _STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
+_LAUNCHER = os.getppid()      # the parent at start, before a launcher's death could reparent us
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -298,20 +297,10 @@ def check_main(argv: list[str] | None = None) -> None:
     print(f"tsp-check: ok: {args.recipe} on {args.world_size} processes (dp {args.world_size // tsp} "
           f"x tsp {tsp}), output {cfg.train.output_dir}")
 def _take_run_lease(output_dir: str, rank: int, *, take: bool) -> None:
-    """Rank 0 takes the run folder's lease for the job (released by _exit, or at interpreter exit);
-    the other ranks refuse a folder held by another job's live process on their host; a check
-    that trains nothing (take=False) refuses a folder a live job holds, unless it checks for a
-    machine other than the first (rank != 0: that job's own rank 0 may hold the lease already).
-    LeaseHeld is a ValueError: the caller's one line and exit 2."""
-    from tsp_trainer.run.lease import RunLease, check_free, check_not_held_by_another_job
+    """run/lease.py take_for_job; LeaseHeld is a ValueError: the caller's one line and exit 2."""
+    from tsp_trainer.run.lease import take_for_job
 
-    if not take:
-        if rank == 0:
-            check_free(output_dir)
-    elif rank == 0:
-        RunLease.acquire(output_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
-    else:
-        check_not_held_by_another_job(output_dir)
+    take_for_job(output_dir, rank, take=take, warn=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _release_run_lease() -> None:
@@ -320,47 +309,13 @@ def _release_run_lease() -> None:
         lease.release_held()
 
 
-# Sent to a worker by the kernel when its launcher dies (PR_SET_PDEATHSIG). Not SIGTERM: that is a
-# preemption signal, whose handler checkpoints; a real-time signal no recipe can name.
-_LAUNCHER_GONE_SIGNAL = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
-_PR_SET_PDEATHSIG = 1               # linux/prctl.h
-_PARENT_POLL_S = 0.5
-
-
 def _stop_with_launcher() -> None:
-    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set), stop this worker when its
-    launcher dies (SIGKILL, the OOM killer), instead of training on as an orphan that writes and
-    prunes checkpoints a requeue needs. Linux: the kernel signals the worker when the launcher
-    (the thread that started it) exits; everywhere: a daemon thread sees os.getppid() change
-    within _PARENT_POLL_S. Either way _launcher_gone ends the process at once: a checkpoint whose
-    publication has not happened is not published (the next save removes its temporary folder)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return                      # a plain tsp-train outlives its shell (nohup) as it should
-    launcher = os.getppid()
-    if sys.platform.startswith("linux") and _LAUNCHER_GONE_SIGNAL is not None:
-        signal.signal(_LAUNCHER_GONE_SIGNAL, lambda signum, frame: _launcher_gone(launcher))
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(_LAUNCHER_GONE_SIGNAL), 0, 0, 0)
-    threading.Thread(target=_watch_parent, args=(launcher,), name="tsp-launcher-watch",
-                     daemon=True).start()
+    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set), stop when the launcher dies
+    (run/launcher_watch.py); a plain tsp-train outlives its shell (nohup) as it should."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from tsp_trainer.run.launcher_watch import stop_with_launcher
 
-
-def _watch_parent(launcher: int) -> None:
-    while os.getppid() == launcher:
-        threading.Event().wait(_PARENT_POLL_S)
-    _launcher_gone(launcher)
-
-
-_gone_lock = threading.Lock()
-
-
-def _launcher_gone(launcher: int) -> None:
-    if os.getppid() == launcher:    # PDEATHSIG after a thread of a live launcher exited
-        return
-    if not _gone_lock.acquire(blocking=False):
-        return                      # the signal handler and the watcher thread both saw it
-    print(f"tsp-train: the launcher (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
-    _release_run_lease()
-    os._exit(1)
+        stop_with_launcher(_LAUNCHER, on_gone=_release_run_lease)
 
 
 @contextlib.contextmanager
