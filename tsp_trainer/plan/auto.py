@@ -21,8 +21,8 @@ The budget per process: train.memory_budget_gib when set; on a GPU its memory
 (torch.cuda.mem_get_info's total) times the planner's usable share (Assumptions.hbm_usable, the rest
 reserved for allocator slack, NCCL and the CUDA context); on CPU the host's MemAvailable
 (/proc/meminfo, rounded down to whole GiB) shared by the job's processes (a CPU job runs on one
-host). The GPU budget is the same on every rank of a job on one GPU model, so every rank chooses
-alike.
+host). Two ranks may read different figures (a shared node), so a job decides once: global rank 0
+calls this through plan/resolve.py and every rank runs its answer (run/startup.py).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ RANKING_PROFILE = "h100"        # rates for the ranking when the device is no kn
 
 
 class AutoSettingsError(ValueError):
-    """No candidate of the `auto` settings fits the budget. Every rank computes the same budget and
-    candidates, so every rank raises it: the CLI prints it from rank 0 only (`agreed`)."""
+    """No candidate of the `auto` settings fits the budget. Rank 0 decides for the job and
+    broadcasts a refusal too (run/startup.py), so every rank raises it: the CLI prints it from
+    rank 0 only (`agreed`)."""
 
     agreed = True
 
@@ -102,17 +103,10 @@ def gib_text(n: float) -> str:
 
 def uses_auto(cfg: TrainConfig) -> bool:
     """Whether any key `auto` resolves is auto (checkpoint_replay_keeps only where checkpointing
-    may be on: without it there is no replay, and `resolved_replay_keeps` is all)."""
+    may be on: without it there is no replay, and plan/resolve.py writes all)."""
     replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
     return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
                     cfg.train.activation_checkpointing)
-
-
-def resolved_replay_keeps(cfg: TrainConfig) -> str:
-    """parallel.checkpoint_replay_keeps as the blocks are built: still auto only when
-    checkpointing is off (`uses_auto`), where every value runs the same, so all."""
-    keeps = cfg.parallel.checkpoint_replay_keeps
-    return "all" if keeps == AUTO else keeps
 
 
 def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
@@ -279,4 +273,4 @@ def choose_bench_settings(model: ModelConfig, *, degree: int, seq_len: int, micr
 
 __all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_among", "choose_auto_settings",
            "choose_bench_settings", "choose_memory_settings", "device_budget", "memory_budget",
-           "resolved_replay_keeps", "uses_auto"]
+           "uses_auto"]
