@@ -40,14 +40,13 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tsp_trainer.config import load_config
+from tsp_trainer.plan.activations import activation_memory
+from tsp_trainer.plan.auto import GIB, run_layout
+from tsp_trainer.plan.precision import FP32
+from tsp_trainer.plan.state import state_bytes
 
-from tsp_trainer.config import load_config  # noqa: E402
-from tsp_trainer.plan.activations import activation_memory  # noqa: E402
-from tsp_trainer.plan.auto import GIB, run_layout  # noqa: E402
-from tsp_trainer.plan.precision import FP32  # noqa: E402
-from tsp_trainer.plan.state import state_bytes  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RECIPE = REPO / "recipes" / "tiny_longest_cpu.yaml"
 LAUNCH_CONFIG = REPO / "launch" / "accelerate" / "cpu_4proc.yaml"

@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
 EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
 _STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
+_LAUNCHER = os.getppid()      # the parent at start, before a launcher's death could reparent us
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -156,7 +155,9 @@ def train_main(argv: list[str] | None = None) -> None:
 
     code, trainer = 0, None
     try:
-        trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs)
+        resolved = _settle(cfg, inputs, world=world, rank=rank, cuda=cuda)
+        trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs,
+                          resolved=resolved)
         history = trainer.fit()
         code = EXIT_PREEMPTED if trainer.stop_reason else 0
         if rank == 0:
@@ -178,6 +179,19 @@ def train_main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         code = 1
     _exit(code)
+
+
+def _settle(cfg, inputs, *, world: int, rank: int, cuda: bool):
+    """The job's process group, and the `auto` settings global rank 0 decided for every rank
+    (run/startup.py), checked against this device's rules."""
+    import torch
+
+    from tsp_trainer.engine.device_support import check_device_support
+    from tsp_trainer.run.startup import settle
+
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return settle(cfg, inputs, world_size=world, rank=rank, cuda=cuda, device=device,
+                  refuses=lambda c: check_device_support(c, c.model.to_model_config(), device=device))
 
 
 def comm_failure_line(err, rank: int, placement) -> str:
@@ -211,10 +225,15 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
             validate_config(cfg, world)
             from tsp_trainer.observability.wandb_sink import check_wandb_credentials
             from tsp_trainer.run import check_inputs
+            from tsp_trainer.run.startup import reuse_launcher_check
 
             check_wandb_credentials(cfg.logging.wandb_mode)   # before the lease makes the run folder
             _take_run_lease(cfg.train.output_dir, rank, take=take_lease)
-            inputs = check_inputs(cfg, world_size=world, rank=rank)
+            # under tsp-launch: its check of this very recipe, not repeated (run/startup.py)
+            inputs = prog == "tsp-train" and reuse_launcher_check(cfg, world_size=world, rank=rank)
+            checked = "recipe checked, inputs as tsp-launch checked them" if inputs else \
+                "recipe and inputs checked (config, tokenizer, data, resume path, output folder)"
+            inputs = inputs or check_inputs(cfg, world_size=world, rank=rank)
         except ValueError as err:
             # One line per job: tsp-train's rank 0 says it; tsp-launch and check are one process
             # per machine and always do.
@@ -224,8 +243,7 @@ def _check_inputs_or_exit(recipe: str, overrides: list[str], *, world: int, rank
     if held:                                           # the launcher is tearing the job down
         sys.exit(128 + signal.SIGTERM)
     if report and rank == 0:    # the first line of a start-up that is otherwise silent for seconds
-        print(f"{prog}: start-up: recipe and inputs checked (config, tokenizer, data, resume path, "
-              f"output folder) ({time.monotonic() - _STARTED:.1f} s)", flush=True)
+        print(f"{prog}: start-up: {checked} ({time.monotonic() - _STARTED:.1f} s)", flush=True)
     return cfg, inputs
 
 
@@ -235,17 +253,28 @@ def launch_main(argv: list[str] | None = None) -> None:
     exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
     `-m tsp_trainer train`."""
     _quiet_known_warnings()
-    from tsp_trainer.engine.launch import (launch_first_rank, launch_world_size, parse_launch_args,
-                                           run_launcher)
+    from tsp_trainer.engine.launch import (launch_first_rank, launch_ranks_here, launch_world_size,
+                                           parse_launch_args, run_launcher)
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
     # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
     # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
-    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=launch_first_rank(args, world),
-                          prog="tsp-launch", take_lease=False)
+    first = launch_first_rank(args, world)
+    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=first,
+                                        prog="tsp-launch", take_lease=False)
+    from tsp_trainer.run.startup import CHECKED_INPUTS_ENV, hand_over_check
+
+    # the ranks take this check's result instead of repeating it (run/startup.py)
+    handed = hand_over_check(cfg, inputs, world_size=world, first_rank=first,
+                             ranks_here=launch_ranks_here(args, world))
+    os.environ[CHECKED_INPUTS_ENV] = str(handed)
     sys.stdout.flush()
-    sys.exit(run_launcher(args))
+    try:
+        code = run_launcher(args)
+    finally:
+        handed.unlink(missing_ok=True)
+    sys.exit(code)
 
 
 def check_main(argv: list[str] | None = None) -> None:
@@ -268,20 +297,10 @@ def check_main(argv: list[str] | None = None) -> None:
     print(f"tsp-check: ok: {args.recipe} on {args.world_size} processes (dp {args.world_size // tsp} "
           f"x tsp {tsp}), output {cfg.train.output_dir}")
 def _take_run_lease(output_dir: str, rank: int, *, take: bool) -> None:
-    """Rank 0 takes the run folder's lease for the job (released by _exit, or at interpreter exit);
-    the other ranks refuse a folder held by another job's live process on their host; a check
-    that trains nothing (take=False) refuses a folder a live job holds, unless it checks for a
-    machine other than the first (rank != 0: that job's own rank 0 may hold the lease already).
-    LeaseHeld is a ValueError: the caller's one line and exit 2."""
-    from tsp_trainer.run.lease import RunLease, check_free, check_not_held_by_another_job
+    """run/lease.py take_for_job; LeaseHeld is a ValueError: the caller's one line and exit 2."""
+    from tsp_trainer.run.lease import take_for_job
 
-    if not take:
-        if rank == 0:
-            check_free(output_dir)
-    elif rank == 0:
-        RunLease.acquire(output_dir, warn=lambda line: print(line, file=sys.stderr, flush=True))
-    else:
-        check_not_held_by_another_job(output_dir)
+    take_for_job(output_dir, rank, take=take, warn=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _release_run_lease() -> None:
@@ -290,47 +309,13 @@ def _release_run_lease() -> None:
         lease.release_held()
 
 
-# Sent to a worker by the kernel when its launcher dies (PR_SET_PDEATHSIG). Not SIGTERM: that is a
-# preemption signal, whose handler checkpoints; a real-time signal no recipe can name.
-_LAUNCHER_GONE_SIGNAL = signal.SIGRTMIN + 1 if hasattr(signal, "SIGRTMIN") else None
-_PR_SET_PDEATHSIG = 1               # linux/prctl.h
-_PARENT_POLL_S = 0.5
-
-
 def _stop_with_launcher() -> None:
-    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set), stop this worker when its
-    launcher dies (SIGKILL, the OOM killer), instead of training on as an orphan that writes and
-    prunes checkpoints a requeue needs. Linux: the kernel signals the worker when the launcher
-    (the thread that started it) exits; everywhere: a daemon thread sees os.getppid() change
-    within _PARENT_POLL_S. Either way _launcher_gone ends the process at once: a checkpoint whose
-    publication has not happened is not published (the next save removes its temporary folder)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return                      # a plain tsp-train outlives its shell (nohup) as it should
-    launcher = os.getppid()
-    if sys.platform.startswith("linux") and _LAUNCHER_GONE_SIGNAL is not None:
-        signal.signal(_LAUNCHER_GONE_SIGNAL, lambda signum, frame: _launcher_gone(launcher))
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(_LAUNCHER_GONE_SIGNAL), 0, 0, 0)
-    threading.Thread(target=_watch_parent, args=(launcher,), name="tsp-launcher-watch",
-                     daemon=True).start()
+    """Under torchrun / accelerate launch (TORCHELASTIC_RUN_ID set), stop when the launcher dies
+    (run/launcher_watch.py); a plain tsp-train outlives its shell (nohup) as it should."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from tsp_trainer.run.launcher_watch import stop_with_launcher
 
-
-def _watch_parent(launcher: int) -> None:
-    while os.getppid() == launcher:
-        threading.Event().wait(_PARENT_POLL_S)
-    _launcher_gone(launcher)
-
-
-_gone_lock = threading.Lock()
-
-
-def _launcher_gone(launcher: int) -> None:
-    if os.getppid() == launcher:    # PDEATHSIG after a thread of a live launcher exited
-        return
-    if not _gone_lock.acquire(blocking=False):
-        return                      # the signal handler and the watcher thread both saw it
-    print(f"tsp-train: the launcher (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
-    _release_run_lease()
-    os._exit(1)
+        stop_with_launcher(_LAUNCHER, on_gone=_release_run_lease)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from tsp_trainer.checkpoint.train_state import NonFiniteError
 from tsp_trainer.checkpoint.training import TrainingCheckpoints
 # CheckpointSaveError is re-exported: callers and tests import it from the trainer.
 from tsp_trainer.checkpoint.writer import CheckpointSaveError  # noqa: F401
-from tsp_trainer.config import TrainConfig, hang_dump_after_s, resolve_config, run_facts, save_resolved_config
+from tsp_trainer.config import TrainConfig, hang_dump_after_s, run_facts, save_resolved_config
 from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.data.prefetch import batch_to_device, pins_batches
@@ -43,43 +43,43 @@ from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.mpu import TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
-from tsp_trainer.plan.auto import choose_auto_settings, resolved_replay_keeps
-from tsp_trainer.plan.flops import run_flops_per_token
-from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement, check_inputs
+from tsp_trainer.plan.resolve import Resolved
+from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement
 from tsp_trainer.run.placement import place_ranks
 from tsp_trainer.run.preemption import agree_on_batches
 from tsp_trainer.run.session import open_run_folder
+from tsp_trainer.run.startup import prepare_run
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, world_size: int, global_rank: int, cuda: bool = False,
-                 inputs: CheckedInputs | None = None):
+                 inputs: CheckedInputs | None = None, resolved: Resolved | None = None):
+        """resolved: the settings every rank runs (run/startup.py agree_on_settings: no `auto`
+        left); tsp-train passes it with its checked inputs. Built directly, the Trainer runs that
+        check and agreement itself (run/startup.py prepare_run)."""
         self.log = get_logger(__name__, rank=global_rank)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         with self._startup("config checked and resolved"):
             # Bad input (config, tokenizer, data, resume path, output folder) fails before any group exists.
-            if inputs is None:        # built directly; tsp-train ran both checks before start-up
+            if inputs is None or resolved is None:   # built directly; tsp-train did both before
                 check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
-                inputs = check_inputs(cfg, world_size=world_size, rank=global_rank)
+                inputs, resolved = prepare_run(cfg, world_size=world_size, rank=global_rank, cuda=cuda,
+                                               device=self.device, refuses=self._refuses)
             for line in inputs.resume_warnings:        # rank 0's: which checkpoints failed, and why
                 self.log.warning(line)
             for line in inputs.resume_notes:
                 self.log.info(line)
-            cfg = resolve_config(cfg, world_size=world_size, cuda=cuda)   # what runs is what is logged
-            self.cfg, self.model_cfg = cfg, cfg.model.to_model_config()   # named size or HF folder
+            cfg = self.cfg = resolved.cfg                 # what runs is what is logged
+            self.resolved, self.model_cfg = resolved, cfg.model.to_model_config()   # named size or HF folder
             self.tokenizer, self.data_plan = inputs.tokenizer, inputs.data_plan
             passkey = build_passkey_task(cfg, self.tokenizer, self.model_cfg)   # reads its filler text
             self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
-            self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
             self.attention = run_attention_kernel(cfg, self.model_cfg, device=self.device)
             use_attention_kernel(self.attention)           # before check_device_support reads it
             self.log.info(f"attention kernel: {self.attention.kernel} ({self.attention.reason})")
-            self.memory = inputs.memory or choose_auto_settings(   # on a GPU: its memory, its rules
-                cfg, world_size=world_size, cuda=cuda, device=self.device,
-                refuses=lambda c: check_device_support(c, self.model_cfg, device=self.device))
-            if self.memory is not None:                    # the auto settings, as saved and logged
-                cfg = self.cfg = self.memory.apply(cfg)
-                self.log.info(self.memory.line())
+            if resolved.line():                            # the auto settings, decided by rank 0
+                self.log.info(resolved.line())
             check_device_support(cfg, self.model_cfg, device=self.device)   # still before any group
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
@@ -114,6 +114,10 @@ class Trainer:
         self._open_run(inputs, world_size=world_size, global_rank=global_rank)
 
     # -- building ---------------------------------------------------------------------------------
+    def _refuses(self, cfg: TrainConfig) -> None:
+        """What this device cannot run (a candidate of the `auto` settings included)."""
+        check_device_support(cfg, cfg.model.to_model_config(), device=self.device)
+
     @contextlib.contextmanager
     def _startup(self, phase: str):
         """Rank 0 logs each start-up phase with its seconds: the first tens of seconds of a run
@@ -134,10 +138,10 @@ class Trainer:
         peak = cfg.logging.peak_tflops * 1e12 if cfg.logging.peak_tflops else detect_peak_flops(self.device)
         self.metrics = StepRecorder(world=self.mesh.world, peak_flops=peak, device=self.device,
                                     rank_stats_every=cfg.logging.rank_stats_every,
-                                    flops=run_flops_per_token(cfg, self.model_cfg, cfg.data.seq_len))
+                                    flops=self.resolved.flops_at(cfg.data.seq_len))
         facts = run_facts(cfg, world_size=world_size, device=str(self.device),
                           peak_tflops=None if peak is None else peak / 1e12)
-        auto = {"auto": self.memory.facts()} if self.memory else {}
+        auto = self.resolved.facts()
         self.sinks = self._build_sinks(config={**cfg.to_dict(), "run": {
             **facts, "attention_kernel": self.attention.kernel, "nodes": list(self.placement.nodes), **auto}})
         self._data_epoch = 0                                  # last training-data pass logged
@@ -167,7 +171,7 @@ class Trainer:
             model = Transformer(self.model_cfg)
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
-                     "checkpoint_replay_keeps": resolved_replay_keeps(c)}
+                     "checkpoint_replay_keeps": c.parallel.checkpoint_replay_keeps}
                     if c.parallel.scheme == "tsp" else {})
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
@@ -241,7 +245,7 @@ class Trainer:
             grad_norm=None if grad_norm is None else float(grad_norm),
             skipped_steps=self.state.skipped_steps, tokens_seen=self.state.tokens_seen,
             checkpoint_stall_s=self.checkpoints.take_stall_s(),
-            flops=run_flops_per_token(c, self.model_cfg, seq_len))
+            flops=self.resolved.flops_at(seq_len))
         return {**metrics, **self._data_metrics(seq_len)}
 
     def _read_step_batches(self) -> list[dict]:

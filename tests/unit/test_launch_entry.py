@@ -69,16 +69,22 @@ def test_a_rank_killed_from_outside_is_named_before_the_peers_that_lost_it(tmp_p
 
 
 @pytest.mark.parametrize("machine,first_rank", [("0", 0), ("1", 4)])
-def test_every_machines_launcher_checks_the_inputs_as_its_first_rank(monkeypatch, machine, first_rank):
+def test_every_machines_launcher_checks_the_inputs_as_its_first_rank(monkeypatch, tmp_path, machine, first_rank):
     """Each machine's tsp-launch checks (one line and exit 2 on every node), as that machine's first
     rank: only machine 0's rank 0 verifies the resume checkpoint and takes the folder's lease."""
     from tsp_trainer import cli
     from tsp_trainer.engine import launch
 
-    calls = []
-    monkeypatch.setattr(cli, "_check_inputs_or_exit", lambda *a, **k: calls.append((k["world"], k["rank"])))
+    from tsp_trainer.run import startup
+
+    calls, handed = [], []
+    monkeypatch.setattr(cli, "_check_inputs_or_exit",
+                        lambda *a, **k: calls.append((k["world"], k["rank"])) or ("cfg", "inputs"))
     monkeypatch.setattr(launch, "run_launcher", lambda args: 0)
+    monkeypatch.setattr(startup, "hand_over_check", lambda cfg, inputs, **k: handed.append(k) or tmp_path / "x")
     with pytest.raises(SystemExit) as exc:
         cli.launch_main(["--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "8",
                          "--machine_rank", machine, "recipes/tiny_cpu.yaml"])
     assert exc.value.code == 0 and calls == [(8, first_rank)]
+    # the check is handed to this machine's 4 ranks (run/startup.py), which do not repeat it
+    assert handed == [{"world_size": 8, "first_rank": first_rank, "ranks_here": 4}]

@@ -217,3 +217,16 @@ def test_tools_are_below_bench_and_plan():
             assert not _uses(names, "tsp_trainer.bench") and not _uses(names, "tsp_trainer.plan"), rel
         elif not rel.startswith("bench/") and rel != "cli.py":
             assert not _uses(names, "tsp_trainer.bench"), rel
+
+
+def test_the_training_path_reaches_the_planner_through_one_entry():
+    """Outside plan/ (trainer.py, run/, bench/, every other package) the one planner module
+    imported is plan/resolve.py, the `auto` settings decided once for the job and the run's
+    recompute for its FLOP count; the CLI also starts tsp-plan. The planner can change without
+    touching training."""
+    for rel, names in _modules():
+        if rel.startswith("plan/"):
+            continue
+        planner = {n for n in names if _uses({n}, "tsp_trainer.plan")}
+        allowed = {"tsp_trainer.plan.resolve"} | ({"tsp_trainer.plan.cli"} if rel == "cli.py" else set())
+        assert planner <= allowed, (rel, sorted(planner - allowed))

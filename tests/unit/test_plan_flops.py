@@ -14,8 +14,10 @@ from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.load import load_config
 from tsp_trainer.model.attention_lse import prefix_causal_attention
 from tsp_trainer.plan.dry_run import run_step
+from tsp_trainer.observability.flops import flops_per_token
 from tsp_trainer.plan.flops import (forward_pieces, forward_runs, hardware_flops_per_token,
-                                    run_flops_layout, run_flops_per_token)
+                                    run_flops_layout, run_recompute)
+from tsp_trainer.plan.resolve import resolve_run
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.tools.flop_count import ExecutedFlops, attention_flops, visible_scores
 
@@ -136,9 +138,24 @@ def test_the_trainer_logs_the_planner_flops_of_its_layout():
                              "parallel.tsp_recompute=selective", "train.activation_checkpointing=false"])
     layout = run_flops_layout(cfg)
     assert (layout.scheme, layout.degree, layout.head_buckets, layout.tsp_recompute) == ("tsp", 2, 2, "selective")
-    model, hardware = run_flops_per_token(cfg, CFG, SEQ)
+    recompute = run_recompute(cfg, CFG, SEQ)
+    model, hardware = flops_per_token(CFG, SEQ), flops_per_token(CFG, SEQ, recompute=recompute)
     expected = hardware_flops_per_token(CFG, Layout("tsp", 2, tsp_recompute="selective"), SEQ)
     assert (model, hardware) == (expected["model"], expected["hardware"])
     assert hardware > model
-    with pytest.raises(ValueError, match="resolved"):         # auto is the trainer's to resolve first
+    with pytest.raises(ValueError, match="resolved"):         # auto is resolved before the run is built
         run_flops_layout(load_config(None, ["parallel.scheme=tsp", "parallel.tsp_degree=2"]))
+
+
+def test_the_run_flops_are_counted_once_per_length_stage():
+    """plan/resolve.py counts (model, hardware) FLOPs at start for every stage of the length
+    schedule, with the one count of observability/flops.py and the resolved layout's recompute."""
+    cfg = load_config(None, ["model.size=tiny", "parallel.scheme=tsp", "parallel.tsp_degree=2",
+                             "data.seq_len=256", "train.steps=10", "optim.warmup_steps=1",
+                             "data.seq_len_schedule=[{start_step: 0, seq_len: 128}, {start_step: 5, seq_len: 256}]"])
+    resolved = resolve_run(cfg, world_size=2, cuda=False)
+    assert sorted(resolved.flops) == [128, 256]
+    model = resolved.cfg.model.to_model_config()
+    for seq in (128, 256):
+        assert resolved.flops_at(seq) == (flops_per_token(model, seq),
+                                          flops_per_token(model, seq, recompute=run_recompute(resolved.cfg, model, seq)))

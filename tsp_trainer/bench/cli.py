@@ -25,24 +25,15 @@ from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_
 from tsp_trainer.bench.run import scheme_rank, single_process
 from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.config.model import MODEL_SIZES
+from tsp_trainer.config.model_source import MODEL_DIM_FLAGS, add_model_args
 from tsp_trainer.config.schema import DType, TspRecomputeSetting, resolved_dtype
-from tsp_trainer.plan.auto import choose_bench_recompute
+from tsp_trainer.plan.resolve import choose_bench_settings
 from tsp_trainer.tools import launch
-
-_OVERRIDES = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
-              "kv_heads": "num_kv_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tsp-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny",
-                   help=f"named size ({', '.join(MODEL_SIZES)}) or a Hugging Face model folder / "
-                        "config.json (shape only)")
-    for flag in _OVERRIDES:
-        p.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
-                       help=f"override model.{_OVERRIDES[flag]}")
+    add_model_args(p, default="tiny", dims=True)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--degree", type=int, default=2, help="D: model-parallel ranks (processes) per scheme")
@@ -82,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     """Resolve defaults and validate; raises ValueError with the flag, value and a fix."""
     schemes = parse_schemes(args.schemes)
-    model = resolve_model(args.model, {field: getattr(args, flag) for flag, field in _OVERRIDES.items()},
+    model = resolve_model(args.model, {field: getattr(args, flag) for flag, field in MODEL_DIM_FLAGS.items()},
                           args.seq_len)
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend or ("nccl" if cuda else "gloo")
@@ -104,12 +95,13 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 def _tsp_recompute(args: argparse.Namespace, model: ModelConfig, *, cuda: bool) -> str:
     """--tsp-recompute auto resolved as the trainer resolves it (plan/auto.py), said once."""
-    mode, budget = choose_bench_recompute(
+    choice = choose_bench_settings(
         model, degree=args.degree, seq_len=args.seq_len, micro_batch=args.micro_batch,
         head_buckets=args.head_buckets, activation_checkpointing=args.activation_checkpointing,
         dtype=resolved_dtype(args.dtype, cuda=cuda), cuda=cuda)
-    print(f"tsp-bench: auto: tsp_recompute={mode} (the trainer's rule against {budget.source})", flush=True)
-    return mode
+    print(f"tsp-bench: auto: tsp_recompute={choice.tsp_recompute} (the trainer's rule against "
+          f"{choice.budget.source})", flush=True)
+    return choice.tsp_recompute
 
 
 def _two_axes(args, schemes) -> tuple[int | None, int | None]:

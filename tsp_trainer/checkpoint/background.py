@@ -18,12 +18,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from tsp_trainer.checkpoint.writer import Snapshot
+from tsp_trainer.checkpoint.reshard import ShardFile
 
 
 class HostStaging:
@@ -88,6 +87,15 @@ class HostStaging:
         finally:
             self._deferred, self._cuda_event = [], None
             self.copied.set()
+
+
+@dataclass
+class Snapshot:
+    """Everything one rank writes for one checkpoint, already detached from training."""
+
+    files: list[ShardFile]             # model/ and optim/ shards this rank writes
+    rank_state: dict                   # ranks/rank_XXXXX.pt: loader, scheduler, RNG
+    meta: dict                         # meta.json (rank 0's is written)
 
 
 @dataclass

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from tsp_trainer.checkpoint.background import HostStaging, WriteJob
+from tsp_trainer.checkpoint.background import HostStaging, Snapshot, WriteJob
 from tsp_trainer.checkpoint.disk_format import naming_the_file
-from tsp_trainer.checkpoint.reshard import HostCopy, ShardFile
+from tsp_trainer.checkpoint.reshard import HostCopy
 from tsp_trainer.checkpoint.store import CheckpointStore
 
 
@@ -43,15 +42,6 @@ class CheckpointSaveError(RuntimeError):
     def __init__(self, message: str, *, seen_here: bool):
         super().__init__(message)
         self.seen_here = seen_here
-
-
-@dataclass
-class Snapshot:
-    """Everything one rank writes for one checkpoint, already detached from training."""
-
-    files: list[ShardFile]             # model/ and optim/ shards this rank writes
-    rank_state: dict                   # ranks/rank_XXXXX.pt: loader, scheduler, RNG
-    meta: dict                         # meta.json (rank 0's is written)
 
 
 class CheckpointWriter:

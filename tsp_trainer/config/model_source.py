@@ -95,6 +95,22 @@ def model_from_name_or_path(value: str, *, flag: str = "--model") -> ModelConfig
     return model_config_from_hf(p, key=flag)
 
 
+# tsp-bench's per-dimension overrides of --model: flag -> ModelConfig field
+MODEL_DIM_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
+                   "kv_heads": "num_kv_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
+
+
+def add_model_args(parser, *, default: str, dims: bool = False) -> None:
+    """The CLIs' --model (a named size or a Hugging Face folder / config.json, read by
+    `model_from_name_or_path`) and, with dims, an override flag per dimension (MODEL_DIM_FLAGS)."""
+    parser.add_argument("--model", default=default,
+                        help=f"named size ({', '.join(MODEL_SIZES)}; default {default}) or a Hugging "
+                             "Face model folder / config.json (shape only)")
+    for flag, field in (MODEL_DIM_FLAGS.items() if dims else ()):
+        parser.add_argument("--" + flag.replace("_", "-"), type=int, default=None,
+                            help=f"override model.{field}")
+
+
 def section_overrides(section) -> dict[str, Any]:
     """The ModelConfig fields a ModelSection sets explicitly (non-None), rope_scaling converted."""
     names = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -81,6 +81,14 @@ def launch_first_rank(args: argparse.Namespace, world: int) -> int:
     return (machine or 0) * (world // max(machines or 1, 1))
 
 
+def launch_ranks_here(args: argparse.Namespace, world: int) -> int:
+    """The processes this machine's launcher starts: `world` over the machines."""
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    config = load_config_from_file(path) if path is not None else None
+    machines = args.num_machines if args.num_machines is not None else getattr(config, "num_machines", 1)
+    return world // max(machines or 1, 1)
+
+
 def run_launcher(args: argparse.Namespace) -> int:
     """Start `python -m tsp_trainer train RECIPE [key=value ...]` under Accelerate's launcher and
     return the job's exit code: 0, the first failed rank's own code, or 128 + the signal that

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from tsp_trainer.model.attention_kernel import FLASH_MAX_HEAD_DIM, Choice
 from tsp_trainer.model.attention_lse import prefix_causal_attention
@@ -113,6 +112,10 @@ class SdpaRoute:
         if self.kernel == "cpu_lse_merge":
             return prefix_causal_attention(q, k, v)
         if self.lower_right_bias:
+            # imported here: torch.nn.attention.bias imports torch._dynamo, seconds of every
+            # process's start-up that a route without the bias (the CPU's) never needs
+            from torch.nn.attention.bias import causal_lower_right
+
             return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, n_k),
                                                   enable_gqa=gqa)
         outs = []

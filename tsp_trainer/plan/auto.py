@@ -21,8 +21,8 @@ The budget per process: train.memory_budget_gib when set; on a GPU its memory
 (torch.cuda.mem_get_info's total) times the planner's usable share (Assumptions.hbm_usable, the rest
 reserved for allocator slack, NCCL and the CUDA context); on CPU the host's MemAvailable
 (/proc/meminfo, rounded down to whole GiB) shared by the job's processes (a CPU job runs on one
-host). The GPU budget is the same on every rank of a job on one GPU model, so every rank chooses
-alike.
+host). Two ranks may read different figures (a shared node), so a job decides once: global rank 0
+calls this through plan/resolve.py and every rank runs its answer (run/startup.py).
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ RANKING_PROFILE = "h100"        # rates for the ranking when the device is no kn
 
 
 class AutoSettingsError(ValueError):
-    """No candidate of the `auto` settings fits the budget. Every rank computes the same budget and
-    candidates, so every rank raises it: the CLI prints it from rank 0 only (`agreed`)."""
+    """No candidate of the `auto` settings fits the budget. Rank 0 decides for the job and
+    broadcasts a refusal too (run/startup.py), so every rank raises it: the CLI prints it from
+    rank 0 only (`agreed`)."""
 
     agreed = True
 
@@ -102,17 +103,10 @@ def gib_text(n: float) -> str:
 
 def uses_auto(cfg: TrainConfig) -> bool:
     """Whether any key `auto` resolves is auto (checkpoint_replay_keeps only where checkpointing
-    may be on: without it there is no replay, and `resolved_replay_keeps` is all)."""
+    may be on: without it there is no replay, and plan/resolve.py writes all)."""
     replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
     return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
                     cfg.train.activation_checkpointing)
-
-
-def resolved_replay_keeps(cfg: TrainConfig) -> str:
-    """parallel.checkpoint_replay_keeps as the blocks are built: still auto only when
-    checkpointing is off (`uses_auto`), where every value runs the same, so all."""
-    keeps = cfg.parallel.checkpoint_replay_keeps
-    return "all" if keeps == AUTO else keeps
 
 
 def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
@@ -130,16 +124,27 @@ def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, devic
 def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget, cuda: bool,
                            hw: HardwareProfile | None = None,
                            refuses: Callable[[TrainConfig], None] | None = None) -> MemoryChoice:
-    """The fastest candidate (ranking_key) whose predicted peak fits `budget`; AutoSettingsError
-    naming the budget and the smallest predicted peak when none does."""
+    """The fastest candidate of the run's auto keys whose predicted peak fits `budget`
+    (`choose_among`)."""
+    device_refuses = None if refuses is None else (lambda lay: refuses(_choice(lay, 0.0, budget).apply(cfg)))
+    return choose_among(cfg.model.to_model_config(), _candidates(cfg, world_size), length_stages(cfg),
+                        budget=budget, hw=hw, prec=PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)],
+                        cuda=cuda, refuses=device_refuses)
+
+
+def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int, int]], *,
+                 budget: Budget, hw: HardwareProfile | None, prec, cuda: bool,
+                 refuses: Callable[[Layout], None] | None = None) -> MemoryChoice:
+    """The fastest of `layouts` (ranking_key) whose predicted peak at its worst stage ((seq_len,
+    micro-batch) pairs) fits `budget`; AutoSettingsError naming the budget and the smallest
+    predicted peak when none does. refuses: raises ValueError for a layout this device cannot run."""
     hw = hw or PROFILES[RANKING_PROFILE]
     ranked, refusal = [], None
-    for layout in _candidates(cfg, world_size):
-        chosen = _choice(layout, peak=0.0, budget=budget)
+    for layout in layouts:
         try:
             if refuses is not None:
-                refuses(chosen.apply(cfg))
-            worst = _worst_stage(cfg, layout, hw, cuda)
+                refuses(layout)
+            worst = _worst_stage(model, layout, stages, hw, prec, cuda)
         except ValueError as err:          # the device's kernel rules refuse this mode
             refusal = refusal or err
             continue
@@ -184,19 +189,18 @@ def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
                            replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,))
 
 
-def _stages(cfg: TrainConfig) -> list[tuple[int, int]]:
+def length_stages(cfg: TrainConfig) -> list[tuple[int, int]]:
     """(seq_len, micro-batch) of every stage of data.seq_len_schedule, or of the whole run."""
     d = cfg.data
     return ([(s.seq_len, s.micro_batch_size or d.micro_batch_size) for s in d.seq_len_schedule]
             or [(d.seq_len, d.micro_batch_size)])
 
 
-def _worst_stage(cfg: TrainConfig, layout: Layout, hw: HardwareProfile, cuda: bool) -> Prediction:
+def _worst_stage(model: ModelConfig, layout: Layout, stages: list[tuple[int, int]], hw: HardwareProfile,
+                 prec, cuda: bool) -> Prediction:
     """The prediction of `layout` at the stage with the largest predicted peak."""
-    model = cfg.model.to_model_config()
-    prec = PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)]
     preds = []
-    for seq_len, micro in _stages(cfg):
+    for seq_len, micro in stages:
         stage = dataclasses.replace(layout, micro_batch=micro)
         preds.append(predict(model.replace(max_seq_len=max(seq_len, model.max_seq_len)), stage,
                              seq_len, hw, prec=prec, device="cuda" if cuda else "cpu"))
@@ -252,22 +256,21 @@ def ranking_profile(cuda: bool, device=None) -> HardwareProfile:
     return PROFILES[RANKING_PROFILE]
 
 
-def choose_bench_recompute(model: ModelConfig, *, degree: int, seq_len: int, micro_batch: int,
-                           head_buckets: int, activation_checkpointing: bool, dtype: str,
-                           cuda: bool) -> tuple[str, Budget]:
-    """tsp-bench's `--tsp-recompute auto`: the trainer's rule (`ranking_key` over
-    `memory_variants`) for one TSP group of `degree` processes (dp 1) with the bench's buckets and
-    checkpointing as given; (mode, the budget it was chosen against)."""
-    budget = device_budget(world_size=degree, cuda=cuda)
+def choose_bench_settings(model: ModelConfig, *, degree: int, seq_len: int, micro_batch: int,
+                          head_buckets: int, activation_checkpointing: bool, dtype: str,
+                          cuda: bool) -> MemoryChoice:
+    """tsp-bench's `--tsp-recompute auto`: `choose_among` the recompute modes of one TSP group of
+    `degree` processes (dp 1) with the bench's buckets and checkpointing as given, against this
+    device's budget."""
     base = Layout("tsp", degree, dp=1, zero_stage=0 if dtype == "fp32" else 1, micro_batch=micro_batch,
                   grad_accum=1)
     layouts = memory_variants(model, base, recompute=TSP_RECOMPUTE, checkpointing=(activation_checkpointing,),
                               buckets=(head_buckets,))
-    preds = [predict(model, lay, seq_len, ranking_profile(cuda), prec=PRECISIONS[dtype],
-                     device="cuda" if cuda else "cpu") for lay in layouts]
-    return min(preds, key=lambda p: ranking_key(p, budget.bytes)).layout.tsp_recompute, budget
+    return choose_among(model, layouts, [(seq_len, micro_batch)],
+                        budget=device_budget(world_size=degree, cuda=cuda), hw=ranking_profile(cuda),
+                        prec=PRECISIONS[dtype], cuda=cuda)
 
 
-__all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_auto_settings",
-           "choose_bench_recompute", "choose_memory_settings", "device_budget", "memory_budget",
-           "resolved_replay_keeps", "uses_auto"]
+__all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_among", "choose_auto_settings",
+           "choose_bench_settings", "choose_memory_settings", "device_budget", "memory_budget",
+           "uses_auto"]

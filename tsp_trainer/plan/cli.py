@@ -22,7 +22,7 @@ import sys
 import typing
 from dataclasses import asdict
 
-from tsp_trainer.config.model import MODEL_SIZES
+from tsp_trainer.config.model_source import add_model_args
 from tsp_trainer.config.schema import OffloadOptimizer, TspRecompute, TspRecomputeSetting
 from tsp_trainer.plan.layout import SCHEMES
 from tsp_trainer.plan.precision import PRECISIONS
@@ -34,9 +34,7 @@ _DEFAULT_ASSUMPTIONS = Assumptions()
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tsp-plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="7b",
-                   help=f"named size ({', '.join(MODEL_SIZES)}; default 7b) or a Hugging Face model "
-                        "folder / config.json (shape only)")
+    add_model_args(p, default="7b")
     p.add_argument("--seq-len", type=int, default=131072, help="tokens per sequence (default 131072)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (required unless --dry-run)")

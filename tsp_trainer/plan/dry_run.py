@@ -666,11 +666,11 @@ def main(argv=None) -> int:
     import argparse
     import json
 
-    from tsp_trainer.config.model import model_config
+    from tsp_trainer.config.model_source import add_model_args, model_from_name_or_path
 
     p = argparse.ArgumentParser(prog="python -m tsp_trainer.plan.dry_run",
                                 description="the dry run at the planner's longest TSP sequence")
-    p.add_argument("--model", default="llama3_8b")
+    add_model_args(p, default="llama3_8b")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--offload", action="store_true", help="the activation-offload layout")
@@ -679,7 +679,7 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", default="0", help="comma-separated global ranks, or 'all'")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
-    cfg = model_config(args.model)
+    cfg = model_from_name_or_path(args.model)
     if args.ranks == "all":
         from tsp_trainer.plan.hardware import get_profile
 

@@ -1,18 +1,8 @@
-"""FLOPs per token of one training step: the model FLOPs MFU is quoted in and the hardware FLOPs a
-layout really executes, recomputation included (equal to torch's FLOP counter on the dry run's
-fake tensors within 2%, every scheme and mode: tests/unit/test_plan_flops.py).
-
-A step is made of forward pieces, each with its forward FLOPs per token f (per layer; L, h, I, V,
-H query heads of head_dim d, kv = K/V channels, S the full sequence):
-
-    qkv      2 h (H d + 2 kv)        the q, k, v projections
-    core     2 S H d                 Q K^T and P V over the causal half (S/2 keys on average)
-    o        2 H d h                 the output projection
-    gate_up  4 h I                   the MLP's gate and up projections
-    down     2 I h                   the MLP's down projection
-    head     2 V h                   the LM head (once, not per layer)
-
-Executed FLOPs = sum over pieces of f * (forward runs + backward cost), where
+"""The FLOPs a layout executes: which forward pieces it runs again (activation checkpointing's
+replay, TSP's own recompute, the vocab ring's rebuilt logits, context attention's core), handed to
+the one FLOP count, observability/flops.py `flops_per_token` (pieces, model and hardware FLOPs);
+equal to torch's FLOP counter on the dry run's fake tensors within 2%, every scheme and mode
+(tests/unit/test_plan_flops.py).
 
 * forward runs (`forward_runs`) = 1, + 1 for each time the layout re-runs that piece: activation
   checkpointing replays the block once in backward (`checkpoint_replay`: every piece under TSP,
@@ -20,42 +10,18 @@ Executed FLOPs = sum over pieces of f * (forward runs + backward cost), where
   (tsp_recompute=full) and gate_up (full and selective) inside its backward (under checkpointing
   the replay is that recompute: what it keeps serves the block's backward, and what
   checkpoint_replay_keeps does not let it keep runs a third time there: gate_up under attention;
-  qkv, core and gate_up under nothing), and its
-  vocab-parallel loss rebuilds the logits (head); SP-style context attention (S_p > 1 outside TSP) re-runs the core in its
-  backward;
+  qkv, core and gate_up under nothing), and its vocab-parallel loss rebuilds the logits (head);
+  SP-style context attention (S_p > 1 outside TSP) re-runs the core in its backward;
 * backward cost = 2 for a GEMM (dX and dW) and 2.5 for the attention core: the flash backward
   rebuilds the scores (Q K^T once more) before dP, dV, dQ, dK (tools/flop_count.py).
-
-Model FLOPs (the MFU numerator, observability/flops.py) count 3 f per piece: no recompute, the
-attention backward at 2 x its forward.
 """
 
 from __future__ import annotations
 
 from tsp_trainer.config import ModelConfig, TrainConfig
-from tsp_trainer.observability.flops import flops_per_token
+from tsp_trainer.observability.flops import (BACKWARD_COST, BLOCK_PIECES, PIECES, flops_per_token,
+                                              forward_pieces, piece_flops)
 from tsp_trainer.plan.layout import Layout
-
-BLOCK_PIECES = ("qkv", "core", "o", "gate_up", "down")
-PIECES = BLOCK_PIECES + ("head",)
-
-# backward FLOPs of a piece in units of its forward: GEMMs dX + dW; flash attention's backward
-# recomputes Q K^T, then dP = dO V^T, dV, dQ, dK (5 score-sized matmuls against the forward's 2)
-BACKWARD_COST = {"qkv": 2.0, "core": 2.5, "o": 2.0, "gate_up": 2.0, "down": 2.0, "head": 2.0}
-
-
-def forward_pieces(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token of each piece, all layers (module docstring)."""
-    if seq_len <= 0:
-        raise ValueError(f"seq_len={seq_len} must be a positive number of tokens")
-    L, h, inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-    q_channels = cfg.num_heads * cfg.head_dim
-    return {"qkv": 2 * L * h * (q_channels + 2 * cfg.kv_hidden_size),
-            "core": 2 * L * seq_len * q_channels,
-            "o": 2 * L * q_channels * h,
-            "gate_up": 4 * L * h * inter,
-            "down": 2 * L * inter * h,
-            "head": 2 * cfg.vocab_size * h}
 
 
 def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset()) -> dict[str, int]:
@@ -116,9 +82,7 @@ def executed_pieces(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_el
                     chunks: dict | None = None) -> dict[str, float]:
     """Executed FLOPs per token of each piece: f * (forward runs + backward cost). chunks: the
     run's mlp_chunk_tokens / loss_chunk_tokens settings (default auto)."""
-    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element, **(chunks or {}))
-    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled)
-    return {p: f[p] * (runs[p] + BACKWARD_COST[p]) for p in PIECES}
+    return piece_flops(cfg, seq_len, recompute=recompute_runs(cfg, layout, seq_len, bytes_per_element, chunks))
 
 
 def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
@@ -148,13 +112,21 @@ def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_elem
     return float(cfg.num_layers * per_pass * passes * bytes_per_element + 3 * cfg.vocab_size * 4)
 
 
+def recompute_runs(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2,
+                   chunks: dict | None = None) -> dict[str, int]:
+    """The forward re-runs of each piece under `layout` (`forward_runs` - 1): the `recompute`
+    argument of observability/flops.py `flops_per_token`. chunks: as `executed_pieces`."""
+    tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element, **(chunks or {}))
+    return {p: runs - 1 for p, runs in forward_runs(layout, tiled).items()}
+
+
 def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int,
                              bytes_per_element: int = 2, chunks: dict | None = None) -> dict[str, float]:
     """{"model": the MFU numerator, "hardware": what the layout executes (the HFU numerator)}
     per training token; bytes_per_element (the activations') and chunks (`executed_pieces`) decide
     whether a baseline's MLP and loss are tiled."""
-    pieces = executed_pieces(cfg, layout, seq_len, bytes_per_element, chunks)
-    return {"model": flops_per_token(cfg, seq_len), "hardware": float(sum(pieces.values()))}
+    recompute = recompute_runs(cfg, layout, seq_len, bytes_per_element, chunks)
+    return {"model": flops_per_token(cfg, seq_len), "hardware": flops_per_token(cfg, seq_len, recompute=recompute)}
 
 
 def run_flops_layout(cfg: TrainConfig) -> Layout:
@@ -180,17 +152,16 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
                   else "all", **axes)
 
 
-def run_flops_per_token(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> tuple[float, float]:
-    """(model, hardware) FLOPs per training token of a run at `seq_len`: the numerators of the
-    MFU and HFU the trainer logs, from `hardware_flops_per_token` of the run's layout."""
+def run_recompute(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> dict[str, int]:
+    """The forward re-runs of a run of `cfg` (no `auto` left) at `seq_len`: the argument of
+    `flops_per_token` for the HFU the trainer logs."""
     p = cfg.parallel
-    flops = hardware_flops_per_token(model_cfg, run_flops_layout(cfg), seq_len,
-                                     bytes_per_element=2 if cfg.train.dtype == "bf16" else 4,
-                                     chunks={"mlp_chunk_tokens": p.mlp_chunk_tokens,
-                                             "loss_chunk_tokens": p.loss_chunk_tokens})
-    return flops["model"], flops["hardware"]
+    return recompute_runs(model_cfg, run_flops_layout(cfg), seq_len,
+                          bytes_per_element=2 if cfg.train.dtype == "bf16" else 4,
+                          chunks={"mlp_chunk_tokens": p.mlp_chunk_tokens,
+                                  "loss_chunk_tokens": p.loss_chunk_tokens})
 
 
 __all__ = ["BACKWARD_COST", "BLOCK_PIECES", "PIECES", "checkpoint_replay", "elementwise_bytes_per_token",
            "executed_by_family", "executed_pieces", "forward_pieces",
-           "forward_runs", "hardware_flops_per_token", "run_flops_layout", "run_flops_per_token"]
+           "forward_runs", "hardware_flops_per_token", "recompute_runs", "run_flops_layout", "run_recompute"]

@@ -1,5 +1,6 @@
 """The job's lifecycle around the training loop: inputs checked before
-start-up (inputs.py), the run folder and its reuse rules (rundir.py), one job per run folder
+start-up (inputs.py; once under tsp-launch, and rank 0's `auto` decision broadcast to every rank:
+startup.py), a worker that stops when its launcher dies (launcher_watch.py), the run folder and its reuse rules (rundir.py), one job per run folder
 (lease.py: an OS lock plus a lease file, held by global rank 0), the run's W&B identity across
 requeues (identity.py), preemption signals and the max-runtime clock agreed by all ranks at step
 boundaries (preemption.py), and the hang watchdog with its stack dumps (watchdog.py).

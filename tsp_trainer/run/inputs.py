@@ -4,8 +4,9 @@ Accelerate or DeepSpeed starts (seconds instead of the tens of seconds of start-
     inputs = check_inputs(cfg, world_size=world, rank=rank)   # ValueError: one line, the CLI exits 2
 
 In order, each cheap: the config against the world size (config/validate.py); a forced
-train.attention_kernel this machine cannot run (model/attention_kernel.py); on CPU, the `auto`
-memory settings (plan/auto.py: nothing fits the budget); the tokenizer loads and fits the model's
+train.attention_kernel this machine cannot run (model/attention_kernel.py); on CPU and for global
+rank 0 only, the `auto` memory settings (plan/resolve.py: nothing fits the budget; the other ranks
+take rank 0's, run/startup.py); the tokenizer loads and fits the model's
 vocabulary; the data (data/checks.py check_data_config: sources, format, columns, eval split and
 source, token budget); the resume path names a checkpoint that verifies and whose model shape and
 layout this run accepts; the output folder is writable and not another run's (run/rundir.py). The
@@ -33,7 +34,7 @@ from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, 
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.model.attention_kernel import check_run_attention_kernel
 from tsp_trainer.parallel.mesh import ParallelDims
-from tsp_trainer.plan.auto import MemoryChoice, choose_auto_settings
+from tsp_trainer.plan.resolve import Resolved, resolve_run
 from tsp_trainer.run.rundir import check_output_dir, choose_resume
 
 
@@ -46,8 +47,8 @@ class CheckedInputs:
     resume_meta: dict | None        # its meta.json (read here, after rank 0 verified the manifest)
     resume_warnings: tuple[str, ...] = ()   # rank 0: each damaged checkpoint set aside, the fallback
     resume_notes: tuple[str, ...] = ()      # rank 0: the verification of the one chosen
-    memory: MemoryChoice | None = None      # the `auto` settings resolved on a CPU run (on a GPU
-                                            # the Trainer resolves them once the device is set)
+    resolved: Resolved | None = None        # rank 0 on CPU: the `auto` settings decided for every
+                                            # rank (on a GPU rank 0 decides once its device is set)
 
 
 def check_inputs(cfg: TrainConfig, *, world_size: int, rank: int = 0) -> CheckedInputs:
@@ -56,7 +57,7 @@ def check_inputs(cfg: TrainConfig, *, world_size: int, rank: int = 0) -> Checked
     validate_config(cfg, world_size)
     model_cfg = cfg.model.to_model_config()
     check_run_attention_kernel(cfg, model_cfg)       # a forced kernel this machine cannot run
-    memory = _cpu_auto_settings(cfg, world_size)     # nothing fits: before any file is read
+    resolved = _cpu_auto_settings(cfg, world_size, rank)     # nothing fits: before any file is read
     tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size)
     data_plan = check_data_config(cfg, world_size // cfg.parallel.tsp_degree, tokenizer=tokenizer)
@@ -71,18 +72,20 @@ def check_inputs(cfg: TrainConfig, *, world_size: int, rank: int = 0) -> Checked
     check_output_dir(cfg.train.output_dir, resume=cfg.train.resume, resume_path=resume_path,
                      overwrite=cfg.train.overwrite_output_dir)
     return CheckedInputs(tokenizer, data_plan, resume_path, meta, choice.warnings, choice.notes,
-                         memory=memory)
+                         resolved=resolved)
 
 
-def _cpu_auto_settings(cfg: TrainConfig, world_size: int) -> MemoryChoice | None:
-    """The `auto` settings of a run on this machine's CPU (plan/auto.py; ValueError when nothing
-    fits its share of host memory). On a GPU machine they wait for the Trainer: the budget reads
-    the device's memory, and CUDA must not initialise before the launcher's allocator settings."""
+def _cpu_auto_settings(cfg: TrainConfig, world_size: int, rank: int) -> Resolved | None:
+    """Global rank 0's decision of the `auto` settings of a run on this machine's CPU
+    (plan/resolve.py; ValueError when nothing fits its share of host memory). The other ranks
+    take it once the process group exists. On a GPU machine rank 0 decides after its device is set:
+    the budget reads the device's memory, and CUDA must not initialise before the launcher's
+    allocator settings."""
     import torch
 
-    if torch.cuda.is_available():             # does not initialise CUDA
+    if rank != 0 or torch.cuda.is_available():             # does not initialise CUDA
         return None
-    return choose_auto_settings(cfg, world_size=world_size, cuda=False)
+    return resolve_run(cfg, world_size=world_size, cuda=False)
 
 
 def read_meta(path: Path) -> dict:

@@ -194,6 +194,21 @@ class RunLease:
             _HELD.remove(self)
 
 
+def take_for_job(output_dir: str, rank: int, *, take: bool, warn: Callable[[str], None]) -> None:
+    """Rank 0 takes the run folder's lease for the job (released by `release_held`, or at
+    interpreter exit); the other ranks refuse a folder held by another job's live process on their
+    host; a check that trains nothing (take=False) refuses a folder a live job holds, unless it
+    checks for a machine other than the first (rank != 0: that job's own rank 0 may hold the lease
+    already). LeaseHeld is a ValueError."""
+    if not take:
+        if rank == 0:
+            check_free(output_dir)
+    elif rank == 0:
+        RunLease.acquire(output_dir, warn=warn)
+    else:
+        check_not_held_by_another_job(output_dir)
+
+
 def release_held() -> None:
     """Release every lease of this process: for exits that skip atexit (os._exit)."""
     for lease in list(_HELD):
