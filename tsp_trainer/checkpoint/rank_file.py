@@ -143,7 +143,7 @@ def pickle_globals(stream: bytes) -> list[str]:
 
 
 def _reason(err: BaseException) -> str:
-    """torch's own reason, without its advice to load with weights_only=False (which would run
+    """torch's own reason, without its advice to turn weights_only off (which would run
     whatever the file names): the first line after "WeightsUnpickler error:", else the first."""
     lines = [x.strip() for x in str(err).splitlines() if x.strip()]
     for i, line in enumerate(lines[:-1]):
