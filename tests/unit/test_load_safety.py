@@ -22,7 +22,7 @@ from tsp_trainer.checkpoint.convert import convert_checkpoint
 from tsp_trainer.checkpoint.disk_format import atomic_torch_save, build_manifest, verify_manifest
 from tsp_trainer.checkpoint.fallback import check_rank_states_before_resume
 from tsp_trainer.checkpoint.rank_file import RankStateRefused, check_rank_states, read_rank_state
-from tsp_trainer.checkpoint.train_state import (RANK_STATE_FORMAT, _tensors_as_ints, pack_rank_state,
+from tsp_trainer.checkpoint.train_state import (RANK_STATE_FORMAT, tensors_as_ints, pack_rank_state,
                                                 restore_rng)
 from tsp_trainer.config.hf_model import HF_FAMILIES, model_fields_from_hf
 from tests.helpers.hf_models import LLAMA31_8B
@@ -90,8 +90,8 @@ def test_a_rank_state_round_trips_as_plain_data(tmp_path):
     saved = read_rank_state(tmp_path / "rank_00000.pt")
     assert saved["format"] == RANK_STATE_FORMAT
     assert isinstance(saved["loader"]["token_buffer"], torch.Tensor)      # one record, not 300 items
-    assert _tensors_as_ints(saved["loader"]) == _loader_state()
-    assert _tensors_as_ints(saved["scheduler"]) == scheduler
+    assert tensors_as_ints(saved["loader"]) == _loader_state()
+    assert tensors_as_ints(saved["scheduler"]) == scheduler
     restore_rng(saved["rng"])
     assert _draws() == expected                     # every generator continues where it was
 
@@ -163,7 +163,7 @@ def test_an_older_checkpoint_is_refused_with_the_conversion_then_converted(tmp_p
     assert verify_manifest(folder) is None and shard.read_bytes() == b"weights"
     assert check_rank_states(folder) == 2
     saved = read_rank_state(folder / "ranks" / "rank_00001.pt")
-    assert _tensors_as_ints(saved["loader"]) == {**_loader_state(), "dp_rank": 1}
+    assert tensors_as_ints(saved["loader"]) == {**_loader_state(), "dp_rank": 1}
     restore_rng(saved["rng"])
     assert _draws() == expected
     assert convert_checkpoint(folder) == 0                           # already converted
@@ -186,7 +186,7 @@ def test_conversion_refuses_a_file_that_runs_code(tmp_path):
 # tools/launch.py's fork launcher passes each forked worker's result back to its own parent
 # through a multiprocessing queue (pickle between processes it started itself).
 FORBIDDEN = {"pickle": re.compile(r"^\s*(import pickle\b|from pickle import)|\bpickle\.(loads?|Unpickler)\b"
-                                  r"|\b(cloudpickle|dill|joblib|marshal|shelve)\b", re.M),
+                                  r"|\b(cloudpickle|dill|joblib|marshal|shelve)\b", re.MULTILINE),
              "weights_only=False": re.compile(r"weights_only\s*=\s*False"),
              "eval/exec": re.compile(r"(?<![\w.])(eval|exec)\s*\("),
              "unsafe YAML": re.compile(r"yaml\.(unsafe_)?load\s*\((?![^)]*SafeLoader)|yaml\.Loader\b"),

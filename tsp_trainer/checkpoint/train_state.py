@@ -81,8 +81,8 @@ def pack_rank_state(loader_state: dict, scheduler_state: dict, rng: dict) -> dic
     random.getstate()'s tuple, np.random.get_state(legacy=False)'s dict, CUDA's tensor or None)."""
     version, mt, gauss = rng["python"]
     numpy_rng = rng["numpy"]
-    return {"format": RANK_STATE_FORMAT, "loader": _ints_as_tensors(loader_state),
-            "scheduler": _ints_as_tensors(scheduler_state),
+    return {"format": RANK_STATE_FORMAT, "loader": ints_as_tensors(loader_state),
+            "scheduler": ints_as_tensors(scheduler_state),
             "rng": {"torch": rng["torch"], "cuda": rng["cuda"],
                     "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64),
                                "gauss": gauss},
@@ -93,28 +93,28 @@ def pack_rank_state(loader_state: dict, scheduler_state: dict, rng: dict) -> dic
                               "gauss": float(numpy_rng["gauss"])}}}
 
 
-def _ints_as_tensors(value):
+def ints_as_tensors(value):
     """Long lists of ints -> int64 tensors, recursively (the loader and scheduler states hold no
-    tensors of their own, so _tensors_as_ints undoes exactly this)."""
+    tensors of their own, so tensors_as_ints undoes exactly this)."""
     if isinstance(value, dict):
-        return {k: _ints_as_tensors(v) for k, v in value.items()}
+        return {k: ints_as_tensors(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(_ints_as_tensors(v) for v in value)
+        return tuple(ints_as_tensors(v) for v in value)
     if isinstance(value, list):
         if len(value) >= _PACK_MIN_LEN and all(type(v) is int and _INT64[0] <= v <= _INT64[1]
                                                 for v in value):
             return torch.tensor(value, dtype=torch.int64)
-        return [_ints_as_tensors(v) for v in value]
+        return [ints_as_tensors(v) for v in value]
     return value
 
 
-def _tensors_as_ints(value):
+def tensors_as_ints(value):
     if isinstance(value, dict):
-        return {k: _tensors_as_ints(v) for k, v in value.items()}
+        return {k: tensors_as_ints(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        return tuple(_tensors_as_ints(v) for v in value)
+        return tuple(tensors_as_ints(v) for v in value)
     if isinstance(value, list):
-        return [_tensors_as_ints(v) for v in value]
+        return [tensors_as_ints(v) for v in value]
     if isinstance(value, torch.Tensor):
         return value.tolist()
     return value
@@ -123,9 +123,9 @@ def _tensors_as_ints(value):
 def restore_rank_state(saved: dict, *, loader, scheduler, optimizer, on_layout_change: str) -> None:
     """Put a saved rank's state (pack_rank_state's form) back: loader position, LR scheduler (and
     the rate the next update uses), RNG generators."""
-    loader.load_state_dict(_tensors_as_ints(saved["loader"]),
+    loader.load_state_dict(tensors_as_ints(saved["loader"]),
                            on_layout_change=_LOADER_LAYOUT_POLICY[on_layout_change])
-    scheduler.load_state_dict(_tensors_as_ints(saved["scheduler"]))
+    scheduler.load_state_dict(tensors_as_ints(saved["scheduler"]))
     reshard.apply_scheduler_lr(optimizer, scheduler)
     restore_rng(saved["rng"])
 
