@@ -43,7 +43,8 @@ class _CreatesAFile:
 def _loader_state():
     return {"version": 2, "dp_rank": 0, "token_buffer": list(range(100, 400)), "shuffle": False,
             "replay": [[list(range(7)), list(range(50, 90))]], "source": "data/corpus",
-            "documents": {"kind": "single", "stream": {"block_state": None, "epoch": (0, 1)}}}
+            "documents": {"kind": "single", "stream": {"block_state": None, "epoch": (0, 1)}},
+            "offsets": [2**40 + i for i in range(20)], "huge": [2**70] * 20, "flags": [True] * 20}
 
 
 def _live_rng():
@@ -89,7 +90,8 @@ def test_a_rank_state_round_trips_as_plain_data(tmp_path):
     atomic_torch_save(packed, tmp_path / "rank_00000.pt")
     saved = read_rank_state(tmp_path / "rank_00000.pt")
     assert saved["format"] == RANK_STATE_FORMAT
-    assert isinstance(saved["loader"]["token_buffer"], torch.Tensor)      # one record, not 300 items
+    assert saved["loader"]["token_buffer"].dtype == torch.int32          # one record, not 300 items
+    assert saved["loader"]["offsets"].dtype == torch.int64 and isinstance(saved["loader"]["huge"], list)
     assert tensors_as_ints(saved["loader"]) == _loader_state()
     assert tensors_as_ints(saved["scheduler"]) == scheduler
     restore_rng(saved["rng"])

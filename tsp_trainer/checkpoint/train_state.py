@@ -60,11 +60,10 @@ def checkpoint_meta(state: TrainState, *, cfg: TrainConfig, model_cfg: ModelConf
 # ranks/rank_XXXXX.pt's "format": what checkpoint/rank_file.py reads (the loader, scheduler and RNG
 # states as tensors, numbers, strings and plain containers: no numpy array, no class).
 RANK_STATE_FORMAT = 2
-# Integer lists at least this long (the loader's token buffer and replay windows, the RNG keys) are
-# saved as int64 tensors: torch.load(weights_only=True) unpickles each list item in Python (~4 us),
+# Integer lists at least this long (the loader's token buffer and replay windows) are saved as int32
+# (else int64) tensors: torch.load(weights_only=True) unpickles each list item in Python (~4 us),
 # a tensor is one record.
 _PACK_MIN_LEN = 16
-_INT64 = (-2**63, 2**63 - 1)
 
 
 def rank_state(*, loader, scheduler, device: torch.device) -> dict:
@@ -94,16 +93,18 @@ def pack_rank_state(loader_state: dict, scheduler_state: dict, rng: dict) -> dic
 
 
 def ints_as_tensors(value):
-    """Long lists of ints -> int64 tensors, recursively (the loader and scheduler states hold no
+    """Long lists of ints -> int32 / int64 tensors, recursively (the loader and scheduler states hold no
     tensors of their own, so tensors_as_ints undoes exactly this)."""
     if isinstance(value, dict):
         return {k: ints_as_tensors(v) for k, v in value.items()}
     if isinstance(value, tuple):
         return tuple(ints_as_tensors(v) for v in value)
     if isinstance(value, list):
-        if len(value) >= _PACK_MIN_LEN and all(type(v) is int and _INT64[0] <= v <= _INT64[1]
-                                                for v in value):
-            return torch.tensor(value, dtype=torch.int64)
+        if len(value) >= _PACK_MIN_LEN and all(type(v) is int for v in value):
+            low, high = min(value), max(value)
+            for dtype in (torch.int32, torch.int64):      # token ids: 4 bytes each
+                if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
+                    return torch.tensor(value, dtype=dtype)
         return [ints_as_tensors(v) for v in value]
     return value
 
