@@ -137,7 +137,9 @@ def train_main(argv: list[str] | None = None) -> None:
         from tsp_trainer.checkpoint.convert import main as convert_main
 
         sys.exit(convert_main(argv[1:]))
-    parser = argparse.ArgumentParser(prog="tsp-train", description="Train from a YAML recipe.")
+    parser = argparse.ArgumentParser(prog="tsp-train", description="Train from a YAML recipe. "
+                                     "`tsp-train convert-checkpoint PATH` rewrites checkpoints of "
+                                     "the older rank-state format (run it on checkpoints you trust).")
     parser.add_argument("recipe", nargs="?", help="recipes/*.yaml")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
     parser.add_argument("--help-config", action="store_true",
