@@ -110,6 +110,7 @@ def ints_as_tensors(value):
 
 
 def tensors_as_ints(value):
+    """ints_as_tensors undone: every tensor back to (nested) lists of Python ints."""
     if isinstance(value, dict):
         return {k: tensors_as_ints(v) for k, v in value.items()}
     if isinstance(value, tuple):
