@@ -131,7 +131,14 @@ def _quiet_known_warnings() -> None:
 
 def train_main(argv: list[str] | None = None) -> None:
     _quiet_known_warnings()
-    parser = argparse.ArgumentParser(prog="tsp-train", description="Train from a YAML recipe.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["convert-checkpoint"]:       # a one-off on a trusted checkpoint, not a run
+        from tsp_trainer.checkpoint.convert import main as convert_main
+
+        sys.exit(convert_main(argv[1:]))
+    parser = argparse.ArgumentParser(prog="tsp-train", description="Train from a YAML recipe. "
+                                     "`tsp-train convert-checkpoint PATH` rewrites checkpoints of "
+                                     "the older rank-state format (run it on checkpoints you trust).")
     parser.add_argument("recipe", nargs="?", help="recipes/*.yaml")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.steps=100")
     parser.add_argument("--help-config", action="store_true",

@@ -12,6 +12,13 @@ without a manifest included (a published folder always has one), is moved to
 `<root>/damaged/<name>` (never deleted: `damaged/` is outside what resume, `latest` and pruning
 look at) and the next older one is tried. `latest` is then repointed (os.replace) to the one used.
 
+A verified candidate's rank state files must also read as plain data (checkpoint/rank_file.py:
+nothing from them runs): rank 0 reads each one here, before any process group. A refused one stops
+the launch with one line naming the file and the type found (check_rank_states_before_resume);
+under train.resume=auto its checkpoint is first set aside like a damaged one, so the next launch
+resumes the newest one before it that verifies. A checkpoint of the older rank-state format is not
+moved: the line gives the command that converts it.
+
 This module renames folders: only one process may run it, and the others must not read the
 folder until it is done (run/inputs.py: rank 0 runs it before the process groups exist; the other
 ranks take its choice after them, in TrainingCheckpoints.load).
@@ -26,6 +33,7 @@ from pathlib import Path
 
 from tsp_trainer.checkpoint.disk_format import (LATEST, MANIFEST, atomic_write_text, folder_bytes,
                                                 verify_manifest)
+from tsp_trainer.checkpoint.rank_file import RankStateRefused, check_rank_states
 
 DAMAGED = "damaged"
 
@@ -55,6 +63,21 @@ def newest_verified_checkpoint(root: str | os.PathLike) -> ResumeChoice:
         warnings.append(_skipped_line(folder, problem, aside))
     # None left: the run folder's start-up says "no checkpoint in ..., starting at step 0".
     return ResumeChoice(None, tuple(warnings))
+
+
+def check_rank_states_before_resume(folder: Path, *, resume: str) -> None:
+    """Global rank 0, before any process group: every rank state file of the checkpoint to resume
+    reads as plain data, else ValueError (exit 2) naming the file and the type found. Under
+    train.resume=auto the checkpoint is set aside first (as a damaged one is), unless it is of the
+    older format, which the line says how to convert."""
+    try:
+        check_rank_states(folder)
+    except RankStateRefused as err:
+        if resume != "auto" or err.older_format:
+            raise ValueError(f"train.resume={resume}: {err}") from None
+        aside = set_aside(folder)
+        raise ValueError(f"train.resume=auto: {err}; moved {folder.name} to {aside}: the next launch "
+                         "resumes from the newest checkpoint before it that verifies") from None
 
 
 def resume_candidates(root: Path) -> list[Path]:

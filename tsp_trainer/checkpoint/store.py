@@ -17,11 +17,10 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from tsp_trainer.checkpoint.disk_format import (LATEST, MANIFEST, META, atomic_torch_save, atomic_write_text,
                                                 file_entry, fsync_dir, latest_checkpoint,
                                                 merged_manifest, rank_state_name, step_dir_name)
+from tsp_trainer.checkpoint.rank_file import read_rank_state
 from tsp_trainer.parallel.comm import Comm
 
 
@@ -110,6 +109,8 @@ class CheckpointStore:
         return json.loads((Path(path) / META).read_text())
 
     def read_rank_state(self, path: Path, rank: int | None = None) -> dict:
-        """This rank's state, or saved rank `rank`'s (a resume under another layout)."""
+        """This rank's state, or saved rank `rank`'s (a resume under another layout), read without
+        running anything from the file (checkpoint/rank_file.py; rank 0 read every rank's file
+        the same way before the process groups existed)."""
         rank = self.world.rank if rank is None else rank
-        return torch.load(path / rank_state_name(rank), weights_only=False)
+        return read_rank_state(path / rank_state_name(rank))

@@ -6,12 +6,15 @@ classes) and what each family hard-codes. Whatever transformers' class would com
 and ModelConfig cannot represent is refused here, by name, in one line: another activation than SiLU,
 attention dropout, a head_dim other than hidden / heads, partial rotary embeddings, RoPE types other
 than default / linear / llama3 / yarn, Qwen2's per-layer sliding windows. Mistral's sliding window
-is kept as data (config/validate.py refuses a data.seq_len longer than it).
+is kept as data (config/validate.py refuses a data.seq_len longer than it). A config.json asking
+for custom code (`auto_map`) is refused unless its model is one of these families, whose custom
+code is then ignored (check_no_remote_code): nothing from a model folder is ever executed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +93,7 @@ def model_fields_from_hf(raw: dict[str, Any], where: str | Path) -> dict[str, An
     """ModelConfig keyword arguments describing the config.json dict `raw` (read from `where`);
     ValueError naming the key for anything transformers would compute differently from us."""
     model_type = raw.get("model_type")
+    check_no_remote_code(raw, where)
     if model_type not in HF_FAMILIES:
         raise ValueError(f"{where} has model_type={model_type!r}; tsp_trainer imports "
                          f"{', '.join(repr(f) for f in HF_FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5)")
@@ -115,6 +119,33 @@ def model_fields_from_hf(raw: dict[str, Any], where: str | Path) -> dict[str, An
     for key in ("rope_theta", "norm_eps", "init_std"):
         fields[key] = float(fields[key])
     return fields
+
+
+def check_no_remote_code(raw: dict[str, Any], where: str | Path) -> None:
+    """A config.json whose `auto_map` names custom code (transformers' trust_remote_code): refused
+    in one line, since tsp_trainer never runs code from a model folder, unless the model is a
+    family we implement (model_type and every `architectures` entry ours), whose custom code is
+    then ignored, with one warning per config.json."""
+    auto_map = raw.get("auto_map")
+    if not auto_map:
+        return
+    model_type, architectures = raw.get("model_type"), raw.get("architectures") or []
+    family = HF_FAMILIES.get(model_type)
+    classes = ", ".join(sorted({str(v) for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map])}))
+    if family is None or any(a != family.architecture for a in architectures):
+        ours = ", ".join(f"{f.architecture} ({name})" for name, f in HF_FAMILIES.items())
+        raise ValueError(f"{where} asks for custom code (auto_map: {classes}) for model_type="
+                         f"{model_type!r}, architectures={architectures}; tsp_trainer never runs "
+                         f"code from a model folder and implements only {ours}")
+    if str(where) not in _IGNORED_REMOTE_CODE:
+        _IGNORED_REMOTE_CODE.add(str(where))
+        logging.getLogger(__name__).warning(
+            f"warning: {where} asks for custom code (auto_map: {classes}); it is ignored: "
+            f"tsp_trainer runs its own {family.architecture} ({model_type}) and never runs code "
+            "from a model folder")
+
+
+_IGNORED_REMOTE_CODE: set[str] = set()     # config.json paths already warned about
 
 
 def model_config_from_hf(path: str | Path, *, key: str = "model.init_from") -> ModelConfig:

@@ -139,7 +139,7 @@ def _from_transformers(name: str) -> TextTokenizer:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=False)   # never a folder's code
     except Exception as exc:  # OSError offline, HTTP errors, missing files: one message for all
         raise ValueError(f"could not load tokenizer {name!r} with transformers.AutoTokenizer "
                          f"(not a local file or folder either): {exc}") from exc

@@ -17,7 +17,8 @@ Rules (docs/reliability.md, "Output folders"):
 - train.resume accepts a step_* folder, a checkpoints folder or a run folder (its latest).
 - train.resume=auto continues from the newest checkpoint that verifies; damaged newer ones are
   moved to checkpoints/damaged/ (checkpoint/fallback.py). An explicit path that fails verification
-  is refused.
+  is refused. A rank state file that needs anything but plain data is refused (exit 2, the file
+  and type named); under train.resume=auto its checkpoint is first moved to checkpoints/damaged/.
 - After a resume from step s, metrics.jsonl holds each step <= s once (rewritten atomically), so
   the steps replayed after a crash appear once.
 
@@ -38,7 +39,8 @@ from pathlib import Path
 
 from tsp_trainer.checkpoint.disk_format import (MANIFEST, atomic_write_text, find_checkpoint,
                                                 latest_checkpoint, verify_manifest)
-from tsp_trainer.checkpoint.fallback import ResumeChoice, newest_verified_checkpoint
+from tsp_trainer.checkpoint.fallback import (ResumeChoice, check_rank_states_before_resume,
+                                             newest_verified_checkpoint)
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -51,7 +53,8 @@ def checkpoints_root(output_dir: str | os.PathLike) -> Path:
 
 
 def choose_resume(resume: str, output_dir: str | os.PathLike, *, rank: int) -> ResumeChoice:
-    """The checkpoint this launch continues from, verified (sizes and sha256) by global rank 0.
+    """The checkpoint this launch continues from, verified (sizes and sha256, and every rank state
+    file read as plain data: checkpoint/rank_file.py) by global rank 0.
 
     Rank 0: 'auto' takes the newest checkpoint that verifies (setting damaged ones aside); an
     explicit path must verify, else ValueError naming the file. Other ranks hash nothing: under
@@ -60,11 +63,16 @@ def choose_resume(resume: str, output_dir: str | os.PathLike, *, rank: int) -> R
     if resume == "none" or (resume == "auto" and rank != 0):
         return ResumeChoice(None)
     if resume == "auto":
-        return newest_verified_checkpoint(checkpoints_root(output_dir))
+        choice = newest_verified_checkpoint(checkpoints_root(output_dir))
+        if choice.path is not None:
+            check_rank_states_before_resume(choice.path, resume=resume)
+        return choice
     path = resolve_resume(resume, output_dir)
-    if rank == 0 and (problem := verify_manifest(path)) is not None:
-        raise ValueError(f"train.resume={resume!r}: {problem}; pass another checkpoint, or "
-                         "train.resume=auto to take the newest one of this run that verifies")
+    if rank == 0:
+        if (problem := verify_manifest(path)) is not None:
+            raise ValueError(f"train.resume={resume!r}: {problem}; pass another checkpoint, or "
+                             "train.resume=auto to take the newest one of this run that verifies")
+        check_rank_states_before_resume(path, resume=repr(resume))
     return ResumeChoice(path)
 
 
