@@ -3,20 +3,21 @@ ModelConfig: imports nothing but config.
 
 The formula, per token, for a sequence of S tokens, L layers, hidden size h, vocabulary V:
 
-    N_matmul = L * (2*h*h + 2*h*kv + 3*h*I) + V*h
-               (Wq, Wo: h x h; Wk, Wv: h x kv with kv = num_kv_heads * head_dim; gate/up/down:
+    N_matmul = L * (2*h*q + 2*h*kv + 3*h*I) + V*h
+               (Wq, Wo: h x q with q = num_heads * head_dim, = h unless head_dim is explicit;
+               Wk, Wv: h x kv with kv = num_kv_heads * head_dim; gate/up/down:
                h x I; the LM head: V x h, counted even when tied to the embedding, because the
                head is a matmul and the embedding lookup is not. Norms, biases and RoPE are ignored.)
 
     forward  = 2 * N_matmul                              (one multiply-add = 2 FLOPs)
-             + L * 2 * 2 * S * h * c                     (attention scores Q K^T and A V)
+             + L * 2 * 2 * S * q * c                     (attention scores Q K^T and A V)
     training = 3 * forward                               (backward = 2x forward)
 
 where c = 1/2 for causal attention counted as HALF of the full S x S score and value matmuls
 (each query sees on average S/2 keys; the exact mean is (S+1)/2, a negligible difference), and c = 1
 when `causal_half=False` (alias `causal_full=True`): the full square, as in Megatron-LM's older formula
 72*B*s*L*h^2 * (1 + s/(6h) + V/(12*L*h)) (Narayanan et al., 2021), whose attention term per token is
-12*L*s*h. GQA does not change the attention term: all num_heads * head_dim = h query channels score
+12*L*s*h. GQA does not change the attention term: all num_heads * head_dim = q query channels score
 against S keys.
 
 S is the full (unsharded) sequence length: under TSP or context parallelism each rank holds S/D
@@ -36,8 +37,8 @@ from tsp_trainer.config import ModelConfig
 
 def block_matmul_params(cfg: ModelConfig) -> int:
     """Weights that enter a matmul in the L decoder blocks (no norms, no embedding, no head)."""
-    h, kv, inter = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size
-    return cfg.num_layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    h, q, kv, inter = cfg.hidden_size, cfg.q_hidden_size, cfg.kv_hidden_size, cfg.intermediate_size
+    return cfg.num_layers * (2 * h * q + 2 * h * kv + 3 * h * inter)
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -46,10 +47,10 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal_half: bool = True) -> float:
-    """Forward FLOPs per token of Q K^T and A V over all layers: L * 2 * 2 * S * h, halved if causal."""
+    """Forward FLOPs per token of Q K^T and A V over all layers: L * 2 * 2 * S * q, halved if causal."""
     if seq_len <= 0:
         raise ValueError(f"seq_len={seq_len} must be a positive number of tokens")
-    full = cfg.num_layers * 2 * 2 * seq_len * cfg.hidden_size
+    full = cfg.num_layers * 2 * 2 * seq_len * cfg.q_hidden_size
     return full / 2 if causal_half else float(full)
 
 

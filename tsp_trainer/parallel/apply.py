@@ -55,7 +55,7 @@ TSP_PLAN: list[tuple[str, int | None]] = [
     ("layers.*.mlp.down_proj.weight", 1),
     ("layers.*.mlp.down_proj.bias", None),      # replicated
     ("lm_head.weight", 0),                      # vocab rows
-    ("*norm.weight", None),                     # replicated
+    ("*norm.weight", None),                     # replicated (block norms, Qwen3's per-head q/k norms)
 ]
 
 
@@ -99,7 +99,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         weights, biases = local.attention(attn, cfg)
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute,
-                                       tiling=tiling, replay_keeps=replay_attention, **biases)
+                                       tiling=tiling, replay_keeps=replay_attention,
+                                       **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
                                 tiling=tiling, replay_keeps=replay_mlp, **biases)
@@ -156,6 +157,14 @@ class LocalShards:
         weights = tuple(self(f"{prefix}{n}_proj.weight") for n in "qkvo")
         return weights, {"qkv_bias": self.biases(prefix, "qkv") if cfg.qkv_bias else None,
                          "o_bias": self(prefix + "o_proj.bias") if cfg.o_bias else None}
+
+    def head_norms(self, prefix: str, cfg) -> dict:
+        """The keywords for the per-head q/k norms of `prefix` (Qwen3): their replicated weights
+        [head_dim] and eps; none when the model has no such norms."""
+        if not cfg.qk_norm:
+            return {}
+        return {"head_norms": tuple(nn.Parameter(self(f"{prefix}{n}_norm.weight")) for n in "qk"),
+                "norm_eps": cfg.norm_eps}
 
     def mlp(self, prefix: str, cfg) -> tuple[tuple[torch.Tensor, ...], dict]:
         """This rank's (W_gate, W_up, W_down) of `prefix` ("layers.i.mlp.") and the bias keywords

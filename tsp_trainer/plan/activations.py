@@ -155,7 +155,7 @@ def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
     layer = 2 * rms_norm_saved(n_n, h, e, output_kept=not seqpar)
     if seqpar:
         layer += 2 * e * n_r * h                                 # gathered norm output (all tokens)
-    q_out = 2 * e * n_r * (h // t)                               # q and the attention output
+    q_out = 2 * e * n_r * (cfg.q_hidden_size // t)               # q and the attention output
     kv = 2 * e * n_r * (hkv // t)
     lse = 4 * (cfg.num_heads // t) * n_r if s_p == 1 else 0      # SDPA logsumexp (not recomputed)
     layer += q_out + kv + lse

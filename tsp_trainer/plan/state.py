@@ -20,7 +20,7 @@ def param_count(cfg: ModelConfig, layout: Layout) -> int:
     h, L = cfg.hidden_size, cfg.num_layers
     split = (L * (cfg.attn_sharded_params + cfg.mlp_sharded_params)
              + cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2))
-    return split // t + (2 * L + 1) * h + L * cfg.replicated_biases
+    return split // t + (2 * L + 1) * h + L * (cfg.replicated_biases + cfg.head_norm_params)
 
 
 # DeepSpeed's ZeRO optimizer keeps its master partition and the gradient its step reads in fp32

@@ -52,7 +52,8 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         weights, biases = local.attention(attn, cfg)
-        block.self_attn = ParallelAttention(*weights, head_dim=cfg.head_dim, groups=groups, **biases)
+        block.self_attn = ParallelAttention(*weights, head_dim=cfg.head_dim, groups=groups,
+                                            **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = ParallelMLP(*weights, groups=groups, tiling=tiling, **biases)
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -80,7 +81,8 @@ def _norm(norm, local: LocalShards, prefix: str, groups: Groups) -> ParallelRMSN
 def build_tp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     """Megatron TP over the D ranks: all-reduce around the TP regions, full sequence everywhere."""
     _check(model, "tp", mesh, kw)
-    groups = Groups(axis_view(mesh.tsp, "tp"), _single(mesh, "sp"), False, None)
+    tp = axis_view(mesh.tsp, "tp")
+    groups = Groups(tp, _single(mesh, "sp"), False, None, _whole(mesh, tp))
     return _wrap(model, mesh, "tp", groups, kw)
 
 
@@ -88,14 +90,14 @@ def build_tp_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     """Megatron TP + sequence parallelism over the D ranks (all-gather / reduce-scatter)."""
     _check(model, "tp_sp", mesh, kw)
     tp = axis_view(mesh.tsp, "tp")
-    return _wrap(model, mesh, "tp_sp", Groups(tp, _single(mesh, "sp"), True, tp), kw)
+    return _wrap(model, mesh, "tp_sp", Groups(tp, _single(mesh, "sp"), True, tp, _whole(mesh, tp)), kw)
 
 
 def build_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     """Context parallelism over the D ranks: replicated weights, zigzag tokens, K/V all-gather."""
     _check(model, "sp", mesh, kw)
     sp = axis_view(mesh.tsp, "sp")
-    return _wrap(model, mesh, "sp", Groups(_single(mesh, "tp"), sp, False, sp), kw)
+    return _wrap(model, mesh, "sp", Groups(_single(mesh, "tp"), sp, False, sp, _whole(mesh, sp)), kw)
 
 
 def build_tp_x_sp(model: Transformer, mesh: Mesh, *, tp_degree: int | None = None,
@@ -113,7 +115,8 @@ def build_tp_x_sp(model: Transformer, mesh: Mesh, *, tp_degree: int | None = Non
     tp, sp = build_tp_sp_comms(mesh, tp_degree, sp_degree)
     # Norm inputs are split over sp, and over tp too under Megatron SP: then sum over all D ranks.
     norm_grad = (axis_view(mesh.tsp, "tsp") if tp_sequence_parallel else sp) if mesh.tsp.size > 1 else None
-    groups = Groups(tp, sp, bool(tp_sequence_parallel), norm_grad)
+    whole = axis_view(mesh.tsp, "tsp") if mesh.tsp.size > 1 else None
+    groups = Groups(tp, sp, bool(tp_sequence_parallel), norm_grad, whole)
     return _wrap(model, mesh, "tp_x_sp", groups, kw)
 
 
@@ -129,6 +132,12 @@ def _check(model: Transformer, scheme: str, mesh: Mesh, kw: dict, **two_axes) ->
                          f"options are seq_len, init_seed, loss_chunk_tokens, mlp_chunk_tokens{extra}")
     check_parallel_shapes(model.cfg, scheme=scheme, degree=mesh.tsp.size, seq_len=kw.get("seq_len"),
                           head_buckets=kw.get("head_buckets", 1), **two_axes)
+
+
+def _whole(mesh: Mesh, comm: Comm) -> Comm | None:
+    """`comm` spanning the whole model-parallel group, as the per-head q/k norms' gradient group;
+    None when D = 1 (nothing to sum)."""
+    return comm if mesh.tsp.size > 1 else None
 
 
 def _single(mesh: Mesh, axis: str) -> Comm:

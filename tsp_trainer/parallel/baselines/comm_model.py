@@ -83,6 +83,8 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
         per_layer = cfg.attn_sharded_params + cfg.mlp_sharded_params
         out["all_reduce/wgrad"] += (layers * per_layer + 2 * cfg.vocab_size * h) // t * GRAD_BYTES
         out["all_reduce/loss.count"] += 8
+    if t * s > 1 and cfg.qk_norm:     # q_norm, k_norm: other heads or tokens on every rank of the group
+        out["all_reduce/norm.grad"] += layers * cfg.head_norm_params * GRAD_BYTES
     norms_split = (s > 1) or (seq_par and t > 1)
     if norms_split:
         out["all_reduce/norm.grad"] += (2 * layers + 1) * h * GRAD_BYTES

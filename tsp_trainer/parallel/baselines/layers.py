@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tsp_trainer.model.layers import RMSNorm, Rotary, apply_rope, gated_mlp
+from tsp_trainer.model.rms_norm import rms_norm
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.baselines.context import context_attention
 from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight_to_region,
@@ -58,6 +59,9 @@ class Groups:
     sp: Comm                    # tokens zigzag split, K/V all-gathered, weights replicated (size 1: none)
     sequence_parallel: bool     # Megatron SP: outside the TP region tokens are split over tp
     norm_grad: Comm | None      # replicated norm weights: grads summed over this group (None: no sum)
+    # the per-head q/k norm weights (Qwen3): each rank sees other heads (tp) and other tokens (sp)
+    # of them, so their grads are summed over the whole model-parallel group (None: D = 1)
+    head_norm_grad: Comm | None = None
 
     def enter_tp(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Before the column-parallel matmuls: every tp rank needs all tokens of the region."""
@@ -98,12 +102,23 @@ class ParallelAttention(nn.Module):
     [h, n_h/T * d] (row parallel): the heads of group tp_rank, whole for T = 1. Biases: q/k/v
     [n_h/T * d | n_kv/T * d] with their heads, o_proj.bias [h] replicated."""
 
-    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups, qkv_bias=None, o_bias=None):
+    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups, qkv_bias=None, o_bias=None,
+                 head_norms=None, norm_eps: float = 1e-6):
         super().__init__()
         bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             _holder(w, b) for w, b in ((q, bq), (k, bk), (v, bv), (o, o_bias)))
         self.head_dim, self.groups = head_dim, groups
+        if head_norms is not None:   # Qwen3's q_norm, k_norm [d], replicated
+            self.q_norm, self.k_norm = (_holder(w) for w in head_norms)
+            self.norm_eps = norm_eps
+
+    def _head_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The per-head RMSNorm `name` (q_norm / k_norm) on x [B, T, heads, d]. Every rank of the
+        group sees other heads (tp) or other tokens (sp) of it: its gradient is summed over the
+        whole group (`head_norm_grad`)."""
+        w, comm = getattr(self, name).weight, self.groups.head_norm_grad
+        return rms_norm(x, w if comm is None else copy_weight_to_region(w, comm, "norm.grad"), self.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         g, d = self.groups, self.head_dim
@@ -111,8 +126,11 @@ class ParallelAttention(nn.Module):
         bq, bk, bv = (g.weight(m.bias) for m in (self.q_proj, self.k_proj, self.v_proj))
         x = g.enter_tp(x, "attn.tp")                           # [B, T_region, h]
         b, t, _ = x.shape
-        q = apply_rope(F.linear(x, wq, bq).view(b, t, -1, d), rope.cos, rope.sin)
-        k = apply_rope(F.linear(x, wk, bk).view(b, t, -1, d), rope.cos, rope.sin)
+        q, k = F.linear(x, wq, bq).view(b, t, -1, d), F.linear(x, wk, bk).view(b, t, -1, d)
+        if hasattr(self, "q_norm"):                         # before RoPE (Qwen3)
+            q, k = self._head_norm("q_norm", q), self._head_norm("k_norm", k)
+        q = apply_rope(q, rope.cos, rope.sin)
+        k = apply_rope(k, rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
         out = context_attention(q, k, v, rope.runs, g.sp, rope.documents)        # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)

@@ -54,6 +54,8 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         add(op, "head.weights", 2 * (d - 1), vocab_shard)
         add(op, "head.weights.grad", d, vocab_grad)
     add("all_reduce", "norm.grad", 2 * L + 1, h * GRAD_BYTES)
+    if cfg.qk_norm:                                              # q_norm, k_norm [head_dim] per layer
+        add("all_reduce", "norm.grad", 2 * L, cfg.head_dim * GRAD_BYTES)
     replicated_biases = int(cfg.o_bias) + int(cfg.mlp_bias)
     if replicated_biases:
         add("all_reduce", "bias.grad", replicated_biases * L, h * GRAD_BYTES)
