@@ -1,7 +1,7 @@
 """Qwen3 (per-head q/k RMSNorm) and an explicit head_dim (Llama, Mistral), imported from tiny
 folders saved by transformers, under TSP and every baseline at D = 2 and 4, against transformers
 itself on the same weights (fp32): the logits, the loss and every gradient; the weights after 3
-AdamW steps; the loss and gradients with document masking (each document alone in transformers);
+AdamW steps; the ledger of a step against the closed forms; the loss and gradients with document masking (each document alone in transformers);
 the trained weights written as checkpoint shards and read back into a fresh parallel model (the
 resume path); the trained weights exported (save_hf_folder) and loaded by transformers. D = 1 is
 tests/unit/test_hf_shapes.py. One fork per degree runs every case, so the test stays cheap.
@@ -26,9 +26,11 @@ from tsp_trainer.checkpoint.shards import read_local_state_dict, shard_file_name
 from tsp_trainer.config.hf_model import model_config_from_hf
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.documents import Documents
+from tsp_trainer.parallel.baselines.comm_model import expected_ledger_bytes
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
 
 pytestmark = pytest.mark.distributed
 
@@ -81,7 +83,10 @@ def _cases_rank(rank, world, root, ckpt_root):
         ids, labels = hf_shapes.batch(cfg.vocab_size)
         for i, (scheme, options) in enumerate(SCHEMES[world]):
             par = _parallel(cfg, folder, scheme, options, mesh, ids.shape[1])
-            out = {"loss": _step(par, ids, labels), "grads": par.gather_full_grads()}
+            mesh.ledger.reset()
+            out = {"loss": _step(par, ids, labels)}
+            out["ledger"] = _ledger(mesh, cfg, scheme, options, world, ids)
+            out["grads"] = par.gather_full_grads()
             local_ids, _, pos = par.local_batch(ids, labels)
             out["logits"] = par.model(local_ids, pos).detach()
             par.model.zero_grad()
@@ -113,6 +118,22 @@ def _cases_rank(rank, world, root, ckpt_root):
                 out["resumed"] = fresh.gather_full_state_dict()
             results[(shape, scheme, i)] = out if rank == 0 else {"loss": out["loss"]}
     return results
+
+
+def _ledger(mesh, cfg, scheme, options, world, ids) -> bool:
+    """The step's ledger equals the closed form of the scheme (q/k norm all-reduces included)."""
+    batch, seq = ids.shape
+    records = [r for r in mesh.ledger.records if r.tag != "loss.value"]    # the logged loss value
+    if scheme == "tsp":
+        got = ledger_totals(records)
+        want = tsp_step_comm(cfg, degree=world, batch=batch, seq_len=seq,
+                             head_buckets=options.get("head_buckets", 1))
+    else:
+        got = {k: v["bytes"] for k, v in mesh.ledger.summary().items() if not k.endswith("/loss.value")}
+        want = expected_ledger_bytes(cfg, scheme, degree=world, batch=batch, seq_len=seq,
+                                     **{k: v for k, v in options.items() if k.endswith("degree")})
+    assert got == want, f"{scheme} {options}: ledger {got} != closed form {want}"
+    return True
 
 
 def _max_diff(ours: dict, theirs: dict) -> float:
