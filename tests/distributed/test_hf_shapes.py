@@ -1,9 +1,11 @@
-"""Qwen3 (per-head q/k RMSNorm) and an explicit head_dim (Llama, Mistral), imported from tiny
-folders saved by transformers, under TSP and every baseline at D = 2 and 4, against transformers
-itself on the same weights (fp32): the logits, the loss and every gradient; the weights after 3
-AdamW steps; the ledger of a step against the closed forms; the loss and gradients with document masking (each document alone in transformers);
-the trained weights written as checkpoint shards and read back into a fresh parallel model (the
-resume path); the trained weights exported (save_hf_folder) and loaded by transformers. D = 1 is
+"""Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral) and a prime vocabulary
+(padded to a multiple of the degree inside, tied and untied), imported from tiny folders saved by
+transformers, under TSP and every baseline at D = 2 and 4, against transformers itself on the same
+weights (fp32): the logits, the loss and every gradient; the ledger of a step against the closed
+forms; the loss and gradients with document masking (each document alone in transformers); the
+weights after 3 AdamW steps; those weights written as TSP's checkpoint shards and read back into a
+fresh model of the same layout (the resume path) and of another (sp at D = 2, tp_x_sp at D = 4);
+exported (save_hf_folder, the original vocabulary) and loaded by transformers. D = 1 is
 tests/unit/test_hf_shapes.py. One fork per degree runs every case, so the test stays cheap.
 
 Tolerances: rtol 1e-5 / atol 1e-6 for logits and gradients, rel 1e-6 for losses (the same math
@@ -42,6 +44,9 @@ SCHEMES = {
     4: [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp", {}), ("tp_sp", {}), ("sp", {}),
         ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})],
 }
+
+# TSP's checkpoint shards are read back into this scheme's layout too (another split of the rows)
+RESHARD_TO = {2: "sp", 4: "tp_x_sp"}
 
 
 @pytest.fixture(scope="module")
@@ -100,22 +105,19 @@ def _cases_rank(rank, world, root, ckpt_root):
                 opt.step()
                 opt.zero_grad()
             out["weights"] = par.gather_full_state_dict()
-            if scheme == "tsp":          # resume: shards written, read back into a fresh model
-                ckpt = f"{ckpt_root}/d{world}_{shape}_{i}"
-                ranks = {c.axis: c.rank for c in par.axis_comms.values()}
+            if i == 0:                   # resume: TSP's shards written, read back into a fresh model
+                ckpt = Path(f"{ckpt_root}/d{world}_{shape}")
                 if rank == 0:
-                    Path(ckpt).mkdir()
+                    ckpt.mkdir()
                 dist.barrier()
-                write_shard(Path(ckpt) / shard_file_name(mesh.tsp.rank, world),
-                            par.model.state_dict(), par.specs, ranks)
+                write_shard(ckpt / shard_file_name(mesh.tsp.rank, world), par.model.state_dict(),
+                            par.specs, {c.axis: c.rank for c in par.axis_comms.values()})
                 dist.barrier()
-                fresh = _parallel(cfg, folder, scheme, options, mesh, ids.shape[1])
-                names = [n for n, _ in fresh.model.named_parameters()]
-                local = read_local_state_dict(Path(ckpt), fresh.specs, ranks, names)
-                with torch.no_grad():
-                    for n, p in fresh.model.named_parameters():
-                        p.copy_(local[n])
-                out["resumed"] = fresh.gather_full_state_dict()
+                out["resumed"] = _read_back(ckpt, cfg, folder, scheme, options, mesh, ids)
+                written = (ckpt, out["weights"])
+            elif scheme == RESHARD_TO[world]:  # the same shards read into another layout
+                resharded = _read_back(written[0], cfg, folder, scheme, options, mesh, ids)
+                out["resharded"] = all(torch.equal(resharded[n], w) for n, w in written[1].items())
             results[(shape, scheme, i)] = out if rank == 0 else {"loss": out["loss"]}
     return results
 
@@ -134,6 +136,19 @@ def _ledger(mesh, cfg, scheme, options, world, ids) -> bool:
                                      **{k: v for k, v in options.items() if k.endswith("degree")})
     assert got == want, f"{scheme} {options}: ledger {got} != closed form {want}"
     return True
+
+
+def _read_back(ckpt: Path, cfg, folder, scheme, options, mesh, ids) -> dict:
+    """A fresh `scheme` model loaded from the shards in `ckpt` (read_local_state_dict: this rank's
+    slices only, padded vocabulary rows included), gathered back to full tensors."""
+    fresh = _parallel(cfg, folder, scheme, options, mesh, ids.shape[1])
+    names = [n for n, _ in fresh.model.named_parameters()]
+    local = read_local_state_dict(ckpt, fresh.specs, {c.axis: c.rank for c in fresh.axis_comms.values()},
+                                  names)
+    with torch.no_grad():
+        for n, p in fresh.model.named_parameters():
+            p.copy_(local[n])
+    return fresh.gather_full_state_dict()
 
 
 def _max_diff(ours: dict, theirs: dict) -> float:
@@ -166,6 +181,8 @@ def test_hf_shapes_match_transformers(folders, tmp_path, world, capsys):
         if "resumed" in out:
             for name, w in out["weights"].items():
                 assert torch.equal(out["resumed"][name], w), f"{where} resumed {name}"
+        if "resharded" in out:
+            assert out["resharded"], f"{where}: TSP's D={world} shards read into {scheme} differ"
         # the trained weights exported and loaded by transformers: transformers' logits are ours
         model.load_state_dict(out["weights"])
         ids, _ = hf_shapes.batch(cfg.vocab_size)

@@ -1,5 +1,6 @@
-"""Tiny Hugging Face models of the shapes that go beyond hidden / heads: Qwen3 (per-head q/k
-RMSNorm), an explicit head_dim (Llama, Mistral), built with transformers' own config classes and
+"""Tiny Hugging Face models of the shapes that go beyond hidden / heads and a degree that divides
+everything: Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral), a prime
+vocabulary (tied and untied), built with transformers' own config classes and
 saved with save_pretrained; and their one-process references (logits, loss, gradients, a 3-step
 AdamW replay, document masking) computed by transformers itself."""
 
@@ -23,6 +24,11 @@ SHAPES = {
     # Mistral(-Nemo style) with head_dim 8 < hidden / heads = 16, no window
     "mistral_head_dim": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                                                sliding_window=None)),
+    # a prime vocabulary (1,031: no degree > 1 divides it), tied and untied: padded internally
+    "llama_vocab_prime_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                   vocab_size=1031, tie_word_embeddings=True)),
+    "qwen3_vocab_prime": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                              vocab_size=1031)),
 }
 LR, EPS, STEPS = 1e-2, 1e-3, 3          # the AdamW replay (eps far above gradient rounding noise)
 DOC_LENGTHS = [[5, 11, 1, 15], [3, 29]]

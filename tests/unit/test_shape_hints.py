@@ -1,4 +1,5 @@
-"""A divisibility refusal names the degrees that work and the schemes that run the shape."""
+"""A divisibility refusal names the degrees that work and the schemes that run the shape; a
+vocabulary no degree divides is no refusal (it is padded to a multiple of the degree inside)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from tsp_trainer.config.validate import check_parallel_shapes
 
 
 @pytest.mark.parametrize("cfg,scheme,degree,message", [
-    # prime vocabulary: only D = 1 splits it; sp replicates the weights
-    (ModelConfig(vocab_size=1031, num_kv_heads=2), "tsp", 2,
-     "parallel.tsp_degree=2 does not divide model.vocab_size=1031; use one of 1; or "
+    # an MLP width only D = 1 splits; sp replicates the weights
+    (ModelConfig(intermediate_size=131, num_kv_heads=2), "tsp", 2,
+     "parallel.tsp_degree=2 does not divide model.intermediate_size=131; use one of 1; or "
      "parallel.scheme=sp (weights replicated) runs parallel.tsp_degree=2"),
     # 2 KV heads at D = 4: D 1 or 2, sp, or tp_x_sp 2 x 2
     (ModelConfig(num_heads=8, num_kv_heads=2), "tp", 4,
@@ -25,6 +26,11 @@ def test_divisibility_refusal_names_degrees_and_schemes(cfg, scheme, degree, mes
     assert str(err.value) == message
     # the schemes it names do run the shape
     check_parallel_shapes(cfg, scheme="sp", degree=degree, seq_len=64)
+
+
+@pytest.mark.parametrize("scheme", ["tsp", "tp", "tp_sp"])
+def test_any_vocabulary_size_runs(scheme):
+    check_parallel_shapes(ModelConfig(vocab_size=1031, num_kv_heads=4), scheme=scheme, degree=4, seq_len=64)
 
 
 def test_hint_leaves_out_a_scheme_the_sequence_does_not_split_for():

@@ -298,6 +298,13 @@ MODEL_SIZES: dict[str, ModelConfig] = {
 }
 
 
+def padded_vocab_size(vocab_size: int, degree: int) -> int:
+    """The vocabulary rounded up to a multiple of the degree that splits it (Megatron's
+    make-vocab-size-divisible-by): every rank holds the same number of rows, the last rows are
+    padding that never receives probability (their logits are -inf in the loss)."""
+    return -(-vocab_size // degree) * degree
+
+
 def model_config(size: str, **overrides) -> ModelConfig:
     """Return the named size, optionally with fields overridden."""
     if size not in MODEL_SIZES:

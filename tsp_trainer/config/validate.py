@@ -23,9 +23,11 @@ from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, l
 SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
 
 # Weight matrices are split along these dims by every weight-sharding scheme (heads of W_q/W_k/W_v,
-# the intermediate dim of the gated MLP, vocabulary rows of the embedding and LM head). KV heads come
-# first: they divide num_heads, so they are the tighter bound and the more useful message.
-_SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size", "vocab_size")
+# the intermediate dim of the gated MLP). KV heads come first: they divide num_heads, so they are
+# the tighter bound and the more useful message. The vocabulary rows of the embedding and LM head
+# are split too, but padded to a multiple of the degree (config.model.padded_vocab_size): any
+# vocabulary size runs.
+_SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size")
 
 # scheme -> (splits the weights, sequence chunks per rank: 2 = zigzag, 1 = contiguous, 0 = none).
 # Zigzag cuts each sequence into 2D chunks (rank p takes p and 2D-1-p) to balance causal work;

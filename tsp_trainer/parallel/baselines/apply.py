@@ -22,7 +22,8 @@ from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.apply import (TSP_PLAN, LocalShards, ShardSpec, mark_model_parallel,
                                         materialize_norm,
-                                        plan_specs)
+                                        plan_specs, with_vocab_padding)
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, ParallelEmbedding,
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
 from tsp_trainer.parallel.comm import Comm
@@ -44,7 +45,7 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     (parallel/gated_mlp.py)."""
     cfg, t = model.cfg, groups.tp.size
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    specs = (plan_specs(names, BASELINE_PLAN, t, "tp") if t > 1
+    specs = (with_vocab_padding(plan_specs(names, BASELINE_PLAN, t, "tp"), cfg.vocab_size) if t > 1
              else {n: ShardSpec(None, 1, "sp") for n in names})
     local = LocalShards(model, specs, groups.tp.rank, init_seed)
     tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // t)
@@ -59,12 +60,12 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
         for norm in ("input_layernorm", "post_attention_layernorm"):
             setattr(block, norm, _norm(getattr(block, norm), local, pre + norm, groups))
     model.norm = _norm(model.norm, local, "norm", groups)
-    vocab_start = groups.tp.rank * (cfg.vocab_size // t)
+    vocab_start = groups.tp.rank * (padded_vocab_size(cfg.vocab_size, t) // t)
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = ParallelEmbedding(embed, vocab_start=vocab_start, groups=groups)
     model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups,
-                                   loss_chunk_tokens=loss_chunk_tokens)
+                                   loss_chunk_tokens=loss_chunk_tokens, vocab_size=cfg.vocab_size)
     # DeepSpeed's model-parallel group is the whole D group: count each tp shard on sp rank 0 only.
     mark_model_parallel(model, specs, counts_shards=groups.sp.rank == 0)
     return specs

@@ -48,7 +48,7 @@ from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import (TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into,
                                             split_gate_up)
-from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
+from tsp_trainer.parallel.loss_chunks import mask_vocab_padding, resolve_loss_chunk_tokens, token_chunks
 
 
 @dataclass(frozen=True)
@@ -225,10 +225,12 @@ class ParallelLMHead(nn.Module):
     (`loss_chunk_tokens`, `loss_budget_bytes`: parallel/loss_chunks.py) no more than [chunk, V/T]."""
 
     def __init__(self, weight, *, vocab_start: int, groups: Groups,
-                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None):
+                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None,
+                 vocab_size: int | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.vocab_start, self.groups = vocab_start, groups
+        self.vocab_size = vocab_size           # rows at or past it are padding: -inf logits
         self.loss_chunk_tokens, self.loss_budget_bytes = loss_chunk_tokens, loss_budget_bytes
 
     def chunk_tokens(self, region_tokens: int) -> int:
@@ -242,10 +244,10 @@ class ParallelLMHead(nn.Module):
         chunk = self.chunk_tokens(labels.numel())
         if chunk < labels.numel():
             losses = tiled_vocab_parallel_loss(x, w, labels, vocab_start=self.vocab_start,
-                                               comm=g.tp, chunk=chunk)
+                                               comm=g.tp, chunk=chunk, vocab_size=self.vocab_size)
         else:                                  # one chunk: the logits block, its softmax kept
-            losses = vocab_parallel_cross_entropy(F.linear(x, w), labels,      # [B, T, V/T]
-                                                  vocab_start=self.vocab_start, comm=g.tp)
+            logits = mask_vocab_padding(F.linear(x, w), self.vocab_start, self.vocab_size)   # [B, T, V/T]
+            losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
         valid = labels != IGNORE_INDEX
         return (losses * valid).sum(), valid.sum()
 
@@ -259,7 +261,8 @@ class ParallelLMHead(nn.Module):
         losses = torch.empty(flat_labels.shape, dtype=torch.float32, device=x.device)
         best = torch.empty_like(flat_labels)
         for c in token_chunks(flat_labels.numel(), self.chunk_tokens(flat_labels.numel())):
-            logits = F.linear(flat[c], self.weight)                            # [chunk, V/T]
+            logits = mask_vocab_padding(F.linear(flat[c], self.weight), self.vocab_start,
+                                        self.vocab_size)                       # [chunk, V/T]
             # argmax first: the cross-entropy works on the logits in place
             best[c] = vocab_parallel_argmax(logits, vocab_start=self.vocab_start, comm=g.tp)
             losses[c] = vocab_parallel_cross_entropy(logits, flat_labels[c],
@@ -277,4 +280,4 @@ class ParallelLMHead(nn.Module):
             return logits
         parts = logits.new_empty((g.tp.size,) + tuple(logits.shape))
         g.tp.all_gather(parts.view((-1,) + tuple(logits.shape[1:])), logits.contiguous(), tag="head.logits")
-        return torch.cat(list(parts.unbind(0)), dim=-1)
+        return torch.cat(list(parts.unbind(0)), dim=-1)[..., :self.vocab_size]   # padding cut off
