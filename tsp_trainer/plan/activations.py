@@ -260,7 +260,9 @@ def _attention_items_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, prec:
     """One TSP layer's kept attention items (`tsp_selective_saved`), whatever the mode."""
     n = layout.micro_batch * seq_len // layout.degree
     nh, d = cfg.num_heads, cfg.head_dim
-    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh
+    # Qwen3's q/k norms: each item also keeps its q and k before the norm (their backward's input)
+    norm_inputs = prec.act * n * (nh * d + cfg.kv_hidden_size) if cfg.qk_norm else 0
+    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh + norm_inputs
 
 
 def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:
