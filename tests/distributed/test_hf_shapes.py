@@ -92,8 +92,13 @@ def _cases_rank(rank, world, root, ckpt_root):
             out = {"loss": _step(par, ids, labels)}
             out["ledger"] = _ledger(mesh, cfg, scheme, options, world, ids)
             out["grads"] = par.gather_full_grads()
-            local_ids, _, pos = par.local_batch(ids, labels)
+            local_ids, local_labels, pos = par.local_batch(ids, labels)
             out["logits"] = par.model(local_ids, pos).detach()
+            # evaluation: per-token loss and argmax (padded vocabulary rows never win), and where
+            # this rank's tokens sit in the batch
+            stats = par.token_stats(local_ids, local_labels, pos)
+            where = torch.arange(ids.numel()).view(ids.shape)
+            out["stats"] = (stats.loss, stats.argmax, par.local_batch(where, where)[0])
             par.model.zero_grad()
             docs = Documents.from_lengths(hf_shapes.DOC_LENGTHS, reset_positions=True)
             out["doc_loss"] = _step(par, ids, labels, docs)
@@ -178,6 +183,12 @@ def test_hf_shapes_match_transformers(folders, tmp_path, world, capsys):
         for name, w in ref["weights"].items():
             torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=3e-6,
                                        msg=lambda m: f"{where} AdamW {name}: {m}")
+        token_loss, argmax, where_ = out["stats"]
+        ref_logits = ref["logits"].flatten(0, 1)[where_.flatten()]
+        labels = hf_shapes.batch(cfg.vocab_size)[1].flatten()[where_.flatten()]
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits, labels, reduction="none", ignore_index=-100)
+        torch.testing.assert_close(token_loss.flatten(), ref_loss, **TOL, msg=lambda m: f"{where} token loss: {m}")
+        assert torch.equal(argmax.flatten(), ref_logits.argmax(-1)), f"{where} argmax"
         if "resumed" in out:
             for name, w in out["weights"].items():
                 assert torch.equal(out["resumed"][name], w), f"{where} resumed {name}"
