@@ -11,6 +11,7 @@ m the tokens of one MLP chunk (parallel.mlp_chunk_tokens; m = n when the MLP is 
 from __future__ import annotations
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import Precision
 
@@ -77,7 +78,7 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     parallel/gated_mlp.py)."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
-    h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, inter, V = cfg.hidden_size, cfg.intermediate_size, padded_vocab_size(cfg.vocab_size, d_)
     m = n if mlp_chunk is None else min(mlp_chunk, n)
     # accumulators in the activation dtype once tiled (Layout.tiled_accumulators=False: the
     # planner's ablation keeps them fp32)
@@ -245,7 +246,7 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
            "attn_bwd": own1 + max(attn_saved + dgrad_in + core_bwd, dgrad_in + 3 * a_r),
            "mlp_bwd": layer_saved + dgrad_in + mlp_bwd_mids + wgrad,
            "norm_bwd_in_layer": own1 + attn_saved + rms_norm_saved(n_n, h, e, output_kept=False) + a_n,
-           "head": _baseline_head(n_r, loss_chunk, V // t, h, e, ew, a_r, s_p)}
+           "head": _baseline_head(n_r, loss_chunk, padded_vocab_size(V, t) // t, h, e, ew, a_r, s_p)}
     return out
 
 
