@@ -83,6 +83,34 @@ def load_hf_state_dict(path: str | os.PathLike, model_cfg: ModelConfig) -> Mappi
     return _LazyTensors({n: read for n, (_, read) in sources.items()})
 
 
+def check_folder_tensors(path: str | os.PathLike, model_cfg: ModelConfig, *,
+                         key: str = "model.init_from") -> None:
+    """The folder's tensor names and shapes (read from the files' headers, no tensor data) against
+    those `model_cfg` (its config.json's model) implies, in module order: ValueError, one line,
+    naming the first tensor that is missing, unexpected or of another shape (expected vs found).
+    The input check runs it before any process group exists."""
+    folder = Path(path)
+    found = {from_hf_name(n): shape for n, (shape, _) in _hf_sources(folder).items()
+             if not n.endswith("rotary_emb.inv_freq")}
+    if model_cfg.tie_embeddings and "embed_tokens.weight" in found:
+        found.setdefault("lm_head.weight", found["embed_tokens.weight"])
+    expected = expected_shapes(model_cfg)
+    where = f"{key}={str(path)!r}: tensor"
+    implied = f"its config.json ({model_cfg.family}, {_describe(model_cfg)}, head_dim={model_cfg.head_dim})"
+    for name, shape in expected.items():
+        if name not in found:
+            raise ValueError(f"{where} {to_hf_name(name)} is missing: expected {shape} from {implied}, "
+                             "found none (the weights are of another model than config.json says)")
+        if tuple(found[name]) != shape:
+            raise ValueError(f"{where} {to_hf_name(name)}: expected {shape} from {implied}, found "
+                             f"{tuple(found[name])}")
+    extra = [n for n in found if n not in expected]
+    if extra:
+        raise ValueError(f"{where} {to_hf_name(extra[0])} {tuple(found[extra[0]])}: expected none, "
+                         f"{implied} has no such tensor (the weights are of another model than "
+                         "config.json says)")
+
+
 class _LazyTensors(Mapping):
     """name -> tensor, produced by its reader on each lookup."""
 

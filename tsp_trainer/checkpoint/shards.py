@@ -47,12 +47,15 @@ def shard_file_name(tsp_rank: int, degree: int, prefix: str = "model", *, part: 
 
 
 def shard_layout(names, specs: dict[str, ShardSpec], axis_ranks: dict[str, int]) -> dict[str, dict]:
-    """For each tensor name (optionally "<state key>/<param>"), its (dim, degree, axis, index)."""
+    """For each tensor name (optionally "<state key>/<param>"), its (dim, degree, axis, index), and
+    its full length along dim ("size") when the blocks are padded (the vocabulary rows)."""
     out = {}
     for name in names:
         spec = specs[name.rsplit("/", 1)[-1]] if name not in specs else specs[name]
         out[name] = {"dim": spec.dim, "degree": spec.degree, "axis": spec.axis,
                      "index": axis_ranks.get(spec.axis, 0)}
+        if spec.size is not None:
+            out[name]["size"] = spec.size
     return out
 
 
@@ -130,7 +133,8 @@ def _assemble(name: str, layout: dict, parts: dict[int, torch.Tensor]) -> torch.
     if missing:
         raise ValueError(f"checkpoint is missing shards {missing} of {name!r} "
                          f"(split {layout['degree']} ways along dim {layout['dim']})")
-    return torch.cat([parts[i] for i in range(layout["degree"])], dim=layout["dim"])
+    full = torch.cat([parts[i] for i in range(layout["degree"])], dim=layout["dim"])
+    return full.narrow(layout["dim"], 0, layout["size"]) if "size" in layout else full
 
 
 def read_local_state_dict(folder: Path, specs: dict[str, ShardSpec], rank_of_axis: dict[str, int],
@@ -189,13 +193,22 @@ def _read_overlap(name: str, layout: dict, parts: dict[int, Path], degree: int, 
                          f"(split {old_degree} ways along dim {dim})")
     with safe_open(str(parts[0]), framework="pt") as handle:
         old_len = handle.get_slice(name).get_shape()[dim]
-    full_len = old_len * old_degree
-    if full_len % degree:
-        raise ValueError(f"{name!r} has {full_len} rows along dim {dim}, not divisible into {degree} shards")
-    start, stop = rank * full_len // degree, (rank + 1) * full_len // degree
+    # the true length (the stored blocks may end in padding rows); the new blocks are padded again
+    full_len = layout.get("size", old_len * old_degree)
+    new_len = -(-full_len // degree)
+    start, stop = rank * new_len, min((rank + 1) * new_len, full_len)
     pieces = []
-    for i in range(start // old_len, (stop - 1) // old_len + 1):
+    for i in range(start // old_len, (stop - 1) // old_len + 1) if stop > start else ():
         lo, hi = max(start, i * old_len) - i * old_len, min(stop, (i + 1) * old_len) - i * old_len
         with safe_open(str(parts[i]), framework="pt") as handle:
             pieces.append(handle.get_slice(name)[(slice(None),) * dim + (slice(lo, hi),)])
-    return torch.cat(pieces, dim=dim)
+    block = torch.cat(pieces, dim=dim) if pieces else None
+    short = new_len - max(stop - start, 0)
+    if short:                                    # padding rows past the true length: zeros
+        with safe_open(str(parts[0]), framework="pt") as handle:
+            like = handle.get_slice(name)[(slice(None),) * dim + (slice(0, 1),)]
+        shape = list(like.shape)
+        shape[dim] = short
+        zeros = like.new_zeros(shape)
+        block = zeros if block is None else torch.cat([block, zeros], dim=dim)
+    return block

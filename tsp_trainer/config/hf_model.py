@@ -4,8 +4,9 @@ The supported families are rows of `HF_FAMILIES`: transformers' defaults for eve
 may leave out (tests/unit/test_hf_families.py compares them with the installed transformers' config
 classes) and what each family hard-codes. Whatever transformers' class would compute differently
 and ModelConfig cannot represent is refused here, by name, in one line: another activation than SiLU,
-attention dropout, a head_dim other than hidden / heads, partial rotary embeddings, RoPE types other
-than default / linear / llama3 / yarn, Qwen2's per-layer sliding windows. Mistral's sliding window
+attention dropout, partial rotary embeddings, RoPE types other than default / linear / llama3 /
+yarn, Qwen2's and Qwen3's per-layer sliding windows. `head_dim` is read as given (it may differ from
+hidden / heads); Qwen3's per-head q/k RMSNorm is ModelConfig.qk_norm. Mistral's sliding window
 is kept as data (config/validate.py refuses a data.seq_len longer than it). A config.json asking
 for custom code (`auto_map`) is refused unless its model is one of these families, whose custom
 code is then ignored (check_no_remote_code): nothing from a model folder is ever executed.
@@ -56,6 +57,13 @@ HF_FAMILIES: dict[str, HFFamily] = {
         "eos_token_id": None, "use_sliding_window": False, "sliding_window": 4096,
         "max_window_layers": 28, "layer_types": None},
         {"qkv_bias": True, "o_bias": False, "mlp_bias": False}),
+    "qwen3": HFFamily("Qwen3ForCausalLM", {
+        **_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "head_dim": 128, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "bos_token_id": None, "eos_token_id": None, "attention_bias": False,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "layer_types": None}),
 }
 
 # (ModelConfig field, config.json key): the same number under two names.
@@ -96,7 +104,7 @@ def model_fields_from_hf(raw: dict[str, Any], where: str | Path) -> dict[str, An
     check_no_remote_code(raw, where)
     if model_type not in HF_FAMILIES:
         raise ValueError(f"{where} has model_type={model_type!r}; tsp_trainer imports "
-                         f"{', '.join(repr(f) for f in HF_FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5)")
+                         f"{', '.join(repr(f) for f in HF_FAMILIES)} (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3)")
     family = HF_FAMILIES[model_type]
     c = {**family.defaults, **raw}
     if c.get("num_key_value_heads") is None:
@@ -106,9 +114,13 @@ def model_fields_from_hf(raw: dict[str, Any], where: str | Path) -> dict[str, An
     fields["family"] = model_type
     if family.hard_coded:
         fields.update(family.hard_coded)
-    else:   # llama
+    else:   # llama, qwen3
         fields.update(qkv_bias=bool(c["attention_bias"]), o_bias=bool(c["attention_bias"]),
-                      mlp_bias=bool(c["mlp_bias"]))
+                      mlp_bias=bool(c.get("mlp_bias", False)))
+    natural = c["hidden_size"] / c["num_attention_heads"]
+    head_dim = c.get("head_dim")
+    fields.update(head_dim=None if head_dim in (None, natural) else head_dim,
+                  qk_norm=model_type == "qwen3")
     theta, scaling = _rope(c, where)
     fields.update(rope_theta=theta, rope_scaling=scaling)
     if model_type == "mistral":
@@ -158,13 +170,10 @@ def model_config_from_hf(path: str | Path, *, key: str = "model.init_from") -> M
 
 
 def _refuse_unsupported(c: dict[str, Any], model_type: str, where) -> None:
-    head_dim = c.get("head_dim")
-    natural = c["hidden_size"] // c["num_attention_heads"]
     checks = [
         ("hidden_act", c["hidden_act"], c["hidden_act"] == "silu", "silu (SwiGLU)"),
         ("attention_dropout", c["attention_dropout"], not c["attention_dropout"],
          "0 (dropout is 0 for pretraining)"),
-        ("head_dim", head_dim, head_dim in (None, natural), f"hidden_size / num_attention_heads = {natural}"),
         ("partial_rotary_factor", c.get("partial_rotary_factor"),
          c.get("partial_rotary_factor") in (None, 1, 1.0), "1.0 (RoPE on the whole head)"),
     ]
@@ -172,14 +181,14 @@ def _refuse_unsupported(c: dict[str, Any], model_type: str, where) -> None:
         if not ok:
             raise ValueError(f"{where} has {key}={value!r}; tsp_trainer's {model_type} supports only "
                              f"{key}={supported}")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         window = c["sliding_window"] if c["use_sliding_window"] else None
         layer_types = c.get("layer_types") or [
             "sliding_attention" if window is not None and i >= c["max_window_layers"] else "full_attention"
             for i in range(c["num_hidden_layers"])]
         if window is not None and "sliding_attention" in layer_types:
             raise ValueError(f"{where} has use_sliding_window=true (sliding_window={window} on layers "
-                             f">= max_window_layers={c['max_window_layers']}); tsp_trainer's qwen2 "
+                             f">= max_window_layers={c['max_window_layers']}); tsp_trainer's {model_type} "
                              "represents full causal attention in every layer only: set "
                              "use_sliding_window=false")
 
@@ -233,6 +242,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
                eos_token_id=_eos_value(cfg.eos_token_id))
     if cfg.family == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.mlp_bias)
+    elif cfg.family == "qwen3":
+        out.update(attention_bias=cfg.qkv_bias, use_sliding_window=False, sliding_window=None,
+                   max_window_layers=cfg.num_layers)
     elif cfg.family == "mistral":
         out["sliding_window"] = cfg.sliding_window
     else:

@@ -1,8 +1,8 @@
 """Model shape: a frozen dataclass, RoPE scaling as data, and the named sizes.
 
-Families (Llama 2 / 3.x, Mistral, Qwen2 / 2.5) are data, not subclasses: `family` names the Hugging
-Face model_type export writes back, and the fields `qkv_bias`, `o_bias`, `mlp_bias`, `rope_scaling`
-and `sliding_window` say what differs. The rules each family imposes on them are checked here, so a
+Families (Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3) are data, not subclasses: `family` names the
+Hugging Face model_type export writes back, and the fields `qkv_bias`, `o_bias`, `mlp_bias`,
+`qk_norm`, `head_dim`, `rope_scaling` and `sliding_window` say what differs. The rules each family imposes on them are checked here, so a
 ModelConfig always describes a model transformers' class of that family computes identically.
 """
 
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE angles are position x inv_freq in fp32 (model/rope.py, as transformers computes them): an
 # integer position is exact in fp32 up to 2^24, so sequences (with data.reset_positions,
 # documents) of up to 2^24 = 16,777,216 tokens get their exact positions.
@@ -96,7 +96,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    family: str = "llama"                      # HF model_type: llama | mistral | qwen2
+    family: str = "llama"                      # HF model_type: llama | mistral | qwen2 | qwen3
     qkv_bias: bool = False                     # biases of q_proj, k_proj, v_proj (Qwen2; Llama attention_bias)
     o_bias: bool = False                       # bias of o_proj (Llama attention_bias)
     mlp_bias: bool = False                     # biases of gate/up/down_proj (Llama mlp_bias)
@@ -107,6 +107,11 @@ class ModelConfig:
     bos_token_id: int | None = None            # from an imported config.json; written back on export
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # Channels per attention head. None (or hidden_size / num_heads) = hidden_size / num_heads; any
+    # other value makes the q/o projections [num_heads * head_dim, h] / [h, num_heads * head_dim]
+    # (Mistral-Nemo, Qwen3). Read back resolved: cfg.head_dim is always an int.
+    head_dim: int | None = None
+    qk_norm: bool = False                      # RMSNorm over each q and k head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -114,14 +119,22 @@ class ModelConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"model.{key}={value!r} must be a positive integer")
-        if self.hidden_size % self.num_heads:
+        given = self.head_dim
+        if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given <= 0):
+            raise ValueError(f"model.head_dim={given!r} must be a positive integer or null "
+                             "(null: model.hidden_size / model.num_heads)")
+        natural = self.hidden_size // self.num_heads
+        if given is None and self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} must be divisible by "
-                             f"model.num_heads={self.num_heads}")
+                             f"model.num_heads={self.num_heads} (or set model.head_dim)")
+        # stored resolved: a head_dim equal to hidden_size / num_heads counts as derived (replace()
+        # derives it again from a new shape, to_dict() writes null)
+        object.__setattr__(self, "head_dim", natural if given is None else given)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
                              f"model.num_heads={self.num_heads} (GQA groups)")
-        if (self.hidden_size // self.num_heads) % 2:
-            raise ValueError(f"head_dim={self.hidden_size // self.num_heads} (model.hidden_size / "
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} (model.head_dim, or model.hidden_size / "
                              "model.num_heads) must be even for RoPE")
         if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta)
                 and self.rope_theta > 1):
@@ -134,8 +147,13 @@ class ModelConfig:
         _check_family(self)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def _derived_head_dim(self) -> bool:
+        return self.head_dim * self.num_heads == self.hidden_size
+
+    @property
+    def q_hidden_size(self) -> int:
+        """Query channels, num_heads * head_dim (= hidden_size unless head_dim is explicit)."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_hidden_size(self) -> int:
@@ -146,8 +164,8 @@ class ModelConfig:
     @property
     def attn_sharded_params(self) -> int:
         """W_q, W_k, W_v, W_o and the q/k/v biases: split by heads."""
-        h, kv = self.hidden_size, self.kv_hidden_size
-        return 2 * h * h + 2 * h * kv + ((h + 2 * kv) if self.qkv_bias else 0)
+        h, q, kv = self.hidden_size, self.q_hidden_size, self.kv_hidden_size
+        return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0)
 
     @property
     def mlp_sharded_params(self) -> int:
@@ -160,21 +178,34 @@ class ModelConfig:
         """Biases added once per token after a sum over shards (o_proj, down_proj): replicated."""
         return self.hidden_size * (int(self.o_bias) + int(self.mlp_bias))
 
+    @property
+    def head_norm_params(self) -> int:
+        """q_norm and k_norm weights [head_dim] each (Qwen3): replicated, per layer."""
+        return 2 * self.head_dim if self.qk_norm else 0
+
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes`; a head_dim that was derived is derived again from the new shape."""
+        if "head_dim" not in changes and self._derived_head_dim:
+            changes["head_dim"] = None
         return dataclasses.replace(self, **changes)
 
     def num_params(self, *, include_embeddings: bool = True) -> int:
         """Closed-form parameter count (tests compare it with the built module)."""
         h = self.hidden_size
-        per_layer = self.attn_sharded_params + self.mlp_sharded_params + self.replicated_biases + 2 * h
+        per_layer = (self.attn_sharded_params + self.mlp_sharded_params + self.replicated_biases
+                     + self.head_norm_params + 2 * h)
         total = self.num_layers * per_layer + h                        # + final norm
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return total
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly (checkpoint meta.json); `from_dict` reads it back to an equal config."""
-        return dataclasses.asdict(self)
+        """JSON-friendly (checkpoint meta.json); `from_dict` reads it back to an equal config. A
+        derived head_dim is written as null."""
+        out = dataclasses.asdict(self)
+        if self._derived_head_dim:
+            out["head_dim"] = None
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -206,11 +237,20 @@ def _check_family(cfg: ModelConfig) -> None:
         "qwen2": (cfg.qkv_bias and not cfg.o_bias and not cfg.mlp_bias, "hard-codes q/k/v biases "
                   "and no o_proj or MLP bias: set model.qkv_bias=true, model.o_bias=false, "
                   "model.mlp_bias=false"),
+        # Qwen3Config.attention_bias covers q, k, v and o together; the MLP has no bias.
+        "qwen3": (cfg.qkv_bias == cfg.o_bias and not cfg.mlp_bias, "has one attention_bias for q, "
+                  "k, v and o and no MLP bias: set model.qkv_bias and model.o_bias alike, "
+                  "model.mlp_bias=false"),
     }
     ok, rule = rules[cfg.family]
     if not ok:
         shown = ", ".join(f"model.{k}={str(v).lower()}" for k, v in biases.items())
         raise ValueError(f"model.family={cfg.family!r} with {shown}: transformers' {cfg.family} {rule}")
+    if cfg.qk_norm != (cfg.family == "qwen3"):
+        raise ValueError(f"model.family={cfg.family!r} with model.qk_norm={str(cfg.qk_norm).lower()}: "
+                         "transformers' qwen3 always normalises q and k per head and the other "
+                         "families never do: set model.qk_norm="
+                         f"{str(cfg.family == 'qwen3').lower()}")
     if cfg.sliding_window is not None and cfg.family != "mistral":
         raise ValueError(f"model.sliding_window={cfg.sliding_window} is only represented for "
                          f"model.family='mistral' (got {cfg.family!r})")
@@ -220,8 +260,8 @@ def _check_family(cfg: ModelConfig) -> None:
 # 7b_ffn4x is the TSP paper's "FFN x4" read literally as a gated MLP of width 4h (intermediate
 # 16384, ~8.9B parameters). The paper's "7B" with "FFN x4" fits only one of them: 7b if "7B" is
 # the count (11008 ~ 2/3 x 4h, the usual gated-MLP scaling), 7b_ffn4x if "x4" is the width.
-# llama3_8b, qwen2_5_7b and mistral_7b are the shapes (no weights, no tokenizer ids) of the
-# released models' config.json: Llama-3.1-8B, Qwen2.5-7B and Mistral-7B-v0.3.
+# llama3_8b, qwen2_5_7b, qwen3_8b and mistral_7b are the shapes (no weights, no tokenizer ids) of
+# the released models' config.json: Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B and Mistral-7B-v0.3.
 MODEL_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=1024, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                         intermediate_size=128, max_seq_len=1024),
@@ -246,11 +286,23 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "qwen2_5_7b": ModelConfig(vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
                               num_kv_heads=4, intermediate_size=18944, max_seq_len=131072,
                               rope_theta=1000000.0, norm_eps=1e-6, family="qwen2", qkv_bias=True),
+    # Qwen3-8B: GQA 32/8, q/k RMSNorm per head, head_dim 128, vocab 151936, theta 1e6, 40K positions.
+    "qwen3_8b": ModelConfig(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32,
+                            num_kv_heads=8, intermediate_size=12288, max_seq_len=40960,
+                            rope_theta=1000000.0, norm_eps=1e-6, family="qwen3", head_dim=128,
+                            qk_norm=True),
     # Mistral-7B-v0.3: GQA 32/8, vocab 32768, theta 1e6, no sliding window, 32K positions.
     "mistral_7b": ModelConfig(vocab_size=32768, hidden_size=4096, num_layers=32, num_heads=32,
                               num_kv_heads=8, intermediate_size=14336, max_seq_len=32768,
                               rope_theta=1000000.0, norm_eps=1e-5, family="mistral"),
 }
+
+
+def padded_vocab_size(vocab_size: int, degree: int) -> int:
+    """The vocabulary rounded up to a multiple of the degree that splits it (Megatron's
+    make-vocab-size-divisible-by): every rank holds the same number of rows, the last rows are
+    padding that never receives probability (their logits are -inf in the loss)."""
+    return -(-vocab_size // degree) * degree
 
 
 def model_config(size: str, **overrides) -> ModelConfig:

@@ -7,7 +7,8 @@ The rule (docs/long_context.md, "No hand copying"):
   its shape keys (below) must equal the folder's; its RoPE and context values are not used.
 * A `model.*` key the recipe or an override sets explicitly is checked against the folder:
   - shape keys (what the weights mean: vocab_size, hidden_size, num_layers, num_heads,
-    num_kv_heads, intermediate_size, norm_eps, tie_embeddings, family, qkv_bias, o_bias, mlp_bias)
+    num_kv_heads, head_dim, intermediate_size, norm_eps, tie_embeddings, family, qkv_bias, o_bias,
+    mlp_bias, qk_norm)
     must equal the folder's value, or it is an error naming both;
   - context keys (max_seq_len, rope_theta, rope_scaling) replace the folder's value: that is how a
     context is extended. A set `model.rope_scaling.*` replaces the folder's whole rope_scaling and
@@ -33,9 +34,9 @@ DEFAULT_SIZE = "tiny"
 BUNDLED_TOKENIZER = "data/tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
-SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
               "intermediate_size", "norm_eps", "tie_embeddings", "family", "qkv_bias", "o_bias",
-              "mlp_bias")
+              "mlp_bias", "qk_norm")
 CONTEXT_KEYS = ("max_seq_len", "rope_theta", "rope_scaling")
 # Facts of a source model a recipe does not set: they come from a folder (or a named size).
 FOLDER_ONLY = ("sliding_window", "bos_token_id", "eos_token_id", "pad_token_id")
@@ -186,7 +187,8 @@ def hf_key_of(name: str) -> str:
     """How config.json says it: its own key, or our field derived from model_type/attention_bias."""
     derived = {"family": "model_type", "qkv_bias": "qkv_bias (from model_type/attention_bias)",
                "o_bias": "o_bias (from model_type/attention_bias)",
-               "mlp_bias": "mlp_bias (from model_type/mlp_bias)"}
+               "mlp_bias": "mlp_bias (from model_type/mlp_bias)",
+               "qk_norm": "qk_norm (from model_type)"}
     return dict(NAME_MAP).get(name) or derived.get(name, name)
 
 

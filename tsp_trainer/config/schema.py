@@ -33,7 +33,7 @@ OffloadOptimizer = Literal["none", "cpu"]
 WandbMode = Literal["disabled", "offline", "online"]
 WandbReplay = Literal["skip", "rewind"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
-Family = Literal["llama", "mistral", "qwen2"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 
 ZERO_STAGES = (0, 1, 2)
 # Signals a preemption may arrive with; SIGKILL and SIGSTOP cannot be caught, SIGINT stays Ctrl-C.
@@ -77,6 +77,7 @@ class ModelSection:
     num_layers: int | None = setting(None, doc="decoder blocks")
     num_heads: int | None = setting(None, doc="query heads")
     num_kv_heads: int | None = setting(None, doc="K/V heads (GQA when < num_heads)")
+    head_dim: int | None = setting(None, doc="channels per head; null: hidden_size / num_heads")
     intermediate_size: int | None = setting(None, doc="gated-MLP width I")
     max_seq_len: int | None = setting(None, doc="longest sequence RoPE is set up for (tokens)")
     # The three floats are checked on the resolved model (the size's or folder's value, or this).
@@ -88,6 +89,7 @@ class ModelSection:
     qkv_bias: bool | None = setting(None, doc="q/k/v_proj biases (Qwen2; Llama attention_bias)")
     o_bias: bool | None = setting(None, doc="o_proj bias (Llama attention_bias)")
     mlp_bias: bool | None = setting(None, doc="gate/up/down_proj biases (Llama mlp_bias)")
+    qk_norm: bool | None = setting(None, doc="RMSNorm over each q and k head before RoPE (Qwen3)")
     # N(0, 1) is the widest init in use (unit-variance embeddings); the LM head's logits have std
     # ~ init_std * sqrt(hidden_size) on RMS-normalised inputs, so beyond it the softmax saturates
     # (and 1e30 overflows to inf), and the loss stays at ln(vocab_size) with nothing to learn from.

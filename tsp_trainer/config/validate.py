@@ -23,9 +23,11 @@ from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, l
 SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
 
 # Weight matrices are split along these dims by every weight-sharding scheme (heads of W_q/W_k/W_v,
-# the intermediate dim of the gated MLP, vocabulary rows of the embedding and LM head). KV heads come
-# first: they divide num_heads, so they are the tighter bound and the more useful message.
-_SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size", "vocab_size")
+# the intermediate dim of the gated MLP). KV heads come first: they divide num_heads, so they are
+# the tighter bound and the more useful message. The vocabulary rows of the embedding and LM head
+# are split too, but padded to a multiple of the degree (config.model.padded_vocab_size): any
+# vocabulary size runs.
+_SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size")
 
 # scheme -> (splits the weights, sequence chunks per rank: 2 = zigzag, 1 = contiguous, 0 = none).
 # Zigzag cuts each sequence into 2D chunks (rank p takes p and 2D-1-p) to balance causal work;
@@ -85,7 +87,8 @@ def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, s
     same_key = seq_axis[0] == weight_axis[0]
     seq_rule = (seq_len, chunks) if chunks and seq_len is not None and same_key else None
     if splits_weights:
-        _check_weight_split(model_cfg, *weight_axis, seq_rule=seq_rule)
+        _check_weight_split(model_cfg, *weight_axis, seq_rule=seq_rule,
+                            other_schemes=scheme != "tp_x_sp", seq_len=seq_len)
     if chunks and seq_len is not None:
         _check_sequence_split(seq_len, *seq_axis, chunks=chunks, seq_key=seq_key)
     if scheme == "tsp":
@@ -312,15 +315,34 @@ def _check_two_axes(degree: int, tp_degree: int | None, sp_degree: int | None) -
 
 
 def _check_weight_split(model_cfg: ModelConfig, key: str, degree: int, *,
-                        seq_rule: tuple[int, int] | None) -> None:
+                        seq_rule: tuple[int, int] | None, other_schemes: bool = False,
+                        seq_len: int | None = None) -> None:
     sizes = {name: getattr(model_cfg, name) for name in _SHARDED_DIMS}
     for name, size in sizes.items():
         if size % degree:
             bounds = list(sizes.values())
             if seq_rule and seq_rule[0] % seq_rule[1] == 0:
                 bounds.append(seq_rule[0] // seq_rule[1])   # d | seq_len/chunks  <=>  chunks*d | seq_len
+            hint = _scheme_hint(math.gcd(*sizes.values()), degree, seq_len) if other_schemes else ""
             raise ValueError(f"{key}={degree} does not divide model.{name}={size}; use one of "
-                             f"{_fmt_list(_divisors(math.gcd(*bounds)))}")
+                             f"{_fmt_list(_divisors(math.gcd(*bounds)))}{hint}")
+
+
+def _scheme_hint(weight_gcd: int, degree: int, seq_len: int | None) -> str:
+    """The schemes that run this shape at this degree: sp replicates the weights (no weight rule,
+    only the zigzag one), tp_x_sp splits them T ways only (T | every sharded dim, S = D / T)."""
+    def zigzag_ok(s: int) -> bool:
+        return seq_len is None or seq_len % (2 * s) == 0
+
+    options = []
+    if zigzag_ok(degree):
+        options.append(f"parallel.scheme=sp (weights replicated) runs parallel.tsp_degree={degree}")
+    pairs = [f"{t} x {degree // t}" for t in _divisors(degree)
+             if 1 < t < degree and weight_gcd % t == 0 and zigzag_ok(degree // t)]
+    if pairs:
+        options.append("parallel.scheme=tp_x_sp with parallel.tp_degree x parallel.sp_degree in "
+                       + ", ".join(pairs))
+    return f"; or {'; or '.join(options)}" if options else ""
 
 
 def _check_sequence_split(seq_len: int, key: str, degree: int, *, chunks: int,

@@ -3,7 +3,8 @@
 Conventions: activations are [B, T, h]; heads are split with view(B, T, -1, head_dim) so the same
 code runs on a full model or on any contiguous head shard (TSP and the TP baselines reuse it).
 Weights follow nn.Linear: [out_features, in_features], y = x @ W.T (+ b). RoPE uses Hugging Face's
-rotate_half convention so weights export to transformers' Llama / Mistral / Qwen2 unchanged.
+rotate_half convention so weights export to transformers' Llama / Mistral / Qwen2 / Qwen3 unchanged.
+Qwen3's q_norm / k_norm (ModelConfig.qk_norm) are RMSNorms over each head's head_dim channels.
 Biases are data (ModelConfig.qkv_bias / o_bias / mlp_bias): an nn.Linear gets one or not.
 """
 
@@ -86,11 +87,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:     # Qwen3: RMSNorm over each head's d channels, one weight [d] for all heads
+            self.q_norm = RMSNorm(d, cfg.norm_eps)
+            self.k_norm = RMSNorm(d, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         b, t, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, t, -1, self.head_dim), rope.cos, rope.sin)
-        k = apply_rope(self.k_proj(x).view(b, t, -1, self.head_dim), rope.cos, rope.sin)
+        q, k = self.q_proj(x).view(b, t, -1, self.head_dim), self.k_proj(x).view(b, t, -1, self.head_dim)
+        if hasattr(self, "q_norm"):                       # before RoPE, as transformers' Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, rope.cos, rope.sin)
+        k = apply_rope(k, rope.cos, rope.sin)
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
         # the queries are the keys; with document masking, at the positions of rope.runs
         runs = rope.runs if rope.documents is not None else None

@@ -81,3 +81,20 @@ def _chunk_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, weigh
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return RmsNormFn.apply(x, weight, eps)
+
+
+def rms_norm_grads(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of y = rms_norm(x, weight, eps) for the incoming gradient dy, by RmsNormFn's
+    backward (the same chunks and closed form): for a caller whose backward is written by hand
+    (TSP attention's per-head q/k norms). x, dy [..., h]; dx like x; dw [h] fp32, this input's part."""
+    h = x.shape[-1]
+    x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)
+    rstd = torch.rsqrt(x2.float().pow(2).mean(-1, keepdim=True) + eps)        # [n, 1], as forward
+    dx = torch.empty_like(x2)
+    dw = torch.zeros(h, dtype=torch.float32, device=x.device)
+    rows = backward_chunk_rows(h)
+    for start in range(0, x2.shape[0], rows):
+        stop = start + rows
+        _chunk_backward(x2[start:stop], dy2[start:stop], rstd[start:stop], weight, dx[start:stop], dw)
+    return dx.view(x.shape), dw

@@ -76,7 +76,7 @@ def piece_flops(cfg: ModelConfig, seq_len: int, *, causal_half: bool = True,
 
 def block_matmul_params(cfg: ModelConfig) -> int:
     """Weights that enter a matmul in the L decoder blocks (no norms, no embedding, no head)."""
-    h, kv, inter, q = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    h, q, kv, inter = cfg.hidden_size, cfg.q_hidden_size, cfg.kv_hidden_size, cfg.intermediate_size
     return cfg.num_layers * (2 * h * q + 2 * h * kv + 3 * h * inter)
 
 

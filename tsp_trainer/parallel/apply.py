@@ -7,6 +7,7 @@ record checkpointing and export use to gather, reshard or slice state dicts.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import typing
 from dataclasses import dataclass
@@ -28,14 +29,29 @@ from tsp_trainer.parallel.tsp.vocab import TSPEmbedding, TSPLMHead
 @dataclass(frozen=True)
 class ShardSpec:
     """How one parameter is laid out: split along `dim` into `degree` equal blocks over mesh axis
-    `axis` (block i on the axis's rank i), or replicated when dim is None."""
+    `axis` (block i on the axis's rank i), or replicated when dim is None. `size`: the full length
+    along `dim` when it is not a multiple of the degree (the vocabulary rows): the full tensor is
+    padded with zero rows to the next multiple before it is split, and the padding is cut off
+    again when the blocks are put back together (`trim`)."""
 
     dim: int | None
     degree: int = 1
     axis: str = "tsp"
+    size: int | None = None
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        return full if self.dim is None else full.chunk(self.degree, dim=self.dim)[rank].clone()
+        if self.dim is None:
+            return full
+        pad = -full.shape[self.dim] % self.degree
+        if pad:
+            shape = list(full.shape)
+            shape[self.dim] = pad
+            full = torch.cat([full, full.new_zeros(shape)], dim=self.dim)
+        return full.chunk(self.degree, dim=self.dim)[rank].clone()
+
+    def trim(self, full: torch.Tensor) -> torch.Tensor:
+        """The blocks put back together [padded, ...] -> the tensor's own length along dim."""
+        return full if self.size is None else full.narrow(self.dim, 0, self.size)
 
 
 # FQN pattern -> split dim, for TSP (and TP, which shards weights the same way: Megatron 1-D).
@@ -55,7 +71,7 @@ TSP_PLAN: list[tuple[str, int | None]] = [
     ("layers.*.mlp.down_proj.weight", 1),
     ("layers.*.mlp.down_proj.bias", None),      # replicated
     ("lm_head.weight", 0),                      # vocab rows
-    ("*norm.weight", None),                     # replicated
+    ("*norm.weight", None),                     # replicated (block norms, Qwen3's per-head q/k norms)
 ]
 
 
@@ -69,9 +85,24 @@ def plan_specs(names, plan: list[tuple[str, int | None]], degree: int, axis: str
     return specs
 
 
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
+
+
 def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
-    return plan_specs([n for n, _ in model.named_parameters(remove_duplicate=False)], TSP_PLAN,
-                      degree, "tsp")
+    specs = plan_specs([n for n, _ in model.named_parameters(remove_duplicate=False)], TSP_PLAN,
+                       degree, "tsp")
+    return with_vocab_padding(specs, model.cfg.vocab_size)
+
+
+def with_vocab_padding(specs: dict[str, ShardSpec], vocab_size: int) -> dict[str, ShardSpec]:
+    """The vocabulary rows' specs record the true vocabulary when the degree does not divide it
+    (its shards are then padded, config.model.padded_vocab_size)."""
+    out = dict(specs)
+    for name in VOCAB_ROWS:
+        spec = out.get(name)
+        if spec is not None and spec.dim is not None and vocab_size % spec.degree:
+            out[name] = dataclasses.replace(spec, size=vocab_size)
+    return out
 
 
 def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len: int | None = None,
@@ -99,7 +130,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         weights, biases = local.attention(attn, cfg)
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute,
-                                       tiling=tiling, replay_keeps=replay_attention, **biases)
+                                       tiling=tiling, replay_keeps=replay_attention,
+                                       **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
                                 tiling=tiling, replay_keeps=replay_mlp, **biases)
@@ -157,6 +189,14 @@ class LocalShards:
         return weights, {"qkv_bias": self.biases(prefix, "qkv") if cfg.qkv_bias else None,
                          "o_bias": self(prefix + "o_proj.bias") if cfg.o_bias else None}
 
+    def head_norms(self, prefix: str, cfg) -> dict:
+        """The keywords for the per-head q/k norms of `prefix` (Qwen3): their replicated weights
+        [head_dim] and eps; none when the model has no such norms."""
+        if not cfg.qk_norm:
+            return {}
+        return {"head_norms": tuple(nn.Parameter(self(f"{prefix}{n}_norm.weight")) for n in "qk"),
+                "norm_eps": cfg.norm_eps}
+
     def mlp(self, prefix: str, cfg) -> tuple[tuple[torch.Tensor, ...], dict]:
         """This rank's (W_gate, W_up, W_down) of `prefix` ("layers.i.mlp.") and the bias keywords
         (gate_up_bias, down_bias; None when the model has no MLP biases)."""
@@ -197,7 +237,7 @@ def gather_full(tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec], c
         parts = tensor.new_empty((comm.size,) + tuple(tensor.shape))
         comm.all_gather(parts.view((-1,) + tuple(tensor.shape[1:])), tensor.contiguous(),
                         tag="state.gather")
-        out[name] = torch.cat(list(parts.unbind(0)), dim=spec.dim)
+        out[name] = spec.trim(torch.cat(list(parts.unbind(0)), dim=spec.dim))
     return out
 
 

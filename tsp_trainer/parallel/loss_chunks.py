@@ -102,6 +102,16 @@ def in_vocab_shard(ids, start: int, rows: int):
     return local.clamp(0, rows - 1), hit
 
 
+def mask_vocab_padding(logits, start: int, vocab_size: int | None):
+    """logits [..., rows] of the vocabulary rows start.., in place: the columns of padding rows
+    (index >= vocab_size, config.model.padded_vocab_size) set to -inf, so they get no probability
+    and no gradient; host ints only (no sync). Returns logits."""
+    if vocab_size is not None and vocab_size - start < logits.shape[-1]:
+        logits[..., max(vocab_size - start, 0):] = float("-inf")
+    return logits
+
+
 __all__ = ["DEFAULT_LOGITS_BLOCK_BYTES", "DEFAULT_MLP_BLOCK_BYTES", "MLP_ALIVE_INTERMEDIATES",
            "auto_chunk_tokens", "auto_loss_chunk_tokens", "auto_mlp_chunk_tokens", "in_vocab_shard",
+           "mask_vocab_padding",
            "resolve_loss_chunk_tokens", "resolve_mlp_chunk_tokens", "token_chunks"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.model.rms_norm import backward_chunk_rows
 from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, resolve_mlp_chunk_tokens
 from tsp_trainer.plan.layout import Layout
@@ -98,7 +99,7 @@ def loss_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], setting: i
     """Tokens per chunk of the LM head's loss on this rank: the region's tokens against the
     vocabulary shard (V/D for TSP, V/T for the baselines), as the heads resolve it."""
     t = layout.degree if layout.scheme == "tsp" else layout.axes[0]
-    return resolve_loss_chunk_tokens(setting, tok["region"], cfg.vocab_size // t)
+    return resolve_loss_chunk_tokens(setting, tok["region"], padded_vocab_size(cfg.vocab_size, t) // t)
 
 
 def mlp_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], prec: Precision,
@@ -150,12 +151,13 @@ def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
     tiled: its backward recomputes each chunk's logits)."""
     e = prec.act
     t, s_p, seqpar = layout.axes
-    h, hkv, inter, V = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, hkv, inter = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size
+    V = padded_vocab_size(cfg.vocab_size, t)                    # rows padded to a multiple of T
     n_r, n_n = tok["region"], tok["norm"]
     layer = 2 * rms_norm_saved(n_n, h, e, output_kept=not seqpar)
     if seqpar:
         layer += 2 * e * n_r * h                                 # gathered norm output (all tokens)
-    q_out = 2 * e * n_r * (h // t)                               # q and the attention output
+    q_out = 2 * e * n_r * (cfg.q_hidden_size // t)               # q and the attention output
     kv = 2 * e * n_r * (hkv // t)
     lse = 4 * (cfg.num_heads // t) * n_r if s_p == 1 else 0      # SDPA logsumexp (not recomputed)
     layer += q_out + kv + lse
@@ -260,7 +262,9 @@ def _attention_items_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, prec:
     """One TSP layer's kept attention items (`tsp_selective_saved`), whatever the mode."""
     n = layout.micro_batch * seq_len // layout.degree
     nh, d = cfg.num_heads, cfg.head_dim
-    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh
+    # Qwen3's q/k norms: each item also keeps its q and k before the norm (their backward's input)
+    norm_inputs = prec.act * n * (nh * d + cfg.kv_hidden_size) if cfg.qk_norm else 0
+    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh + norm_inputs
 
 
 def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 
@@ -19,8 +20,8 @@ def param_count(cfg: ModelConfig, layout: Layout) -> int:
     t, _, _ = layout.axes
     h, L = cfg.hidden_size, cfg.num_layers
     split = (L * (cfg.attn_sharded_params + cfg.mlp_sharded_params)
-             + cfg.vocab_size * h * (1 if cfg.tie_embeddings else 2))
-    return split // t + (2 * L + 1) * h + L * cfg.replicated_biases
+             + padded_vocab_size(cfg.vocab_size, t) * h * (1 if cfg.tie_embeddings else 2))
+    return split // t + (2 * L + 1) * h + L * (cfg.replicated_biases + cfg.head_norm_params)
 
 
 # DeepSpeed's ZeRO optimizer keeps its master partition and the gradient its step reads in fp32

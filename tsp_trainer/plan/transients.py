@@ -11,6 +11,7 @@ m the tokens of one MLP chunk (parallel.mlp_chunk_tokens; m = n when the MLP is 
 from __future__ import annotations
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import Precision
 
@@ -77,7 +78,7 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     parallel/gated_mlp.py)."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
-    h, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    h, inter, V = cfg.hidden_size, cfg.intermediate_size, padded_vocab_size(cfg.vocab_size, d_)
     m = n if mlp_chunk is None else min(mlp_chunk, n)
     # accumulators in the activation dtype once tiled (Layout.tiled_accumulators=False: the
     # planner's ablation keeps them fp32)
@@ -215,18 +216,19 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     n_r, n_n = tok["region"], tok["norm"]
     a_r, a_n = e * n_r * h, e * n_n * h                 # activations of the region / of the norms
     own1 = rms_norm_saved(n_n, h, e, output_kept=not seqpar) + (a_r if seqpar else 0)
-    attn_saved = e * n_r * (2 * h + 2 * hkv) // t + (4 * nh // t * n_r if s_p == 1 else 0)
+    hq = cfg.q_hidden_size
+    attn_saved = e * n_r * (2 * hq + 2 * hkv) // t + (4 * nh // t * n_r if s_p == 1 else 0)
     mid = e * n_r * inter // t
     leave = a_r + (a_n if seqpar else a_r)              # partial output + reduced copy
     dgrad_in = a_n + (a_r if seqpar else 0)             # incoming gradient (+ its gathered copy)
     if s_p > 1:
-        z = _zigzag_attention(e, b, seq_len, s_p, h // t, hkv // t, n_r, recomputed_qkv=False,
+        z = _zigzag_attention(e, b, seq_len, s_p, hq // t, hkv // t, n_r, recomputed_qkv=False,
                               scatter_copies=3, device=device)
         core_fwd, core_bwd = z["fwd"], z["bwd"]
         wgrad = 2 * ew * h * inter // t                 # a weight gradient and its all-reduced clone
     else:
         core_fwd = 0
-        core_bwd = e * n_r * (2 * h + 2 * hkv) // t     # d(out), dq, dk, dv
+        core_bwd = e * n_r * (2 * hq + 2 * hkv) // t    # d(out), dq, dk, dv
         wgrad = 0
     # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's
     # saved tensors meet the first gradients (dy, d(intermediate)), or, in attention, the SDPA /
@@ -244,7 +246,7 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
            "attn_bwd": own1 + max(attn_saved + dgrad_in + core_bwd, dgrad_in + 3 * a_r),
            "mlp_bwd": layer_saved + dgrad_in + mlp_bwd_mids + wgrad,
            "norm_bwd_in_layer": own1 + attn_saved + rms_norm_saved(n_n, h, e, output_kept=False) + a_n,
-           "head": _baseline_head(n_r, loss_chunk, V // t, h, e, ew, a_r, s_p)}
+           "head": _baseline_head(n_r, loss_chunk, padded_vocab_size(V, t) // t, h, e, ew, a_r, s_p)}
     return out
 
 

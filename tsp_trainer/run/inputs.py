@@ -3,7 +3,8 @@ Accelerate or DeepSpeed starts (seconds instead of the tens of seconds of start-
 
     inputs = check_inputs(cfg, world_size=world, rank=rank)   # ValueError: one line, the CLI exits 2
 
-In order, each cheap: the config against the world size (config/validate.py); a forced
+In order, each cheap: the config against the world size (config/validate.py); a model.init_from
+folder's tensor names and shapes against its config.json (file headers only); a forced
 train.attention_kernel this machine cannot run (model/attention_kernel.py); on CPU and for global
 rank 0 only, the `auto` memory settings (plan/resolve.py: nothing fits the budget; the other ranks
 take rank 0's, run/startup.py); the tokenizer loads and fits the model's
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tsp_trainer.checkpoint.disk_format import META
+from tsp_trainer.checkpoint.hf import check_folder_tensors
 from tsp_trainer.checkpoint.reshard import check_layout_change
 from tsp_trainer.checkpoint.train_state import check_same_model, checkpoint_layout
 from tsp_trainer.config import TrainConfig, validate_config
@@ -56,6 +58,8 @@ def check_inputs(cfg: TrainConfig, *, world_size: int, rank: int = 0) -> Checked
     rank: this process's global rank (the CLI passes the launcher's; 0 for one process)."""
     validate_config(cfg, world_size)
     model_cfg = cfg.model.to_model_config()
+    if cfg.model.init_from is not None:              # the weights are what config.json says
+        check_folder_tensors(cfg.model.init_from, model_cfg)
     check_run_attention_kernel(cfg, model_cfg)       # a forced kernel this machine cannot run
     resolved = _cpu_auto_settings(cfg, world_size, rank)     # nothing fits: before any file is read
     tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)    # or the model folder's

@@ -22,7 +22,8 @@ from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.apply import (TSP_PLAN, LocalShards, ShardSpec, mark_model_parallel,
                                         materialize_norm,
-                                        plan_specs)
+                                        plan_specs, with_vocab_padding)
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, ParallelEmbedding,
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
 from tsp_trainer.parallel.comm import Comm
@@ -44,7 +45,7 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     (parallel/gated_mlp.py)."""
     cfg, t = model.cfg, groups.tp.size
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    specs = (plan_specs(names, BASELINE_PLAN, t, "tp") if t > 1
+    specs = (with_vocab_padding(plan_specs(names, BASELINE_PLAN, t, "tp"), cfg.vocab_size) if t > 1
              else {n: ShardSpec(None, 1, "sp") for n in names})
     local = LocalShards(model, specs, groups.tp.rank, init_seed)
     tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // t)
@@ -52,18 +53,19 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
         weights, biases = local.attention(attn, cfg)
-        block.self_attn = ParallelAttention(*weights, head_dim=cfg.head_dim, groups=groups, **biases)
+        block.self_attn = ParallelAttention(*weights, head_dim=cfg.head_dim, groups=groups,
+                                            **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = ParallelMLP(*weights, groups=groups, tiling=tiling, **biases)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             setattr(block, norm, _norm(getattr(block, norm), local, pre + norm, groups))
     model.norm = _norm(model.norm, local, "norm", groups)
-    vocab_start = groups.tp.rank * (cfg.vocab_size // t)
+    vocab_start = groups.tp.rank * (padded_vocab_size(cfg.vocab_size, t) // t)
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = ParallelEmbedding(embed, vocab_start=vocab_start, groups=groups)
     model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups,
-                                   loss_chunk_tokens=loss_chunk_tokens)
+                                   loss_chunk_tokens=loss_chunk_tokens, vocab_size=cfg.vocab_size)
     # DeepSpeed's model-parallel group is the whole D group: count each tp shard on sp rank 0 only.
     mark_model_parallel(model, specs, counts_shards=groups.sp.rank == 0)
     return specs
@@ -80,7 +82,8 @@ def _norm(norm, local: LocalShards, prefix: str, groups: Groups) -> ParallelRMSN
 def build_tp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     """Megatron TP over the D ranks: all-reduce around the TP regions, full sequence everywhere."""
     _check(model, "tp", mesh, kw)
-    groups = Groups(axis_view(mesh.tsp, "tp"), _single(mesh, "sp"), False, None)
+    tp = axis_view(mesh.tsp, "tp")
+    groups = Groups(tp, _single(mesh, "sp"), False, None, _whole(mesh, tp))
     return _wrap(model, mesh, "tp", groups, kw)
 
 
@@ -88,14 +91,14 @@ def build_tp_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     """Megatron TP + sequence parallelism over the D ranks (all-gather / reduce-scatter)."""
     _check(model, "tp_sp", mesh, kw)
     tp = axis_view(mesh.tsp, "tp")
-    return _wrap(model, mesh, "tp_sp", Groups(tp, _single(mesh, "sp"), True, tp), kw)
+    return _wrap(model, mesh, "tp_sp", Groups(tp, _single(mesh, "sp"), True, tp, _whole(mesh, tp)), kw)
 
 
 def build_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     """Context parallelism over the D ranks: replicated weights, zigzag tokens, K/V all-gather."""
     _check(model, "sp", mesh, kw)
     sp = axis_view(mesh.tsp, "sp")
-    return _wrap(model, mesh, "sp", Groups(_single(mesh, "tp"), sp, False, sp), kw)
+    return _wrap(model, mesh, "sp", Groups(_single(mesh, "tp"), sp, False, sp, _whole(mesh, sp)), kw)
 
 
 def build_tp_x_sp(model: Transformer, mesh: Mesh, *, tp_degree: int | None = None,
@@ -113,7 +116,8 @@ def build_tp_x_sp(model: Transformer, mesh: Mesh, *, tp_degree: int | None = Non
     tp, sp = build_tp_sp_comms(mesh, tp_degree, sp_degree)
     # Norm inputs are split over sp, and over tp too under Megatron SP: then sum over all D ranks.
     norm_grad = (axis_view(mesh.tsp, "tsp") if tp_sequence_parallel else sp) if mesh.tsp.size > 1 else None
-    groups = Groups(tp, sp, bool(tp_sequence_parallel), norm_grad)
+    whole = axis_view(mesh.tsp, "tsp") if mesh.tsp.size > 1 else None
+    groups = Groups(tp, sp, bool(tp_sequence_parallel), norm_grad, whole)
     return _wrap(model, mesh, "tp_x_sp", groups, kw)
 
 
@@ -129,6 +133,12 @@ def _check(model: Transformer, scheme: str, mesh: Mesh, kw: dict, **two_axes) ->
                          f"options are seq_len, init_seed, loss_chunk_tokens, mlp_chunk_tokens{extra}")
     check_parallel_shapes(model.cfg, scheme=scheme, degree=mesh.tsp.size, seq_len=kw.get("seq_len"),
                           head_buckets=kw.get("head_buckets", 1), **two_axes)
+
+
+def _whole(mesh: Mesh, comm: Comm) -> Comm | None:
+    """`comm` spanning the whole model-parallel group, as the per-head q/k norms' gradient group;
+    None when D = 1 (nothing to sum)."""
+    return comm if mesh.tsp.size > 1 else None
 
 
 def _single(mesh: Mesh, axis: str) -> Comm:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 
-from tsp_trainer.config.model import ModelConfig
+from tsp_trainer.config.model import ModelConfig, padded_vocab_size
 from tsp_trainer.parallel.grad_sync import GRAD_BYTES
 
 
@@ -81,8 +81,11 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
         out["all_gather/attn.kv"] += 2 * layers * kv
         out["reduce_scatter/attn.dkv"] += layers * kv
         per_layer = cfg.attn_sharded_params + cfg.mlp_sharded_params
-        out["all_reduce/wgrad"] += (layers * per_layer + 2 * cfg.vocab_size * h) // t * GRAD_BYTES
+        vocab = padded_vocab_size(cfg.vocab_size, t)              # padded to a multiple of T
+        out["all_reduce/wgrad"] += (layers * per_layer + 2 * vocab * h) // t * GRAD_BYTES
         out["all_reduce/loss.count"] += 8
+    if t * s > 1 and cfg.qk_norm:     # q_norm, k_norm: other heads or tokens on every rank of the group
+        out["all_reduce/norm.grad"] += layers * cfg.head_norm_params * GRAD_BYTES
     norms_split = (s > 1) or (seq_par and t > 1)
     if norms_split:
         out["all_reduce/norm.grad"] += (2 * layers + 1) * h * GRAD_BYTES

@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tsp_trainer.model.layers import RMSNorm, Rotary, apply_rope, gated_mlp
+from tsp_trainer.model.rms_norm import rms_norm
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.baselines.context import context_attention
 from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight_to_region,
@@ -47,7 +48,7 @@ from tsp_trainer.parallel.baselines.megatron import (copy_to_region, copy_weight
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import (TokenTiling, gated_mlp_backward_into, gated_mlp_forward_into,
                                             split_gate_up)
-from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, token_chunks
+from tsp_trainer.parallel.loss_chunks import mask_vocab_padding, resolve_loss_chunk_tokens, token_chunks
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class Groups:
     sp: Comm                    # tokens zigzag split, K/V all-gathered, weights replicated (size 1: none)
     sequence_parallel: bool     # Megatron SP: outside the TP region tokens are split over tp
     norm_grad: Comm | None      # replicated norm weights: grads summed over this group (None: no sum)
+    # the per-head q/k norm weights (Qwen3): each rank sees other heads (tp) and other tokens (sp)
+    # of them, so their grads are summed over the whole model-parallel group (None: D = 1)
+    head_norm_grad: Comm | None = None
 
     def enter_tp(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Before the column-parallel matmuls: every tp rank needs all tokens of the region."""
@@ -98,12 +102,23 @@ class ParallelAttention(nn.Module):
     [h, n_h/T * d] (row parallel): the heads of group tp_rank, whole for T = 1. Biases: q/k/v
     [n_h/T * d | n_kv/T * d] with their heads, o_proj.bias [h] replicated."""
 
-    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups, qkv_bias=None, o_bias=None):
+    def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups, qkv_bias=None, o_bias=None,
+                 head_norms=None, norm_eps: float = 1e-6):
         super().__init__()
         bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             _holder(w, b) for w, b in ((q, bq), (k, bk), (v, bv), (o, o_bias)))
         self.head_dim, self.groups = head_dim, groups
+        if head_norms is not None:   # Qwen3's q_norm, k_norm [d], replicated
+            self.q_norm, self.k_norm = (_holder(w) for w in head_norms)
+            self.norm_eps = norm_eps
+
+    def _head_norm(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """The per-head RMSNorm `name` (q_norm / k_norm) on x [B, T, heads, d]. Every rank of the
+        group sees other heads (tp) or other tokens (sp) of it: its gradient is summed over the
+        whole group (`head_norm_grad`)."""
+        w, comm = getattr(self, name).weight, self.groups.head_norm_grad
+        return rms_norm(x, w if comm is None else copy_weight_to_region(w, comm, "norm.grad"), self.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         g, d = self.groups, self.head_dim
@@ -111,8 +126,11 @@ class ParallelAttention(nn.Module):
         bq, bk, bv = (g.weight(m.bias) for m in (self.q_proj, self.k_proj, self.v_proj))
         x = g.enter_tp(x, "attn.tp")                           # [B, T_region, h]
         b, t, _ = x.shape
-        q = apply_rope(F.linear(x, wq, bq).view(b, t, -1, d), rope.cos, rope.sin)
-        k = apply_rope(F.linear(x, wk, bk).view(b, t, -1, d), rope.cos, rope.sin)
+        q, k = F.linear(x, wq, bq).view(b, t, -1, d), F.linear(x, wk, bk).view(b, t, -1, d)
+        if hasattr(self, "q_norm"):                         # before RoPE (Qwen3)
+            q, k = self._head_norm("q_norm", q), self._head_norm("k_norm", k)
+        q = apply_rope(q, rope.cos, rope.sin)
+        k = apply_rope(k, rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
         out = context_attention(q, k, v, rope.runs, g.sp, rope.documents)        # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
@@ -207,10 +225,12 @@ class ParallelLMHead(nn.Module):
     (`loss_chunk_tokens`, `loss_budget_bytes`: parallel/loss_chunks.py) no more than [chunk, V/T]."""
 
     def __init__(self, weight, *, vocab_start: int, groups: Groups,
-                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None):
+                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None,
+                 vocab_size: int | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.vocab_start, self.groups = vocab_start, groups
+        self.vocab_size = vocab_size           # rows at or past it are padding: -inf logits
         self.loss_chunk_tokens, self.loss_budget_bytes = loss_chunk_tokens, loss_budget_bytes
 
     def chunk_tokens(self, region_tokens: int) -> int:
@@ -224,10 +244,10 @@ class ParallelLMHead(nn.Module):
         chunk = self.chunk_tokens(labels.numel())
         if chunk < labels.numel():
             losses = tiled_vocab_parallel_loss(x, w, labels, vocab_start=self.vocab_start,
-                                               comm=g.tp, chunk=chunk)
+                                               comm=g.tp, chunk=chunk, vocab_size=self.vocab_size)
         else:                                  # one chunk: the logits block, its softmax kept
-            losses = vocab_parallel_cross_entropy(F.linear(x, w), labels,      # [B, T, V/T]
-                                                  vocab_start=self.vocab_start, comm=g.tp)
+            logits = mask_vocab_padding(F.linear(x, w), self.vocab_start, self.vocab_size)   # [B, T, V/T]
+            losses = vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, comm=g.tp)
         valid = labels != IGNORE_INDEX
         return (losses * valid).sum(), valid.sum()
 
@@ -241,7 +261,8 @@ class ParallelLMHead(nn.Module):
         losses = torch.empty(flat_labels.shape, dtype=torch.float32, device=x.device)
         best = torch.empty_like(flat_labels)
         for c in token_chunks(flat_labels.numel(), self.chunk_tokens(flat_labels.numel())):
-            logits = F.linear(flat[c], self.weight)                            # [chunk, V/T]
+            logits = mask_vocab_padding(F.linear(flat[c], self.weight), self.vocab_start,
+                                        self.vocab_size)                       # [chunk, V/T]
             # argmax first: the cross-entropy works on the logits in place
             best[c] = vocab_parallel_argmax(logits, vocab_start=self.vocab_start, comm=g.tp)
             losses[c] = vocab_parallel_cross_entropy(logits, flat_labels[c],
@@ -259,4 +280,4 @@ class ParallelLMHead(nn.Module):
             return logits
         parts = logits.new_empty((g.tp.size,) + tuple(logits.shape))
         g.tp.all_gather(parts.view((-1,) + tuple(logits.shape[1:])), logits.contiguous(), tag="head.logits")
-        return torch.cat(list(parts.unbind(0)), dim=-1)
+        return torch.cat(list(parts.unbind(0)), dim=-1)[..., :self.vocab_size]   # padding cut off

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.grad_sync import SumGradOverGroup
-from tsp_trainer.parallel.loss_chunks import in_vocab_shard, token_chunks
+from tsp_trainer.parallel.loss_chunks import in_vocab_shard, mask_vocab_padding, token_chunks
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -180,13 +180,14 @@ class _TiledVocabParallelLoss(torch.autograd.Function):
     (softmax - onehot) x dloss gives that chunk's dX and is added to the fp32 weight gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, labels, vocab_start: int, comm: Comm, chunk: int, tag: str):
+    def forward(ctx, x, weight, labels, vocab_start: int, comm: Comm, chunk: int, tag: str,
+                vocab_size: int | None = None):
         flat = x.reshape(-1, x.shape[-1])                        # [B T, h]
         local, hit = in_vocab_shard(labels.reshape(-1), vocab_start, weight.shape[0])
         shard_lse = flat.new_empty(flat.shape[0], dtype=torch.float32)
         target = flat.new_zeros(flat.shape[0], dtype=torch.float32)
         for c in token_chunks(flat.shape[0], chunk):
-            logits = (flat[c] @ weight.T).float()                # [chunk, V/D]
+            logits = mask_vocab_padding((flat[c] @ weight.T).float(), vocab_start, vocab_size)  # [chunk, V/D]
             target[c] = logits.gather(1, local[c, None]).squeeze(1).masked_fill_(~hit[c], 0.0)
             shard_lse[c] = torch.logsumexp(logits, dim=-1)
         top = shard_lse.clone()
@@ -196,7 +197,7 @@ class _TiledVocabParallelLoss(torch.autograd.Function):
         comm.all_reduce(sum_exp, tag=tag)
         lse = top + torch.log(sum_exp)                           # [B T], over the whole vocabulary
         ctx.save_for_backward(x, weight, local, hit, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.vocab_start, ctx.vocab_size = chunk, vocab_start, vocab_size
         return (lse - target).view(labels.shape)
 
     @staticmethod
@@ -206,20 +207,22 @@ class _TiledVocabParallelLoss(torch.autograd.Function):
         dx = torch.empty_like(flat)
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for c in token_chunks(flat.shape[0], ctx.chunk):
-            grad = (flat[c] @ weight.T).float().sub_(lse[c, None]).exp_()      # softmax block
+            grad = mask_vocab_padding((flat[c] @ weight.T).float(), ctx.vocab_start, ctx.vocab_size)
+            grad = grad.sub_(lse[c, None]).exp_()                              # softmax block
             grad.scatter_add_(1, local[c, None], -hit[c, None].float())        # - onehot
             grad = grad.mul_(scale[c, None]).to(weight.dtype)
             dx[c] = grad @ weight                                # each chunk's rows once: no sum
             dw.add_(grad.T @ flat[c])                            # summed over chunks in fp32
-        return dx.view(x.shape), dw.to(weight.dtype), None, None, None, None, None
+        return dx.view(x.shape), dw.to(weight.dtype), None, None, None, None, None, None
 
 
 def tiled_vocab_parallel_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                               vocab_start: int, comm: Comm, chunk: int,
-                              tag: str = "head.ce") -> torch.Tensor:
+                              tag: str = "head.ce", vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy [B, T] (fp32) of the LM head x @ weight.T with vocab-sharded weight
-    [V/D, h], `chunk` tokens at a time; ignored labels get the log-sum-exp: mask them in the caller."""
-    return _TiledVocabParallelLoss.apply(x, weight, labels, vocab_start, comm, chunk, tag)
+    [V/D, h], `chunk` tokens at a time; ignored labels get the log-sum-exp: mask them in the caller.
+    vocab_size: rows at or past it are padding (-inf logits)."""
+    return _TiledVocabParallelLoss.apply(x, weight, labels, vocab_start, comm, chunk, tag, vocab_size)
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, *, vocab_start: int, comm: Comm,

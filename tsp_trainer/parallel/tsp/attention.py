@@ -13,7 +13,10 @@ layer: 2 D forward, 4 D backward (5 D under full recompute), whatever the head b
 (tests/distributed/test_gemm_launches.py). q/k/v biases (Qwen2, Llama attention_bias) belong to
 their heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
 replicated and added once per token after the sum; its gradient is summed over the group (like a
-norm's, tag "bias.grad").
+norm's, tag "bias.grad"). Qwen3's q_norm / k_norm (RMSNorm over each head's d channels, before
+RoPE) run inside the owner's projection on the local tokens of the owner's heads; their weights
+[d] are replicated, each rank's backward adds its tokens' part over every owner's heads, and the
+sum over the group completes them (tag "norm.grad", as the block norms).
 
 Overlap. Every transfer is asynchronous and issued one step ahead of the compute that
 needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py checks the order):
@@ -91,6 +94,7 @@ import torch.nn.functional as F
 
 from tsp_trainer.config.schema import TspRecompute
 from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
+from tsp_trainer.model.rms_norm import rms_norm, rms_norm_grads
 from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
@@ -114,8 +118,13 @@ class TSPAttention(nn.Module):
                  head_dim: int, comm: Comm, head_buckets: int = 1, recompute: str = "full",
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
-                 replay_keeps: bool = True):
+                 replay_keeps: bool = True,
+                 head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6):
         super().__init__()
+        # q_norm, k_norm weights [d] (Qwen3), replicated; absent otherwise (names as model.layers)
+        if head_norms is not None:
+            self.q_norm, self.k_norm = (_weight_holder(w) for w in head_norms)
+        self.norm_eps = norm_eps
         self.replay_keeps = replay_keeps     # under checkpointing: the replay keeps the items
         self.tiling = tiling if tiling is not None else TokenTiling()
         bq, bk, bv = qkv_bias if qkv_bias is not None else (None, None, None)
@@ -137,7 +146,11 @@ class TSPAttention(nn.Module):
             shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
         # the items are kept under selective and none, and by a checkpoint replay that keeps them
         kept = kept_for_backward(self.recompute != "full", self.replay_keeps)
-        y = _TSPAttentionFn.apply(x, rope, self, kept, *shard)
+        norms = (None, None)
+        if hasattr(self, "q_norm"):      # each rank's gradient is its tokens' part: summed over the group
+            norms = tuple(SumGradOverGroup.apply(m.weight, self.comm, "norm.grad", True)
+                          for m in (self.q_norm, self.k_norm))
+        y = _TSPAttentionFn.apply(x, rope, self, kept, *norms, *shard)
         if self.o_proj.bias is None:
             return y
         return y + SumGradOverGroup.apply(self.o_proj.bias, self.comm, "bias.grad", True)
@@ -186,18 +199,45 @@ class _Columns:
         return slice(self.q + self.kv + b * w, self.q + self.kv + (b + 1) * w)
 
 
+class _HeadNorms:
+    """The per-head q/k RMSNorm weights [d] (Qwen3) and the fp32 [d] accumulators of this rank's
+    part of their gradients (filled by the owners' backward, summed over the group by the caller)."""
+
+    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float):
+        self.q, self.k, self.eps = q_weight, k_weight, eps
+        self.dq = self.dk = None
+
+    def backward(self, which: str, raw: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient [B, T, heads, d] at the norm's output -> at its input `raw` (the projection's
+        heads); the weight's part is added into dq / dk."""
+        dx, dw = rms_norm_grads(raw, getattr(self, which), self.eps, grad)
+        acc = "d" + which
+        setattr(self, acc, dw if getattr(self, acc) is None else getattr(self, acc).add_(dw))
+        return dx
+
+    def weight_grads(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return tuple(None if g is None else g.to(w.dtype) for g, w in ((self.dq, self.q), (self.dk, self.k)))
+
+
 class _OwnerProjection:
     """This rank's local tokens through owner r's whole shard in one GEMM, x [Wq; Wk; Wv]^T (+ b)
-    -> [B, T, (hq + 2 hkv)/D * d], then RoPE on its q and k heads; each bucket's item takes its
-    heads' slices."""
+    -> [B, T, (hq + 2 hkv)/D * d], then the per-head q/k norms (Qwen3) and RoPE on its q and k
+    heads; each bucket's item takes its heads' slices."""
 
-    def __init__(self, x: torch.Tensor, shard: _Shard, cols: _Columns, rope: Rotary, d: int):
+    def __init__(self, x: torch.Tensor, shard: _Shard, cols: _Columns, rope: Rotary, d: int,
+                 norms: _HeadNorms | None = None):
         b, t, _ = x.shape
         p = F.linear(x, shard.wqkv, shard.bqkv)                             # [B, T, C]
-        self.q = apply_rope(p[..., :cols.q].view(b, t, -1, d), rope.cos, rope.sin)
-        k = apply_rope(p[..., cols.q:cols.q + cols.kv].view(b, t, -1, d), rope.cos, rope.sin)
+        q, k = p[..., :cols.q].view(b, t, -1, d), p[..., cols.q:cols.q + cols.kv].view(b, t, -1, d)
+        self.q_raw = self.k_raw = None
+        if norms is not None:        # the norms' inputs, copied out of p (their backward needs them)
+            self.q_raw, self.k_raw = q.clone(), k.clone()
+            q, k = rms_norm(self.q_raw, norms.q, norms.eps), rms_norm(self.k_raw, norms.k, norms.eps)
+        self.q = apply_rope(q, rope.cos, rope.sin)
+        k = apply_rope(k, rope.cos, rope.sin)
         v = p[..., cols.q + cols.kv:].view(b, t, -1, d)
-        self.hq, hkv = self.q.shape[2] // cols.buckets, k.shape[2] // cols.buckets
+        self.hq, self.hkv = self.q.shape[2] // cols.buckets, k.shape[2] // cols.buckets
+        hkv = self.hkv
         # each bucket's k, v stacked [B, T, 2, hkv_b, d] now, so the projection is freed here
         self.kv = [torch.stack((k[:, :, i * hkv:(i + 1) * hkv], v[:, :, i * hkv:(i + 1) * hkv]), dim=2)
                    for i in range(cols.buckets)]
@@ -205,7 +245,11 @@ class _OwnerProjection:
     def item(self, b: int, comm: Comm) -> "_Item":
         """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued."""
         kv, self.kv[b] = self.kv[b], None
-        return _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm)
+        item = _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm)
+        if self.q_raw is not None:
+            item.q_raw = self.q_raw[:, :, b * self.hq:(b + 1) * self.hq]
+            item.k_raw = self.k_raw[:, :, b * self.hkv:(b + 1) * self.hkv]
+        return item
 
 
 def _schedule(degree: int, buckets: int) -> list[tuple[int, int]]:
@@ -292,6 +336,7 @@ class _Item:
 
     def __init__(self, q: torch.Tensor, kv: torch.Tensor, comm: Comm):
         self.q, self.kv, self.comm = q, kv, comm
+        self.q_raw = self.k_raw = None       # the q/k norms' inputs [B, T, heads_b, d] (Qwen3)
         self.gather: _KVGather | None = _KVGather(self.kv, comm)
         self.a = self.q_leaf = self.anchor = self.sink = self.dropped = None
 
@@ -341,8 +386,9 @@ class _Projections:
     items of its other buckets slice it."""
 
     def __init__(self, x: torch.Tensor, shards: ShardBroadcasts, block: TSPAttention, shapes,
-                 rope: Rotary):
+                 rope: Rotary, norms: _HeadNorms | None = None):
         self.x, self.shards, self.block, self.shapes, self.rope = x, shards, block, shapes, rope
+        self.norms = norms
         self.cols = _Columns(shapes, block.head_buckets)
         self._owner: int | None = None
         self._projection: _OwnerProjection | None = None
@@ -351,7 +397,8 @@ class _Projections:
         """Item (r, b), its K/V all-gather issued."""
         if self._owner != r:
             shard = _Shard(self.shards.get(r), self.shapes)
-            self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.block.head_dim)
+            self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.block.head_dim,
+                                                self.norms)
             self._owner = r
         item = self._projection.item(b, self.block.comm)
         if b == self.block.head_buckets - 1:           # the owner's last slices are taken
@@ -385,13 +432,15 @@ class _OwnerOutputs:
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rope: Rotary, block: TSPAttention, keep: Kept, *params):
-        # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard)
+    def forward(ctx, x, rope: Rotary, block: TSPAttention, keep: Kept, q_norm, k_norm, *params):
+        # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard);
+        # q_norm, k_norm: the per-head norm weights [d] (Qwen3) or None
         comm, shapes = block.comm, [tuple(w.shape) for w in params]
+        norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, block.norm_eps)
         items, last = _schedule(comm.size, block.head_buckets), block.head_buckets - 1
         selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
-        projections = _Projections(x, shards, block, shapes, rope)
+        projections = _Projections(x, shards, block, shapes, rope, norms)
         # the sum over owners: fp32, or x's dtype once the layer's tokens are tiled
         y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
         y2, outputs = y.view(-1, x.shape[-1]), _OwnerOutputs(block.head_buckets)
@@ -405,21 +454,22 @@ class _TSPAttentionFn(torch.autograd.Function):
             if b == last:                    # o_proj: one GEMM over the owner's buckets
                 add_matmul(y2, outputs.take(), _Shard(shards.get(r), shapes).wo.t())
                 shards.release(r)
-        ctx.save_for_backward(x, *params)
+        ctx.save_for_backward(x, q_norm, k_norm, *params)
         ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
         keep.store(ctx, block, kept if selective else None)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, *params = ctx.saved_tensors
+        x, q_norm, k_norm, *params = ctx.saved_tensors
         block, comm, shapes, rope = ctx.block, ctx.block.comm, ctx.shapes, ctx.rope
+        norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, block.norm_eps)
         items, kept = _schedule(comm.size, block.head_buckets), Kept.load(ctx, block)
         shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
         dx = torch.zeros(x2.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
-        projections = _Projections(x, shards, block, shapes, rope) if kept is None else None
+        projections = _Projections(x, shards, block, shapes, rope, norms) if kept is None else None
         cols = _Columns(shapes, block.head_buckets)
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
@@ -445,13 +495,14 @@ class _TSPAttentionFn(torch.autograd.Function):
             nxt = prepare(i + 1) if i + 1 < len(items) else None    # its K/V gather in flight
             if b == 0:
                 owner = _OwnerBackward(r, dy2, _Shard(shards.get(r), shapes),
-                                       _Shard(grads.buffer(r), shapes), cols, block.head_buckets)
+                                       _Shard(grads.buffer(r), shapes), cols, block.head_buckets, norms)
             # same owner: item i-1's key/value side finishes after this item's attention backward
             pending, item = owner.query_side(x2, dy2, item, b, rope, comm, dx, pending), nxt
         finish(pending)
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
-        return (dx.view(x.shape).to(x.dtype), None, None, None, *out)
+        norm_grads = (None, None) if norms is None else norms.weight_grads()
+        return (dx.view(x.shape).to(x.dtype), None, None, None, *norm_grads, *out)
 
 
 class _GradReduces:
@@ -509,8 +560,9 @@ class _OwnerBackward:
     dX += dP [W_q; W_k; W_v]. One dP per owner is in flight."""
 
     def __init__(self, owner: int, dy2: torch.Tensor, weights: _Shard, grads: _Shard,
-                 cols: _Columns, buckets: int):
+                 cols: _Columns, buckets: int, norms: _HeadNorms | None = None):
         self.owner, self.weights, self.grads, self.cols = owner, weights, grads, cols
+        self.norms = norms
         self.last = buckets - 1
         self.da = dy2 @ weights.wo                                       # [n, hq/D * d]
         self.dp: torch.Tensor | None = None     # [n, (hq + 2 hkv)/D * d], from the first dq on
@@ -531,16 +583,23 @@ class _OwnerBackward:
         del dkv
         if b == self.last:
             self.da = None
-        self._put(cols.q_cols(b), apply_rope_backward(dq, rope.cos, rope.sin))
+        dq = apply_rope_backward(dq, rope.cos, rope.sin)
+        if self.norms is not None:
+            dq = self.norms.backward("q", item.q_raw, dq)
+        self._put(cols.q_cols(b), dq)
         if b == self.last:                                                # dW_o, under the scatter
             add_matmul(self.grads.wo, dy2.t(), self.outputs.take())
-        return _PendingKV(scatter, self, b, x2, dx)
+        return _PendingKV(scatter, self, b, x2, dx, item.k_raw)
 
     def key_value_side(self, b: int, dk: torch.Tensor, dv: torch.Tensor, rope: Rotary,
-                       x2: torch.Tensor, dx: torch.Tensor) -> bool:
+                       x2: torch.Tensor, dx: torch.Tensor, k_raw: torch.Tensor | None = None) -> bool:
         """Bucket b's dK, dV [B, T, hkv_b, d] (this rank's tokens, summed over the group) into dP;
-        after the last bucket the owner's dW_qkv, bias and dX GEMMs run. True then."""
-        self._put(self.cols.k_cols(b), apply_rope_backward(dk, rope.cos, rope.sin))
+        after the last bucket the owner's dW_qkv, bias and dX GEMMs run. True then. k_raw: the k
+        norm's input of this bucket's local tokens (Qwen3)."""
+        dk = apply_rope_backward(dk, rope.cos, rope.sin)
+        if self.norms is not None:
+            dk = self.norms.backward("k", k_raw, dk)
+        self._put(self.cols.k_cols(b), dk)
         self._put(self.cols.v_cols(b), dv)
         if b != self.last:
             return False
@@ -563,10 +622,10 @@ class _PendingKV:
     """An item whose dK/dV reduce-scatter is in flight: its key/value side runs once the scatter
     is waited for (`finish`, True when that completed its owner's backward)."""
 
-    def __init__(self, scatter: _DKVScatter, owner: _OwnerBackward, bucket: int, x2, dx):
+    def __init__(self, scatter: _DKVScatter, owner: _OwnerBackward, bucket: int, x2, dx, k_raw=None):
         self.scatter, self.state, self.bucket, self.owner = scatter, owner, bucket, owner.owner
-        self.x2, self.dx = x2, dx
+        self.x2, self.dx, self.k_raw = x2, dx, k_raw
 
     def finish(self, rope: Rotary) -> bool:
         dk, dv = self.scatter.wait()
-        return self.state.key_value_side(self.bucket, dk, dv, rope, self.x2, self.dx)
+        return self.state.key_value_side(self.bucket, dk, dv, rope, self.x2, self.dx, self.k_raw)

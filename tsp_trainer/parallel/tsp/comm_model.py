@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.parallel.grad_sync import GRAD_BYTES
 
 
@@ -46,14 +47,17 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         for op in ("send", "recv"):
             add(op, "mlp.weights", 2 * (d - 1), p_mlp // d * weight_bytes)
             add(op, "mlp.weights.grad", d, p_mlp // d * GRAD_BYTES)
-    vocab_shard = cfg.vocab_size // d * h * weight_bytes
-    vocab_grad = cfg.vocab_size // d * h * GRAD_BYTES
+    vocab_rows = padded_vocab_size(cfg.vocab_size, d) // d            # padded to a multiple of D
+    vocab_shard = vocab_rows * h * weight_bytes
+    vocab_grad = vocab_rows * h * GRAD_BYTES
     for op in ("send", "recv"):
         add(op, "embed.weights", d - 1, vocab_shard)             # backward moves accumulators only
         add(op, "embed.weights.grad", d, vocab_grad)
         add(op, "head.weights", 2 * (d - 1), vocab_shard)
         add(op, "head.weights.grad", d, vocab_grad)
     add("all_reduce", "norm.grad", 2 * L + 1, h * GRAD_BYTES)
+    if cfg.qk_norm:                                              # q_norm, k_norm [head_dim] per layer
+        add("all_reduce", "norm.grad", 2 * L, cfg.head_dim * GRAD_BYTES)
     replicated_biases = int(cfg.o_bias) + int(cfg.mlp_bias)
     if replicated_biases:
         add("all_reduce", "bias.grad", replicated_biases * L, h * GRAD_BYTES)

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 
 from tsp_trainer.model.transformer import IGNORE_INDEX, TokenStats
 from tsp_trainer.parallel.comm import Comm
-from tsp_trainer.parallel.loss_chunks import in_vocab_shard, resolve_loss_chunk_tokens, token_chunks
+from tsp_trainer.parallel.loss_chunks import (in_vocab_shard, mask_vocab_padding, resolve_loss_chunk_tokens,
+                                              token_chunks)
 from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward
 
 
@@ -67,7 +68,7 @@ class TSPLMHead(nn.Module):
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
         count = (labels != IGNORE_INDEX).sum()
         chunk = self.chunk_tokens(labels.numel())
-        return _HeadLossFn.apply(hidden, self.weight, labels, self.comm, chunk), count
+        return _HeadLossFn.apply(hidden, self.weight, labels, self.comm, chunk, self.vocab_size), count
 
     @torch.no_grad()
     def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
@@ -75,7 +76,8 @@ class TSPLMHead(nn.Module):
         flat_labels = labels.reshape(-1)
         lse, target, best = _vocab_ring_lse(hidden.reshape(-1, hidden.shape[-1]), self.weight,
                                             flat_labels, self.comm,
-                                            self.chunk_tokens(flat_labels.numel()), with_argmax=True)
+                                            self.chunk_tokens(flat_labels.numel()), with_argmax=True,
+                                            vocab_size=self.vocab_size)
         loss = (lse - target) * (flat_labels != IGNORE_INDEX)
         return TokenStats(loss.view(labels.shape), best.view(labels.shape))
 
@@ -88,7 +90,7 @@ class TSPLMHead(nn.Module):
             logits[..., j * rows:(j + 1) * rows] = hidden @ w.view(rows, -1).T
 
         ring_forward(self.comm, pack(self.weight), step, tag="head.weights")
-        return logits
+        return logits[..., :self.vocab_size]                  # the padding rows' columns cut off
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -132,7 +134,7 @@ def _in_shard(ids: torch.Tensor, shard: int, rows: int):
 
 
 def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Tensor, comm: Comm,
-                    chunk: int, *, with_argmax: bool = False):
+                    chunk: int, *, with_argmax: bool = False, vocab_size: int | None = None):
     """One pass of the vocab shards around the ring for the local tokens x [N/D, h]:
     (log-sum-exp [N/D] fp32, target logit [N/D] fp32, argmax [N/D] int64 or None). Each step takes
     the tokens `chunk` at a time and sees one [chunk, V/D] block of logits at a time; the argmax
@@ -148,7 +150,7 @@ def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Te
     def step(j: int, w: torch.Tensor) -> None:
         w = w.view(rows, -1)
         for c in chunks:                                        # the shard serves every chunk
-            logits = (x[c] @ w.T).float()                       # [chunk, V/D]
+            logits = mask_vocab_padding((x[c] @ w.T).float(), j * rows, vocab_size)   # [chunk, V/D]
             block_max, block_idx = logits.max(dim=-1)
             if best is not None:
                 # Shards arrive in ring order (p, p-1, ...): on a tie the lower vocabulary index wins.
@@ -169,13 +171,13 @@ def _vocab_ring_lse(x: torch.Tensor, weight: torch.Tensor, flat_labels: torch.Te
 
 class _HeadLossFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, comm: Comm, chunk: int):
+    def forward(ctx, hidden, weight, labels, comm: Comm, chunk: int, vocab_size: int | None = None):
         x = hidden.reshape(-1, hidden.shape[-1])                    # [N/D, h]
         flat_labels = labels.reshape(-1)
-        lse, target, _ = _vocab_ring_lse(x, weight, flat_labels, comm, chunk)
+        lse, target, _ = _vocab_ring_lse(x, weight, flat_labels, comm, chunk, vocab_size=vocab_size)
         valid = flat_labels != IGNORE_INDEX
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.comm, ctx.chunk = comm, chunk
+        ctx.comm, ctx.chunk, ctx.vocab_size = comm, chunk, vocab_size
         return ((lse - target) * valid).sum()
 
     @staticmethod
@@ -192,7 +194,8 @@ class _HeadLossFn(torch.autograd.Function):
             w = w.view(rows, -1)
             dw = None                                               # [V/D, h] fp32, over chunks
             for c in chunks:                                        # the shard serves every chunk
-                dlogits = (x[c] @ w.T).float().sub_(lse[c, None]).exp_()   # softmax [chunk, V/D]
+                dlogits = mask_vocab_padding((x[c] @ w.T).float(), j * rows, ctx.vocab_size)
+                dlogits = dlogits.sub_(lse[c, None]).exp_()                # softmax [chunk, V/D]
                 index, hit = _in_shard(flat_labels[c], j, rows)
                 dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
                 dlogits = dlogits.mul_(scale[c, None]).to(w.dtype)  # matmuls in the weights' dtype
@@ -202,7 +205,7 @@ class _HeadLossFn(torch.autograd.Function):
 
         full = ring_backward(ctx.comm, pack(weight), grad_step, tag="head.weights")
         return (dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape).to(weight.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

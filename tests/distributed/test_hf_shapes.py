@@ -1,0 +1,230 @@
+"""Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral) and a prime vocabulary
+(padded to a multiple of the degree inside, tied and untied), imported from tiny folders saved by
+transformers, under TSP and every baseline at D = 2 and 4, against transformers itself on the same
+weights (fp32): the logits, the loss and every gradient; the ledger of a step against the closed
+forms; the loss and gradients with document masking (each document alone in transformers); the
+weights after 3 AdamW steps; those weights written as TSP's checkpoint shards and read back into a
+fresh model of the same layout (the resume path) and of another (sp at D = 2, tp_x_sp at D = 4);
+exported (save_hf_folder, the original vocabulary) and loaded by transformers. D = 1 is
+tests/unit/test_hf_shapes.py. One fork per degree runs every case, so the test stays cheap.
+
+Tolerances: rtol 1e-5 / atol 1e-6 for logits and gradients, rel 1e-6 for losses (the same math
+summed in another order over ranks); weights after AdamW atol 3e-6 (eps 1e-3 bounds the
+first-order effect of gradient rounding: 3 steps x lr 1e-2 x 1e-7 / 1e-3)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import hf_shapes
+from tests.helpers.dist import run_on_ranks
+from tsp_trainer.checkpoint.hf import load_hf_state_dict, save_hf_folder
+from tsp_trainer.checkpoint.shards import read_local_state_dict, shard_file_name, write_shard
+from tsp_trainer.config.hf_model import model_config_from_hf
+from tsp_trainer.model import Transformer
+from tsp_trainer.model.documents import Documents
+from tsp_trainer.parallel.baselines.comm_model import expected_ledger_bytes
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
+
+pytestmark = pytest.mark.distributed
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+# (scheme, options) per degree: every scheme, and TSP's kept-items paths (selective, buckets)
+SCHEMES = {
+    2: [("tsp", {}), ("tsp", {"tsp_recompute": "selective", "head_buckets": 2}), ("tp", {}),
+        ("tp_sp", {}), ("sp", {})],
+    4: [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp", {}), ("tp_sp", {}), ("sp", {}),
+        ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})],
+}
+
+# TSP's checkpoint shards are read back into this scheme's layout too (another split of the rows)
+RESHARD_TO = {2: "sp", 4: "tp_x_sp"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_shapes")
+    for shape in hf_shapes.SHAPES:
+        hf_shapes.save_tiny(root / shape, shape)
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(folder: str):
+    cfg = model_config_from_hf(folder)
+    ids, labels = hf_shapes.batch(cfg.vocab_size)
+    return hf_shapes.reference(folder, ids, labels)
+
+
+def _parallel(cfg, folder, scheme, options, mesh, seq_len):
+    model = Transformer(cfg)
+    model.load_state_dict(dict(load_hf_state_dict(folder, cfg)))
+    return parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+
+
+def _step(par, ids, labels, documents=None):
+    local_ids, local_labels, pos = par.local_batch(ids, labels, documents)
+    loss_sum, count = par.loss_sum(local_ids, local_labels, pos)
+    total = global_count(count, par.token_comms)
+    (loss_sum / total).backward()
+    return reduce_loss_value(loss_sum, total, par.token_comms)
+
+
+def _cases_rank(rank, world, root, ckpt_root):
+    """Every shape x scheme of this degree on this rank; rank 0 returns the gathered results."""
+    mesh = build_mesh(world)
+    results = {}
+    for shape in hf_shapes.SHAPES:
+        folder = f"{root}/{shape}"
+        cfg = model_config_from_hf(folder)
+        ids, labels = hf_shapes.batch(cfg.vocab_size)
+        for i, (scheme, options) in enumerate(SCHEMES[world]):
+            par = _parallel(cfg, folder, scheme, options, mesh, ids.shape[1])
+            mesh.ledger.reset()
+            out = {"loss": _step(par, ids, labels)}
+            out["ledger"] = _ledger(mesh, cfg, scheme, options, world, ids)
+            out["grads"] = par.gather_full_grads()
+            local_ids, local_labels, pos = par.local_batch(ids, labels)
+            out["logits"] = par.model(local_ids, pos).detach()
+            # evaluation: per-token loss and argmax (padded vocabulary rows never win), and where
+            # this rank's tokens sit in the batch
+            stats = par.token_stats(local_ids, local_labels, pos)
+            where = torch.arange(ids.numel()).view(ids.shape)
+            out["stats"] = (stats.loss, stats.argmax, par.local_batch(where, where)[0])
+            par.model.zero_grad()
+            docs = Documents.from_lengths(hf_shapes.DOC_LENGTHS, reset_positions=True)
+            out["doc_loss"] = _step(par, ids, labels, docs)
+            out["doc_grads"] = par.gather_full_grads()
+            par.model.zero_grad()
+            opt = torch.optim.AdamW(par.model.parameters(), lr=hf_shapes.LR, eps=hf_shapes.EPS)
+            for _ in range(hf_shapes.STEPS):
+                _step(par, ids, labels)
+                opt.step()
+                opt.zero_grad()
+            out["weights"] = par.gather_full_state_dict()
+            if i == 0:                   # resume: TSP's shards written, read back into a fresh model
+                ckpt = Path(f"{ckpt_root}/d{world}_{shape}")
+                if rank == 0:
+                    ckpt.mkdir()
+                dist.barrier()
+                write_shard(ckpt / shard_file_name(mesh.tsp.rank, world), par.model.state_dict(),
+                            par.specs, {c.axis: c.rank for c in par.axis_comms.values()})
+                dist.barrier()
+                out["resumed"] = _read_back(ckpt, cfg, folder, scheme, options, mesh, ids)
+                written = (ckpt, out["weights"])
+            elif scheme == RESHARD_TO[world]:  # the same shards read into another layout
+                resharded = _read_back(written[0], cfg, folder, scheme, options, mesh, ids)
+                out["resharded"] = all(torch.equal(resharded[n], w) for n, w in written[1].items())
+            results[(shape, scheme, i)] = out if rank == 0 else {"loss": out["loss"]}
+    return results
+
+
+def _ledger(mesh, cfg, scheme, options, world, ids) -> bool:
+    """The step's ledger equals the closed form of the scheme (q/k norm all-reduces included)."""
+    batch, seq = ids.shape
+    records = [r for r in mesh.ledger.records if r.tag != "loss.value"]    # the logged loss value
+    if scheme == "tsp":
+        got = ledger_totals(records)
+        want = tsp_step_comm(cfg, degree=world, batch=batch, seq_len=seq,
+                             head_buckets=options.get("head_buckets", 1))
+    else:
+        got = {k: v["bytes"] for k, v in mesh.ledger.summary().items() if not k.endswith("/loss.value")}
+        want = expected_ledger_bytes(cfg, scheme, degree=world, batch=batch, seq_len=seq,
+                                     **{k: v for k, v in options.items() if k.endswith("degree")})
+    assert got == want, f"{scheme} {options}: ledger {got} != closed form {want}"
+    return True
+
+
+def _read_back(ckpt: Path, cfg, folder, scheme, options, mesh, ids) -> dict:
+    """A fresh `scheme` model loaded from the shards in `ckpt` (read_local_state_dict: this rank's
+    slices only, padded vocabulary rows included), gathered back to full tensors."""
+    fresh = _parallel(cfg, folder, scheme, options, mesh, ids.shape[1])
+    names = [n for n, _ in fresh.model.named_parameters()]
+    local = read_local_state_dict(ckpt, fresh.specs, {c.axis: c.rank for c in fresh.axis_comms.values()},
+                                  names)
+    with torch.no_grad():
+        for n, p in fresh.model.named_parameters():
+            p.copy_(local[n])
+    return fresh.gather_full_state_dict()
+
+
+def _max_diff(ours: dict, theirs: dict) -> float:
+    return max((ours[n] - t).abs().max().item() for n, t in theirs.items())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_shapes_match_transformers(folders, tmp_path, world, capsys):
+    results = run_on_ranks(_cases_rank, world, str(folders), str(tmp_path), timeout=600)
+    figures = []
+    for (shape, scheme, i), out in results[0].items():
+        ref = _reference(str(folders / shape))
+        cfg = model_config_from_hf(folders / shape)
+        where = f"D={world} {shape} {scheme} {SCHEMES[world][i][1]}"
+        for rank in range(world):
+            assert results[rank][(shape, scheme, i)]["loss"] == pytest.approx(ref["loss"], rel=1e-6), where
+        # logits of this rank's tokens (rank 0's layout)
+        model = Transformer(cfg)
+        par_ref = ref["logits"]
+        assert out["grads"].keys() == ref["grads"].keys(), where
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"{where} {name}: {m}")
+        assert out["doc_loss"] == pytest.approx(ref["doc_loss"], rel=1e-6), where
+        for name, grad in ref["doc_grads"].items():
+            torch.testing.assert_close(out["doc_grads"][name], grad, **TOL,
+                                       msg=lambda m: f"{where} documents {name}: {m}")
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(out["weights"][name], w, rtol=0, atol=3e-6,
+                                       msg=lambda m: f"{where} AdamW {name}: {m}")
+        token_loss, argmax, where_ = out["stats"]
+        ref_logits = ref["logits"].flatten(0, 1)[where_.flatten()]
+        labels = hf_shapes.batch(cfg.vocab_size)[1].flatten()[where_.flatten()]
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits, labels, reduction="none", ignore_index=-100)
+        torch.testing.assert_close(token_loss.flatten(), ref_loss, **TOL, msg=lambda m: f"{where} token loss: {m}")
+        assert torch.equal(argmax.flatten(), ref_logits.argmax(-1)), f"{where} argmax"
+        if "resumed" in out:
+            for name, w in out["weights"].items():
+                assert torch.equal(out["resumed"][name], w), f"{where} resumed {name}"
+        if "resharded" in out:
+            assert out["resharded"], f"{where}: TSP's D={world} shards read into {scheme} differ"
+        # the trained weights exported and loaded by transformers: transformers' logits are ours
+        model.load_state_dict(out["weights"])
+        ids, _ = hf_shapes.batch(cfg.vocab_size)
+        from transformers import AutoModelForCausalLM
+
+        exported = save_hf_folder(out["weights"], cfg, tmp_path / f"export_{world}_{shape}_{i}")
+        back = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+        with torch.no_grad():
+            ours_logits, their_logits = model(ids), back(ids).logits
+        torch.testing.assert_close(their_logits, ours_logits, **TOL, msg=lambda m: f"{where} export: {m}")
+        assert model_config_from_hf(exported) == cfg
+        figures.append(f"{where}: loss {abs(out['loss'] - ref['loss']):.1e} grads "
+                       f"{_max_diff(out['grads'], ref['grads']):.1e} documents "
+                       f"{_max_diff(out['doc_grads'], ref['doc_grads']):.1e} adamw "
+                       f"{_max_diff(out['weights'], ref['weights']):.1e} export logits "
+                       f"{(their_logits - ours_logits).abs().max().item():.1e} logits(rank 0) "
+                       f"{_local_logits_diff(out['logits'], par_ref, world, scheme):.1e}")
+    with capsys.disabled():
+        print("\n" + "\n".join(figures))
+
+
+def _local_logits_diff(local: torch.Tensor, full: torch.Tensor, world: int, scheme: str) -> float:
+    """Rank 0's logits against the same tokens of transformers' logits: zigzag chunks 0 and 2D-1
+    (tsp, sp), all tokens (tp), or for tp_x_sp the sp rank 0's chunks (sp = 2)."""
+    s = full.shape[1]
+    if scheme in ("tp", "tp_sp"):
+        want = full
+    else:
+        parts = 2 * (2 if scheme == "tp_x_sp" else world)
+        c = s // parts
+        want = torch.cat([full[:, :c], full[:, s - c:]], dim=1)
+    diff = (local - want).abs().max().item()
+    assert diff <= 1e-5, f"rank 0 logits differ by {diff}"
+    return diff
