@@ -11,7 +11,7 @@ DeepSpeed, 4 gloo ranks: TSP D=4, document masking, activation checkpointing and
 MLP tiled). Each rank's peak RSS is its VmHWM (/proc/<pid>/status), read while the run goes.
 With glibc's defaults that RSS grows about twice as fast as the plan (freed heap pages stay
 resident); --malloc-threshold sets the ranks' mmap and trim thresholds, which keeps it below the
-plan at the price of slower steps (docs/long_context.md, "A real run at the longest length on this
+plan at the price of slower steps (docs/long_context/tiled_mlp.md, "A real run at the longest length on this
 machine").
 
 The budget: 24 GiB of host memory, 22 GiB of it usable by the run (the rest for the OS, the
@@ -57,7 +57,7 @@ USABLE_GIB = 22.0                 # of HOST_GIB: the OS, the launcher's processe
 # A rank's RSS that does not grow with the sequence: Python, torch, DeepSpeed, gloo, the tokenizer
 # (measured: the peak RSS of the shortest run less the planner's bytes at that length, rounded up)
 PROCESS_BASE_GIB = 0.6
-# The loader's host copies of the whole window, on every rank (docs/long_context.md, section 9):
+# The loader's host copies of the whole window, on every rank (docs/long_context/millions_of_tokens.md):
 # the packed int64 stream (8 B a token), the (1, S + 1) int64 window (8), the batch's input_ids
 # and labels (int64, 8 each) and document ids (int32, 4)
 LOADER_BYTES_PER_TOKEN = 36

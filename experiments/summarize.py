@@ -127,7 +127,7 @@ def plot(docs: list[dict], path: str) -> None:
     # Memory and bytes only: they are exact. Step times on this shared CPU need interleaved repeats
     # (experiments/step_time_table.py), which single timed launches are not.
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
-    for degree, style in ((4, "-o"), (2, "--s")):
+    for degree, style in zip(sorted(data, reverse=True), ("-o", "--s", ":^")):
         for scheme in ORDER:
             rows = data.get(degree, {}).get(scheme)
             if not rows:

@@ -1,7 +1,7 @@
 """The packed loader's host memory follows seq_len, not the corpus: tracemalloc's peak while a
 loader (bundled tokenizer, document ids on) builds three sequences grows with the sequence length
 (two int64 copies of the window) and stays the same on a corpus four times larger. The figure at 7.34M tokens is in
-docs/long_context.md ("Data at millions of tokens")."""
+docs/long_context/millions_of_tokens.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""experiments/tiling_cost.py (the measured side of docs/long_context.md's 128K cost table) runs
+"""experiments/tiling_cost.py (the measured side of docs/long_context/longest_context.md's 128K cost table) runs
 end to end at a tiny size, so it cannot rot: every variant gives the untiled loss (tiling changes
 the order of sums only) and a ratio per variant over its interleaved steps."""
 

@@ -132,7 +132,7 @@ def check_hf_config(raw: dict, model_cfg: ModelConfig, config_path: Path) -> Non
     (config/model_source.py SHAPE_KEYS), else one ValueError listing each mismatch. Variants the
     model cannot represent are refused by name (config/hf_model.py). RoPE settings and the context
     length may differ: training with another RoPE than the source model's is how a context is
-    extended (docs/long_context.md); that only warns."""
+    extended (docs/long_context/rope.md); that only warns."""
     folder_cfg = ModelConfig(**model_fields_from_hf(raw, config_path))
     wrong = [f"model.{k}={_show(getattr(model_cfg, k))} but {config_path} has "
              f"{hf_key_of(k)}={_show(getattr(folder_cfg, k))}"

@@ -1,7 +1,7 @@
 """Where the model and its tokenizer come from: a named size, or a Hugging Face folder
 (`model.init_from`: shape + weights; `model.config_from`: shape only) plus the recipe's keys.
 
-The rule (docs/long_context.md, "No hand copying"):
+The rule (docs/long_context/models.md, "No hand copying"):
 
 * With a folder, its config.json is the model. A `model.size` left in the recipe is only a check:
   its shape keys (below) must equal the folder's; its RoPE and context values are not used.

@@ -49,7 +49,7 @@ def resolved_dtype(dtype: str, cuda: bool) -> str:
 @dataclass(frozen=True)
 class RopeScalingSection:
     """Transformers' rope_parameters keys. Unset (all null) keeps the size's or
-    folder's scaling; any key set replaces it and needs rope_type (docs/long_context.md)."""
+    folder's scaling; any key set replaces it and needs rope_type (docs/long_context/rope.md)."""
 
     rope_type: RopeType | None = setting(None, doc="default (no scaling), linear, llama3 or yarn")
     factor: float | None = setting(None, doc="context extension ratio (new / original context)")
@@ -128,17 +128,17 @@ class ParallelSection:
                     "gate/up (no forward runs a third time); attention = the items only, the MLP's "
                     "backward recomputes gate/up per token chunk; nothing = neither, attention also "
                     "runs its forward again in backward; auto = all (the planner does not choose the "
-                    "leaner values: docs/long_context.md section 12)")
+                    "leaner values: docs/long_context/longest_context.md)")
     loss_chunk_tokens: int | Literal["auto"] = setting(
         "auto", min=1, doc="local tokens the LM head's loss takes at a time (fp32 logits [chunk, "
                            "V/D]); auto: all at once unless that block exceeds 1 GiB, else the "
-                           "fewest equal chunks under it (docs/long_context.md)")
+                           "fewest equal chunks under it (docs/long_context/tiled_loss.md)")
     mlp_chunk_tokens: int | Literal["auto"] = setting(
         "auto", min=1, doc="local tokens the gated MLP takes at a time within each ring step / "
                            "local matmul (intermediates [chunk, I/D]); auto: all at once unless "
                            "the ~6 alive [tokens, I/D] intermediates exceed 1 GiB, else the fewest "
                            "equal chunks under it; once tiled, a TSP layer's [N/D, h] accumulators "
-                           "are kept in the activation dtype (docs/long_context.md)")
+                           "are kept in the activation dtype (docs/long_context/tiled_mlp.md)")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")
@@ -243,7 +243,7 @@ class ZeroSection:
     offload_optimizer: OffloadOptimizer = setting(
         "none", doc="cpu: DeepSpeed's ZeRO-Offload keeps the fp32 master weights, AdamW moments and "
                     "the fp32 gradient partition in pinned host memory and runs the update with "
-                    "DeepSpeedCPUAdam; needs zero.stage 1 or 2 (docs/long_context.md)")
+                    "DeepSpeedCPUAdam; needs zero.stage 1 or 2 (docs/long_context/optimizer_offload.md)")
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,7 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    """Long-context evaluation under the training layout (docs/long_context.md, "Evaluation").
+    """Long-context evaluation under the training layout (docs/long_context/evaluation.md).
     The eval loss itself runs every train.eval_every steps on train.eval_batches micro-batches."""
 
     loss_by_position: bool = setting(True, doc="also report that eval loss per position bucket "

@@ -422,7 +422,7 @@ def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model.max_seq_len} "
                          f"(RoPE is set up for that many positions); lower data.seq_len or raise "
                          f"model.max_seq_len (with model.rope_scaling to extend a trained context, "
-                         "see docs/long_context.md)")
+                         "see docs/long_context/rope.md)")
     check_sliding_window(model, cfg.data.seq_len)
     check_exact_positions(cfg.data.seq_len, reset_positions=cfg.data.reset_positions)
     if cfg.optim.min_lr > cfg.optim.lr:

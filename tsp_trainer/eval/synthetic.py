@@ -1,7 +1,7 @@
 """A synthetic passkey-retrieval corpus: documents that are haystacks themselves (haystack.py's
 prompt, filler from real text, a random key at a random depth, the answer at the end), so that a
 small model trained on it learns to copy the key and the passkey metric has something to measure.
-Used by the tests and by the example in docs/long_context.md; `tsp-eval retrieval-corpus` writes it.
+Used by the tests and by the example in docs/long_context/evaluation.md; `tsp-eval retrieval-corpus` writes it.
 
 The documents take their filler from the source's train split and their keys from `seed` (1 by
 default), the evaluation from the validation split and seed 0: the model cannot have seen the

@@ -4,7 +4,7 @@ ring (parallel/tsp/mlp.py) and the baselines' column/row-parallel MLP (parallel/
 `TokenTiling` decides, per call, how many local tokens one chunk takes (`parallel.mlp_chunk_tokens`,
 parallel/loss_chunks.py `resolve_mlp_chunk_tokens`) and, when the tokens are tiled, that the
 block's [tokens, h] accumulators (MLP output, dX; TSP's attention output over owners and its dX)
-are kept in the activation dtype instead of fp32 (docs/long_context.md section 10). In fp32 the
+are kept in the activation dtype instead of fp32 (docs/long_context/tiled_mlp.md). In fp32 the
 two are the same; in bf16 each chunk's GEMM adds into the bf16 accumulator itself, summing in fp32
 and rounding once (one rounding per ring step or attention owner instead of one at the end).
 

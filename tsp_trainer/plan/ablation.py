@@ -97,7 +97,7 @@ def format_ablation(rows: list[AblationRow], *, header: str) -> str:
     return "\n".join(lines)
 
 
-# the published tables (docs/long_context.md, docs/results/longest_ablation.json)
+# the published tables (docs/long_context/longest_context.md, docs/results/longest_ablation.json)
 PUBLISHED = (("llama3_8b", "h100"), ("llama3_8b", "h200"), ("7b", "mi300x"))
 COST_SEQ_LEN = 131072
 
