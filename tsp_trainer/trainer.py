@@ -288,8 +288,8 @@ class Trainer:
             raise NonFiniteError(
                 f"{limit} steps in a row (steps {self.state.step - limit + 1}-{self.state.step}) had a "
                 f"non-finite loss or gradient and were skipped (train.max_consecutive_skips={limit}): "
-                f"the run is not recovering; the latest checkpoint is {self.checkpoints.latest()}; resume "
-                "from it with a lower optim.lr, or look at the data of these steps")
+                f"the run is not recovering; the latest checkpoint is {self.checkpoints.latest()}; resume from "
+                "it with a lower optim.lr and optim.on_resume_change=recipe, or look at these steps' data")
         return skipped
 
     def _data_metrics(self, seq_len: int) -> dict:
