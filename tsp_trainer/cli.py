@@ -9,7 +9,8 @@ finalisation otherwise, after the job's work is done).
 tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
 found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
 exit silently); 75 stopped early at a checkpoint by a preemption signal or train.max_runtime_min
-(continue with train.resume=auto); 1 anything else (a traceback), and a worker whose launcher
+(continue with train.resume=auto); 130 stopped at a checkpoint by Ctrl-C (SIGINT; a second Ctrl-C,
+or one during start-up, stops at once without one); 1 anything else (a traceback), and a worker whose launcher
 died (it stops within a second, without saving: _stop_with_launcher).
 
 One job per output folder: global rank 0 takes the folder's lease (run/lease.py) right after the
@@ -35,6 +36,7 @@ import time
 
 EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
 EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
+EXIT_INTERRUPTED = 130   # tsp_trainer.run.EXIT_INTERRUPTED (Ctrl-C)
 _STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
 
 
@@ -116,7 +118,7 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():
-        if code in (0, EXIT_PREEMPTED):          # every rank leaves together (they agreed to)
+        if code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED):    # every rank leaves together (they agreed to)
             dist.barrier()
         dist.destroy_process_group()
     _release_run_lease()
@@ -149,6 +151,7 @@ def train_main(argv: list[str] | None = None) -> None:
         parser.error("the following arguments are required: recipe")
     _stop_with_launcher()
     world, rank, local_rank = _launcher_env()
+    _interrupt_stops_at_once(rank)                      # until fit() makes Ctrl-C a stop request
     cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
     from tsp_trainer.parallel.comm import CommError
@@ -158,7 +161,7 @@ def train_main(argv: list[str] | None = None) -> None:
     try:
         trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs)
         history = trainer.fit()
-        code = EXIT_PREEMPTED if trainer.stop_reason else 0
+        code = trainer.stopper.exit_code if trainer.stop_reason else 0
         if rank == 0:
             print(_summary(trainer, history), flush=True)
     except ValueError as err:                           # bad input found after start-up
@@ -242,10 +245,10 @@ def launch_main(argv: list[str] | None = None) -> None:
     world = launch_world_size(args)
     # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
     # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
-    _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=launch_first_rank(args, world),
-                          prog="tsp-launch", take_lease=False)
+    cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=world,
+                                   rank=launch_first_rank(args, world), prog="tsp-launch", take_lease=False)
     sys.stdout.flush()
-    sys.exit(run_launcher(args))
+    sys.exit(run_launcher(args, preempt_signals=cfg.train.preempt_signals))
 
 
 def check_main(argv: list[str] | None = None) -> None:
@@ -333,6 +336,18 @@ def _launcher_gone(launcher: int) -> None:
     os._exit(1)
 
 
+def _interrupt_stops_at_once(rank: int) -> None:
+    """Ctrl-C before training (or after it) ends the process at once: one line from rank 0, exit
+    130, no traceback; there is nothing to save. During fit() it is a stop request instead
+    (run/preemption.py)."""
+    def interrupted(signum, frame):
+        if rank == 0:
+            os.write(2, b"tsp-train: interrupted (Ctrl-C) outside the training loop: stopped, nothing saved\n")
+        _release_run_lease()
+        os._exit(EXIT_INTERRUPTED)
+    signal.signal(signal.SIGINT, interrupted)
+
+
 @contextlib.contextmanager
 def _sigterm_held(hold: bool):
     """Within the block a SIGTERM is recorded instead of killing the process; the yielded list is
@@ -354,7 +369,8 @@ def _summary(trainer, history: list[dict]) -> str:
              else "no checkpoints (checkpoint.enabled=false)")
     if trainer.stop_reason:
         return (f"tsp-train: stopped after step {step} of {cfg.train.steps} ({trainer.stop_reason}); "
-                f"{where}; relaunch with train.resume=auto to continue (exit code {EXIT_PREEMPTED})")
+                f"{where}; relaunch with train.resume=auto to continue (exit code "
+                f"{trainer.stopper.exit_code})")
     if not history:
         return f"tsp-train: done: nothing to do, the run is at step {step} of {cfg.train.steps}; {where}"
     return (f"tsp-train: done: {step} steps, loss {history[0]['train/loss']:.4f} -> "

@@ -333,7 +333,7 @@ class Trainer:
                 self.save()      # the final state, unless that exact checkpoint already exists
             self.checkpoints.wait()                         # publish the save in flight, if any
         if self.stop_reason:
-            self.log.warning(f"stopped after step {self.state.step} of {c.train.steps}: "
+            self.log.info(f"stopped after step {self.state.step} of {c.train.steps}: "
                              f"{self.stop_reason}; continue with train.resume=auto")
             self.sinks.mark_preempting()
         self.sinks.close()

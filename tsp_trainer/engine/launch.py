@@ -81,10 +81,10 @@ def launch_first_rank(args: argparse.Namespace, world: int) -> int:
     return (machine or 0) * (world // max(machines or 1, 1))
 
 
-def run_launcher(args: argparse.Namespace) -> int:
+def run_launcher(args: argparse.Namespace, *, preempt_signals=("SIGTERM", "SIGUSR1")) -> int:
     """Start `python -m tsp_trainer train RECIPE [key=value ...]` under Accelerate's launcher and
     return the job's exit code: 0, the first failed rank's own code, or 128 + the signal that
-    stopped the launcher."""
+    stopped the launcher (preempt_signals: the recipe's train.preempt_signals, for its line)."""
     args.module, args.training_script = True, "tsp_trainer"
     args.training_script_args = ["train", args.recipe, *args.overrides]
     try:
@@ -97,14 +97,27 @@ def run_launcher(args: argparse.Namespace) -> int:
     except subprocess.CalledProcessError as err:           # Accelerate's one-process launcher
         return exit_code(err.returncode)
     except SignalException as err:
-        print(f"{PROG}: stopped by {err.sigval.name}; the ranks were sent it too (a tsp-train rank "
-              "checkpoints and exits 75: relaunch with train.resume=auto)", file=sys.stderr,
-              flush=True)
+        print(f"{PROG}: stopped by {err.sigval.name}; {what_ranks_do(err.sigval, preempt_signals)}",
+              file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ValueError as err:                              # Accelerate's checks of its own options
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     return 0
+
+
+def what_ranks_do(sig: signal.Signals, preempt_signals) -> str:
+    """What the launcher's ranks do with the signal it forwarded to them (torch elastic sends its
+    own; SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds), as tsp-train handles it."""
+    if sig == signal.SIGINT:
+        return ("the ranks were sent it too: each saves a checkpoint at its next step boundary and "
+                "exits 130 (a second Ctrl-C stops them at once, without one); continue with "
+                "train.resume=auto")
+    if sig.name in preempt_signals:
+        return (f"the ranks were sent it too: {sig.name} is in train.preempt_signals, so each saves "
+                "a checkpoint at its next step boundary and exits 75; continue with train.resume=auto")
+    return (f"the ranks were sent it too: {sig.name} is not in train.preempt_signals, so they stopped "
+            "without a checkpoint; train.resume=auto continues from the latest one")
 
 
 def first_failure(err: ChildFailedError) -> tuple[int, int, int]:
