@@ -38,6 +38,7 @@ EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it
 EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
 EXIT_INTERRUPTED = 130   # tsp_trainer.run.EXIT_INTERRUPTED (Ctrl-C)
 _STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
+_CHECKED_BY_LAUNCHER = "TSP_CHECKED_BY_LAUNCHER"   # set by tsp-launch for its ranks
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -94,8 +95,10 @@ def cuda_device_index(local_rank: int, visible: int, local_world_size: int | Non
                      f"process all of the node's GPUs (at most {visible} processes per node)")
 
 
-def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bool = False) -> bool:
-    """Device, allocator and threads; returns whether CUDA is used."""
+def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bool = False,
+                     say_threads: str | None = None) -> bool:
+    """Device, allocator and threads (run/threads.py; `say_threads`: the program name under which
+    rank 0 prints the count); returns whether CUDA is used."""
     os.environ.update(default_allocator_env(os.environ))      # before CUDA initialises
     import torch
 
@@ -107,8 +110,11 @@ def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bo
         os.environ.update(nccl_env(blocking_wait=nccl_blocking_wait))
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)        # ranks oversubscribing the cores run ~3x slower
+    from tsp_trainer.run.threads import set_intra_op_threads
+
+    line = set_intra_op_threads()           # ranks oversubscribing the cores run several times slower
+    if say_threads:
+        print(f"{say_threads}: {line}", flush=True)
     return cuda
 
 
@@ -152,8 +158,11 @@ def train_main(argv: list[str] | None = None) -> None:
     _stop_with_launcher()
     world, rank, local_rank = _launcher_env()
     _interrupt_stops_at_once(rank)                      # until fit() makes Ctrl-C a stop request
-    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
-    cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
+    # under tsp-launch, whose own check printed the start-up line already
+    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank,
+                                        report=_CHECKED_BY_LAUNCHER not in os.environ)
+    cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait,
+                            say_threads="tsp-train" if rank == 0 else None)
     from tsp_trainer.parallel.comm import CommError
     from tsp_trainer.trainer import CheckpointSaveError, Trainer
 
@@ -238,11 +247,15 @@ def launch_main(argv: list[str] | None = None) -> None:
     exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
     `-m tsp_trainer train`."""
     _quiet_known_warnings()
-    from tsp_trainer.engine.launch import (launch_first_rank, launch_world_size, parse_launch_args,
-                                           run_launcher)
+    from tsp_trainer.engine.launch import (launch_first_rank, launch_machines, launch_world_size,
+                                           parse_launch_args, run_launcher)
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
+    from tsp_trainer.run.threads import launcher_thread_env
+
+    os.environ.update(launcher_thread_env(world // launch_machines(args)))   # the ranks inherit it
+    os.environ[_CHECKED_BY_LAUNCHER] = "1"
     # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
     # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
     cfg, _ = _check_inputs_or_exit(args.recipe, args.overrides, world=world,

@@ -76,8 +76,12 @@ def test_every_machines_launcher_checks_the_inputs_as_its_first_rank(monkeypatch
     from tsp_trainer.engine import launch
 
     calls = []
-    monkeypatch.setattr(cli, "_check_inputs_or_exit", lambda *a, **k: calls.append((k["world"], k["rank"])))
-    monkeypatch.setattr(launch, "run_launcher", lambda args: 0)
+    from tsp_trainer.config import TrainConfig
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # as set: tsp-launch leaves os.environ alone
+    monkeypatch.setattr(cli, "_check_inputs_or_exit",
+                        lambda *a, **k: (calls.append((k["world"], k["rank"])), (TrainConfig(), None))[1])
+    monkeypatch.setattr(launch, "run_launcher", lambda args, **kwargs: 0)
     with pytest.raises(SystemExit) as exc:
         cli.launch_main(["--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "8",
                          "--machine_rank", machine, "recipes/tiny_cpu.yaml"])

@@ -71,20 +71,34 @@ def launch_world_size(args: argparse.Namespace) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def _launch_config(args: argparse.Namespace):
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    return load_config_from_file(path) if path is not None else None
+
+
+def launch_machines(args: argparse.Namespace) -> int:
+    """--num_machines, else the config file's, else 1."""
+    machines = args.num_machines if args.num_machines is not None else getattr(
+        _launch_config(args), "num_machines", 1)
+    return max(machines or 1, 1)
+
+
 def launch_first_rank(args: argparse.Namespace, world: int) -> int:
     """The global rank of this machine's first process: --machine_rank (else the config file's,
-    else 0) x the processes per machine (`world` over --num_machines, else the config's, else 1)."""
-    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    config = load_config_from_file(path) if path is not None else None
+    else 0) x the processes per machine (`world` over launch_machines)."""
+    config = _launch_config(args)
     machine = args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0)
-    machines = args.num_machines if args.num_machines is not None else getattr(config, "num_machines", 1)
-    return (machine or 0) * (world // max(machines or 1, 1))
+    return (machine or 0) * (world // launch_machines(args))
 
 
 def run_launcher(args: argparse.Namespace, *, preempt_signals=("SIGTERM", "SIGUSR1")) -> int:
     """Start `python -m tsp_trainer train RECIPE [key=value ...]` under Accelerate's launcher and
     return the job's exit code: 0, the first failed rank's own code, or 128 + the signal that
     stopped the launcher (preempt_signals: the recipe's train.preempt_signals, for its line)."""
+    import torch
+
+    if not torch.cuda.is_available():      # else DeepSpeed's import warns that it picked the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     args.module, args.training_script = True, "tsp_trainer"
     args.training_script_args = ["train", args.recipe, *args.overrides]
     try:
