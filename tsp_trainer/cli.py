@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -131,11 +132,20 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _quiet_known_warnings() -> None:
+def _quiet_known_warnings(prog: str = "tsp-train") -> None:
     import warnings
 
     # DeepSpeed still calls the collective names torch 2.13 deprecates, on every call.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.formatwarning = functools.partial(_one_line_warning, prog)
+
+
+def _one_line_warning(prog: str, message, category, filename: str, lineno: int, line=None) -> str:
+    """A warning as one line, never with its source line echoed: ours as `tsp-train: warning:
+    ...` (each names its setting and what to do), a library's with its category and place."""
+    if f"{os.sep}tsp_trainer{os.sep}" in filename:
+        return f"{prog}: warning: {message}\n"
+    return f"{prog}: warning: {message} ({category.__name__}, {os.path.basename(filename)}:{lineno})\n"
 
 
 def train_main(argv: list[str] | None = None) -> None:
@@ -246,7 +256,7 @@ def launch_main(argv: list[str] | None = None) -> None:
     this process at the launcher's world size (on machine 0 only: the job's ranks, and machine 0's
     exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
     `-m tsp_trainer train`."""
-    _quiet_known_warnings()
+    _quiet_known_warnings("tsp-launch")
     from tsp_trainer.engine.launch import (launch_first_rank, launch_machines, launch_world_size,
                                            parse_launch_args, run_launcher)
 
@@ -411,7 +421,7 @@ def export_main(argv: list[str] | None = None) -> None:
 def eval_main(argv: list[str] | None = None) -> None:
     """tsp-eval: checks everything before the process group, which this module starts (gloo on CPU,
     nccl on GPUs) for the evaluation only: no Accelerate, no DeepSpeed."""
-    _quiet_known_warnings()
+    _quiet_known_warnings("tsp-eval")
     from tsp_trainer.eval import cli as eval_cli
 
     args = eval_cli.build_parser().parse_args(argv)

@@ -136,6 +136,9 @@ class TrainingCheckpoints:
             path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
         if not same_layout:
             self.log.info(f"resharded {path}: {saved} -> {self.layout}")
+        if saved["dp_degree"] != self.layout["dp_degree"]:
+            self.log.info(f"data.on_layout_change=restart: dp {saved['dp_degree']} -> "
+                          f"{self.layout['dp_degree']}, so each DP rank's data stream starts over")
         restore_rank_state(mine, loader=self.loader, scheduler=self.scheduler, optimizer=self.optimizer,
                            on_layout_change=self.cfg.data.on_layout_change)
         # optim.on_resume_change: the rate, betas and weight decay of the side that wins
