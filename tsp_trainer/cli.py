@@ -396,8 +396,9 @@ def _summary(trainer, history: list[dict]) -> str:
                 f"{trainer.stopper.exit_code})")
     if not history:
         return f"tsp-train: done: nothing to do, the run is at step {step} of {cfg.train.steps}; {where}"
-    return (f"tsp-train: done: {step} steps, loss {history[0]['train/loss']:.4f} -> "
-            f"{history[-1]['train/loss']:.4f}, {where}")
+    from tsp_trainer.observability.summary import loss_summary
+
+    return f"tsp-train: done: {step} steps, {loss_summary(history, last_step=step)}, {where}"
 
 
 def bench_main(argv: list[str] | None = None) -> None:
