@@ -126,7 +126,8 @@ class Trainer:
         """The run folder and its identity, metrics and sinks, data notes, lifecycle guards."""
         cfg = self.cfg
         self.session = open_run_folder(cfg, world=self.mesh.world, resume_path=inputs.resume_path,
-                                       resume_meta=inputs.resume_meta, resumed_step=self.state.step)
+                                       resume_meta=inputs.resume_meta, resumed_step=self.state.step,
+                                       layout=self.checkpoints.layout, device=self.device.type)
         for note in self.session.notes:
             self.log.info(note)
         if self.mesh.rank == 0:
