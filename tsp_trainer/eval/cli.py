@@ -163,7 +163,7 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
         _prepare_passkey(job, args)
     else:
         _prepare_loss(job, args)
-        job.warnings += _other_dp_than_the_run(model, dp)
+        job.warnings += _other_dp_than_the_run(job, args, dp)
     key = "--lengths" if args.command == "passkey" else "--seq-len"
     for length in job.lengths:
         check_eval_length(model.cfg, parallel, length, key=key)
@@ -242,11 +242,14 @@ def _loss_defaults_of_the_run(args, run) -> None:
         args.batches = run.train.eval_batches if run is not None and run.train.eval_batches else 4
 
 
-def _other_dp_than_the_run(model, dp: int) -> list[str]:
+def _other_dp_than_the_run(job: EvalJob, args, dp: int) -> list[str]:
     """Each DP rank packs its own share of the documents, so the trainer's eval loss is reproduced
-    only on as many DP ranks as the run had."""
-    trained = model.trained_layout
-    if not trained or trained["dp_degree"] == dp:
+    only on as many DP ranks as the run had: said when everything else is the run's evaluation."""
+    trained, run = job.model.trained_layout, job.model.train_config
+    if not trained or run is None or trained["dp_degree"] == dp or args.text is not None:
+        return []
+    if (job.lengths[0], job.batches, job.micro_batch_size) != (
+            run.data.seq_len, run.train.eval_batches, run.data.micro_batch_size):
         return []
     return [f"this evaluation runs on dp {dp} and the checkpoint's run evaluated on dp "
             f"{trained['dp_degree']}: each DP rank packs its own share of the documents, so the loss "
