@@ -9,9 +9,9 @@ finalisation otherwise, after the job's work is done).
 tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
 found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
 exit silently); 75 stopped early at a checkpoint by a preemption signal or train.max_runtime_min
-(continue with train.resume=auto); 130 stopped at a checkpoint by Ctrl-C (SIGINT; a second Ctrl-C,
-or one during start-up, stops at once without one); 1 anything else (a traceback), and a worker whose launcher
-died (it stops within a second, without saving: _stop_with_launcher).
+(continue with train.resume=auto); 130 stopped at a checkpoint by Ctrl-C (SIGINT; a second
+Ctrl-C, or one during start-up, stops at once without one); 1 anything else (a traceback), and a
+worker whose launcher died (it stops within a second, without saving: _stop_with_launcher).
 
 One job per output folder: global rank 0 takes the folder's lease (run/lease.py) right after the
 config is checked; a folder another live job holds is a bad input (exit 2, one line naming it).

@@ -24,7 +24,8 @@ def _open_and_count_warnings(rank, world, path):
 
 
 def test_num_shards_warning_is_printed_once_per_job(tmp_path, monkeypatch):
-    monkeypatch.setattr(streaming, "SMALL_SOURCE_BYTES", 0)     # as if the file were large (forked ranks inherit it)
+    # as if the file were large (the forked ranks inherit it)
+    monkeypatch.setattr(streaming, "SMALL_SOURCE_BYTES", 0)
     path = tmp_path / "one.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(6)))
     outs = run_on_ranks(_open_and_count_warnings, 4, str(path))

@@ -99,7 +99,8 @@ def format_ablation(rows: list[AblationRow], *, header: str) -> str:
         if best is None:
             lines.append(f"| {name} | nothing fits | - | - | - | {r.longest.bound} | - |")
             continue
-        length = f"{r.longest.seq_len:,}" if r.step.confirmed else f"not a result ({r.longest.seq_len:,} predicted)"
+        length = (f"{r.longest.seq_len:,}" if r.step.confirmed
+                  else f"not a result ({r.longest.seq_len:,} predicted)")
         lines.append(f"| {name} | {length} | {best.memory['total'] / GB:.1f} | "
                      f"{best.memory['host_per_node'] / GB:,.0f} | {format_seconds(best.step_time)} | "
                      f"{r.longest.bound} | {best.layout.label()} |")

@@ -9,8 +9,8 @@ memory settings (plan/auto.py: nothing fits the budget); the tokenizer loads and
 vocabulary; the data (data/checks.py check_data_config: sources, format, columns, eval split and
 source, token budget); the resume path names a checkpoint that verifies and whose model shape,
 layout and optimizer settings (optim.on_resume_change) this run accepts; the output folder is
-writable and not another run's (run/rundir.py). The cli runs it on every rank and hands the result to the Trainer (the tokenizer is not loaded twice);
-a Trainer built directly runs it itself. Never imports torch.distributed, accelerate or deepspeed.
+writable and not another run's (run/rundir.py). The cli runs it on every rank and hands the result
+to the Trainer (the tokenizer is not loaded twice); a Trainer built directly runs it itself. Never imports torch.distributed, accelerate or deepspeed.
 
 The checkpoint is verified here, once, by global rank 0 (the only hashing of a resume: loading
 trusts it). Under train.resume=auto rank 0 also sets damaged checkpoints aside, so the other ranks
