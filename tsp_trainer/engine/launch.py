@@ -15,6 +15,7 @@ every rank, exit status 1); `run_launcher` turns it into the failed rank's exit 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -99,6 +100,13 @@ def run_launcher(args: argparse.Namespace, *, preempt_signals=("SIGTERM", "SIGUS
 
     if not torch.cuda.is_available():      # else DeepSpeed's import warns that it picked the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # torch elastic logs a WARNING per signal and per rank it forwards a signal to (five lines for
+    # one Ctrl-C on four ranks); the line below names the signal and what the ranks do with it
+    import torch.distributed.elastic.agent.server.api  # noqa: F401 (its import sets its level)
+
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     args.module, args.training_script = True, "tsp_trainer"
     args.training_script_args = ["train", args.recipe, *args.overrides]
     try:
