@@ -289,7 +289,8 @@ class TrainSection:
                                                   "raises CommError")
     preempt_signals: list[str] = setting(factory=lambda: ["SIGTERM", "SIGUSR1"], choices=PREEMPT_SIGNALS,
                                          doc="signals on which the run checkpoints, then exits 75; "
-                                             "[] = none")
+                                             "[] = none (Ctrl-C, SIGINT, always checkpoints, then "
+                                             "exits 130)")
     max_runtime_min: float = setting(0.0, min=0, note="0 = no limit",
                                      doc="checkpoint and exit 75 before this many minutes")
 
