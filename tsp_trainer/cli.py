@@ -9,8 +9,9 @@ finalisation otherwise, after the job's work is done).
 tsp-train exit codes: 0 done; 2 bad input (config, data, tokenizer, output folder, resume path:
 found by run/inputs.py before any process group starts; rank 0 prints one line, the other ranks
 exit silently); 75 stopped early at a checkpoint by a preemption signal or train.max_runtime_min
-(continue with train.resume=auto); 1 anything else (a traceback), and a worker whose launcher
-died (it stops within a second, without saving: _stop_with_launcher).
+(continue with train.resume=auto); 130 stopped at a checkpoint by Ctrl-C (SIGINT; a second
+Ctrl-C, or one during start-up, stops at once without one); 1 anything else (a traceback), and a
+worker whose launcher died (it stops within a second, without saving: _stop_with_launcher).
 
 One job per output folder: global rank 0 takes the folder's lease (run/lease.py) right after the
 config is checked; a folder another live job holds is a bad input (exit 2, one line naming it).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -33,8 +35,10 @@ import time
 
 EXIT_BAD_INPUT = 2       # tsp_trainer.run.EXIT_BAD_INPUT (not imported here: it pulls in torch)
 EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
+EXIT_INTERRUPTED = 130   # tsp_trainer.run.EXIT_INTERRUPTED (Ctrl-C)
 _STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
 _LAUNCHER = os.getppid()      # the parent at start, before a launcher's death could reparent us
+_CHECKED_BY_LAUNCHER = "TSP_CHECKED_BY_LAUNCHER"   # set by tsp-launch for its ranks
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -91,8 +95,10 @@ def cuda_device_index(local_rank: int, visible: int, local_world_size: int | Non
                      f"process all of the node's GPUs (at most {visible} processes per node)")
 
 
-def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bool = False) -> bool:
-    """Device, allocator and threads; returns whether CUDA is used."""
+def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bool = False,
+                     say_threads: str | None = None) -> bool:
+    """Device, allocator and threads (run/threads.py; `say_threads`: the program name under which
+    rank 0 prints the count); returns whether CUDA is used."""
     os.environ.update(default_allocator_env(os.environ))      # before CUDA initialises
     import torch
 
@@ -104,8 +110,11 @@ def _prepare_runtime(local_rank: int, world_size: int, *, nccl_blocking_wait: bo
         os.environ.update(nccl_env(blocking_wait=nccl_blocking_wait))
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)        # ranks oversubscribing the cores run ~3x slower
+    from tsp_trainer.run.threads import set_intra_op_threads
+
+    line = set_intra_op_threads()           # ranks oversubscribing the cores run several times slower
+    if say_threads:
+        print(f"{say_threads}: {line}", flush=True)
     return cuda
 
 
@@ -115,18 +124,27 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if dist.is_initialized():
-        if code in (0, EXIT_PREEMPTED):          # every rank leaves together (they agreed to)
+        if code in (0, EXIT_PREEMPTED, EXIT_INTERRUPTED):    # every rank leaves together (they agreed to)
             dist.barrier()
         dist.destroy_process_group()
     _release_run_lease()
     os._exit(code)
 
 
-def _quiet_known_warnings() -> None:
+def _quiet_known_warnings(prog: str = "tsp-train") -> None:
     import warnings
 
     # DeepSpeed still calls the collective names torch 2.13 deprecates, on every call.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.formatwarning = functools.partial(_one_line_warning, prog)
+
+
+def _one_line_warning(prog: str, message, category, filename: str, lineno: int, line=None) -> str:
+    """A warning as one line, never with its source line echoed: ours as `tsp-train: warning:
+    ...` (each names its setting and what to do), a library's with its category and place."""
+    if f"{os.sep}tsp_trainer{os.sep}" in filename:
+        return f"{prog}: warning: {message}\n"
+    return f"{prog}: warning: {message} ({category.__name__}, {os.path.basename(filename)}:{lineno})\n"
 
 
 def train_main(argv: list[str] | None = None) -> None:
@@ -155,8 +173,12 @@ def train_main(argv: list[str] | None = None) -> None:
         parser.error("the following arguments are required: recipe")
     _stop_with_launcher()
     world, rank, local_rank = _launcher_env()
-    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank)
-    cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait)
+    _interrupt_stops_at_once(rank)                      # until fit() makes Ctrl-C a stop request
+    # under tsp-launch, whose own check printed the start-up line already
+    cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank,
+                                        report=_CHECKED_BY_LAUNCHER not in os.environ)
+    cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait,
+                            say_threads="tsp-train" if rank == 0 else None)
     from tsp_trainer.parallel.comm import CommError
     from tsp_trainer.trainer import CheckpointSaveError, Trainer
 
@@ -166,7 +188,7 @@ def train_main(argv: list[str] | None = None) -> None:
         trainer = Trainer(cfg, world_size=world, global_rank=rank, cuda=cuda, inputs=inputs,
                           resolved=resolved)
         history = trainer.fit()
-        code = EXIT_PREEMPTED if trainer.stop_reason else 0
+        code = trainer.stopper.exit_code if trainer.stop_reason else 0
         if rank == 0:
             print(_summary(trainer, history), flush=True)
     except ValueError as err:                           # bad input found after start-up
@@ -259,12 +281,16 @@ def launch_main(argv: list[str] | None = None) -> None:
     this process at the launcher's world size (on machine 0 only: the job's ranks, and machine 0's
     exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
     `-m tsp_trainer train`."""
-    _quiet_known_warnings()
-    from tsp_trainer.engine.launch import (launch_first_rank, launch_ranks_here, launch_world_size,
-                                           parse_launch_args, run_launcher)
+    _quiet_known_warnings("tsp-launch")
+    from tsp_trainer.engine.launch import (launch_first_rank, launch_machines, launch_ranks_here,
+                                           launch_world_size, parse_launch_args, run_launcher)
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
+    from tsp_trainer.run.threads import launcher_thread_env
+
+    os.environ.update(launcher_thread_env(world // launch_machines(args)))   # the ranks inherit it
+    os.environ[_CHECKED_BY_LAUNCHER] = "1"
     # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
     # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
     first = launch_first_rank(args, world)
@@ -278,7 +304,7 @@ def launch_main(argv: list[str] | None = None) -> None:
     os.environ[CHECKED_INPUTS_ENV] = str(handed)
     sys.stdout.flush()
     try:
-        code = run_launcher(args)
+        code = run_launcher(args, preempt_signals=cfg.train.preempt_signals)
     finally:
         handed.unlink(missing_ok=True)
     sys.exit(code)
@@ -325,6 +351,18 @@ def _stop_with_launcher() -> None:
         stop_with_launcher(_LAUNCHER, on_gone=_release_run_lease)
 
 
+def _interrupt_stops_at_once(rank: int) -> None:
+    """Ctrl-C before training (or after it) ends the process at once: one line from rank 0, exit
+    130, no traceback; there is nothing to save. During fit() it is a stop request instead
+    (run/preemption.py)."""
+    def interrupted(signum, frame):
+        if rank == 0:
+            os.write(2, b"tsp-train: interrupted (Ctrl-C) outside the training loop: stopped, nothing saved\n")
+        _release_run_lease()
+        os._exit(EXIT_INTERRUPTED)
+    signal.signal(signal.SIGINT, interrupted)
+
+
 @contextlib.contextmanager
 def _sigterm_held(hold: bool):
     """Within the block a SIGTERM is recorded instead of killing the process; the yielded list is
@@ -346,11 +384,13 @@ def _summary(trainer, history: list[dict]) -> str:
              else "no checkpoints (checkpoint.enabled=false)")
     if trainer.stop_reason:
         return (f"tsp-train: stopped after step {step} of {cfg.train.steps} ({trainer.stop_reason}); "
-                f"{where}; relaunch with train.resume=auto to continue (exit code {EXIT_PREEMPTED})")
+                f"{where}; relaunch with train.resume=auto to continue (exit code "
+                f"{trainer.stopper.exit_code})")
     if not history:
         return f"tsp-train: done: nothing to do, the run is at step {step} of {cfg.train.steps}; {where}"
-    return (f"tsp-train: done: {step} steps, loss {history[0]['train/loss']:.4f} -> "
-            f"{history[-1]['train/loss']:.4f}, {where}")
+    from tsp_trainer.observability.summary import loss_summary
+
+    return f"tsp-train: done: {step} steps, {loss_summary(history, last_step=step)}, {where}"
 
 
 def bench_main(argv: list[str] | None = None) -> None:
@@ -374,7 +414,7 @@ def export_main(argv: list[str] | None = None) -> None:
 def eval_main(argv: list[str] | None = None) -> None:
     """tsp-eval: checks everything before the process group, which this module starts (gloo on CPU,
     nccl on GPUs) for the evaluation only: no Accelerate, no DeepSpeed."""
-    _quiet_known_warnings()
+    _quiet_known_warnings("tsp-eval")
     from tsp_trainer.eval import cli as eval_cli
 
     args = eval_cli.build_parser().parse_args(argv)

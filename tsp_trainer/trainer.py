@@ -130,7 +130,8 @@ class Trainer:
         """The run folder and its identity, metrics and sinks, data notes, lifecycle guards."""
         cfg = self.cfg
         self.session = open_run_folder(cfg, world=self.mesh.world, resume_path=inputs.resume_path,
-                                       resume_meta=inputs.resume_meta, resumed_step=self.state.step)
+                                       resume_meta=inputs.resume_meta, resumed_step=self.state.step,
+                                       layout=self.checkpoints.layout, device=self.device.type)
         for note in self.session.notes:
             self.log.info(note)
         if self.mesh.rank == 0:
@@ -292,8 +293,8 @@ class Trainer:
             raise NonFiniteError(
                 f"{limit} steps in a row (steps {self.state.step - limit + 1}-{self.state.step}) had a "
                 f"non-finite loss or gradient and were skipped (train.max_consecutive_skips={limit}): "
-                f"the run is not recovering; the latest checkpoint is {self.checkpoints.latest()}; resume "
-                "from it with a lower optim.lr, or look at the data of these steps")
+                f"the run is not recovering; the latest checkpoint is {self.checkpoints.latest()}; resume from "
+                "it with a lower optim.lr and optim.on_resume_change=recipe, or look at these steps' data")
         return skipped
 
     def _data_metrics(self, seq_len: int) -> dict:
@@ -337,7 +338,7 @@ class Trainer:
                 self.save()      # the final state, unless that exact checkpoint already exists
             self.checkpoints.wait()                         # publish the save in flight, if any
         if self.stop_reason:
-            self.log.warning(f"stopped after step {self.state.step} of {c.train.steps}: "
+            self.log.info(f"stopped after step {self.state.step} of {c.train.steps}: "
                              f"{self.stop_reason}; continue with train.resume=auto")
             self.sinks.mark_preempting()
         self.sinks.close()

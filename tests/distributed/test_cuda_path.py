@@ -97,7 +97,8 @@ def test_whole_run_resume_eval_and_export_keep_every_tensor_on_the_compute_devic
                          backend="cpu:gloo")
     cli = ["--micro-batch-size", "2", "--tsp-degree", "2", "--out", str(tmp_path / "eval")]
     second = run_on_ranks(whole_run_with_host_default_elsewhere, 4,
-                          common + ["train.steps=3", "train.resume=auto", "checkpoint.async_save=true"],
+                          common + ["train.steps=3", "train.resume=auto", "checkpoint.async_save=true",
+                                     "optim.on_resume_change=recipe"],
                           [["loss", out, "--batches", "1", *cli],
                            ["passkey", out, "--lengths", "128", "--depths", "0,1", "--samples", "2",
                             "--digits", "3", *cli]], str(tmp_path / "hf"), backend="cpu:gloo")

@@ -9,6 +9,7 @@ import warnings
 import pytest
 
 from tests.helpers.dist import run_on_ranks
+from tsp_trainer.data import streaming
 from tsp_trainer.data import open_text_stream
 
 pytestmark = pytest.mark.distributed
@@ -22,7 +23,9 @@ def _open_and_count_warnings(rank, world, path):
     return {"texts": texts, "warnings": [str(w.message) for w in caught]}
 
 
-def test_num_shards_warning_is_printed_once_per_job(tmp_path):
+def test_num_shards_warning_is_printed_once_per_job(tmp_path, monkeypatch):
+    # as if the file were large (the forked ranks inherit it)
+    monkeypatch.setattr(streaming, "SMALL_SOURCE_BYTES", 0)
     path = tmp_path / "one.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(6)))
     outs = run_on_ranks(_open_and_count_warnings, 4, str(path))

@@ -54,6 +54,7 @@ def test_relaunches_into_a_used_folder(tmp_path):
     # A rollback to step 20 of this folder, to step 25: the later checkpoints are the abandoned
     # continuation; `latest` names step 25, which exists; metrics.jsonl is 1..25 once.
     back = run_on_ranks(launch_rank, 1, at + ["train.steps=25", "checkpoint.every=10",
+                                              "optim.on_resume_change=checkpoint",
                                               f"train.resume={out / 'checkpoints' / 'step_00000020'}"])[0]
     assert back["steps"] == [21, 22, 23, 24, 25] and back["run_id"] == first["run_id"]
     assert any("step_00000030, step_00000040" in n for n in back["notes"]), back["notes"]
@@ -66,7 +67,7 @@ def test_relaunches_into_a_used_folder(tmp_path):
 
     # train.resume accepts the run folder (its latest), into another folder.
     other = run_on_ranks(launch_rank, 1, [f"train.output_dir={tmp_path / 'other'}", "train.steps=7",
-                                          f"train.resume={out}"])[0]
+                                          f"train.resume={out}", "optim.on_resume_change=recipe"])[0]
     assert other["steps"] == [6, 7] and other["run_id"] != fresh["run_id"]
 
 

@@ -53,6 +53,7 @@ def test_whole_trainer_run_on_one_gpu(tmp_path):
     first = run_on_ranks(_gpu_run, 1, common + ["train.steps=2"], backend="nccl")[0]
     cli = ["--micro-batch-size", "2", "--tsp-degree", "1", "--out", str(tmp_path / "eval")]
     second = run_on_ranks(_gpu_run, 1, common + ["train.steps=3", "train.resume=auto",
+                                                 "optim.on_resume_change=recipe",
                                                  "checkpoint.async_save=true"],
                           [["loss", out, "--batches", "1", *cli],
                            ["passkey", out, "--lengths", "128", "--depths", "0,1", "--samples", "2",

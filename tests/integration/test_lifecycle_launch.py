@@ -109,7 +109,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues(tmp_path)
     assert "exit code 75" in stdout and "SignalException" in stderr
     first_id = json.loads((out / "run.json").read_text())["wandb_run_id"]
 
-    again = subprocess.run(_accelerate(args[1:] + [f"train.steps={step + 2}"]), cwd=REPO, env=env,
+    again = subprocess.run(_accelerate(args[1:] + [f"train.steps={step + 2}",
+                                                        "optim.on_resume_change=checkpoint"]), cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / latest} at step {step}" in again.stderr

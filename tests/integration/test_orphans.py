@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 # A constant learning rate (min_lr = lr, one warmup step): the schedule does not depend on
 # train.steps, so runs of 12 and of 400 steps train the same first steps.
 RUN = ["data.seq_len=64", "optim.warmup_steps=1", "optim.min_lr=3.0e-3", "logging.progress_bar=false",
-       "checkpoint.every=4", "train.eval_every=0", "train.resume=auto"]
+       "checkpoint.every=4", "train.eval_every=0", "train.resume=auto",
+       "optim.on_resume_change=recipe"]     # the requeue's 12 steps, not the killed run's 400
 
 
 def _env() -> dict:

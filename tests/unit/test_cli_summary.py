@@ -9,7 +9,8 @@ from tsp_trainer.cli import _summary
 def _trainer(enabled: bool, stop_reason=None):
     cfg = SimpleNamespace(train=SimpleNamespace(output_dir="runs/x", steps=4),
                           checkpoint=SimpleNamespace(enabled=enabled))
-    return SimpleNamespace(cfg=cfg, state=SimpleNamespace(step=4), stop_reason=stop_reason)
+    return SimpleNamespace(cfg=cfg, state=SimpleNamespace(step=4), stop_reason=stop_reason,
+                           stopper=SimpleNamespace(exit_code=75))
 
 
 def test_summary_names_the_checkpoints_only_when_there_are_any():

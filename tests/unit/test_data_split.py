@@ -11,6 +11,7 @@ import warnings
 import pytest
 
 from tests.unit.data_helpers import bytes_read, write_jsonl
+from tsp_trainer.data import streaming
 from tsp_trainer.data.streaming import load_streaming, open_text_stream
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
@@ -87,7 +88,8 @@ def test_one_parquet_file_is_split_by_row_group(tmp_path):
     assert max(shares) <= 2.0, shares          # measured 1.16x (3 of 23 row groups + footers)
 
 
-def test_fallback_is_refused_at_large_dp_in_one_line(tmp_path):
+def test_fallback_is_refused_at_large_dp_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(streaming, "SMALL_SOURCE_BYTES", 0)     # as if the file were large
     path = write_jsonl(tmp_path / "big.jsonl", [f"doc {i}" for i in range(300)])
     with pytest.raises(ValueError) as err:
         open_text_stream(str(path), dp_rank=0, dp_degree=128)

@@ -75,12 +75,14 @@ def test_every_machines_launcher_checks_the_inputs_as_its_first_rank(monkeypatch
     from tsp_trainer import cli
     from tsp_trainer.engine import launch
 
+    from tsp_trainer.config import TrainConfig
     from tsp_trainer.run import startup
 
     calls, handed = [], []
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")     # as set: tsp-launch leaves os.environ alone
     monkeypatch.setattr(cli, "_check_inputs_or_exit",
-                        lambda *a, **k: calls.append((k["world"], k["rank"])) or ("cfg", "inputs"))
-    monkeypatch.setattr(launch, "run_launcher", lambda args: 0)
+                        lambda *a, **k: (calls.append((k["world"], k["rank"])), (TrainConfig(), "inputs"))[1])
+    monkeypatch.setattr(launch, "run_launcher", lambda args, **kwargs: 0)
     monkeypatch.setattr(startup, "hand_over_check", lambda cfg, inputs, **k: handed.append(k) or tmp_path / "x")
     with pytest.raises(SystemExit) as exc:
         cli.launch_main(["--config_file", CPU_CONFIG, "--num_machines", "2", "--num_processes", "8",

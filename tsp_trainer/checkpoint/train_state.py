@@ -132,6 +132,13 @@ def restore_rank_state(saved: dict, *, loader, scheduler, optimizer, on_layout_c
     restore_rng(saved["rng"])
 
 
+def saved_config(meta: dict) -> dict:
+    """The resolved config a checkpoint was saved with, as a nested dict ({} when it holds none)."""
+    import yaml
+
+    return yaml.safe_load(meta.get("config_yaml") or "null") or {}
+
+
 def restore_rng(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     python = rng["python"]

@@ -29,9 +29,10 @@ from tsp_trainer.checkpoint.disk_format import folder_bytes
 from tsp_trainer.checkpoint.store import CheckpointStore
 from tsp_trainer.checkpoint.train_state import (NonFiniteError, TrainState, check_compatible,
                                                 checkpoint_layout, checkpoint_meta, rank_state,
-                                                restore_rank_state)
+                                                restore_rank_state, saved_config)
 from tsp_trainer.checkpoint.writer import CheckpointWriter, Snapshot
 from tsp_trainer.config import TrainConfig
+from tsp_trainer.optim import resume_settings_applied
 
 
 class TrainingCheckpoints:
@@ -135,8 +136,16 @@ class TrainingCheckpoints:
             path, reshard.source_rank(saved, self.mesh.dp_rank, self.mesh.tsp_rank))
         if not same_layout:
             self.log.info(f"resharded {path}: {saved} -> {self.layout}")
+        if saved["dp_degree"] != self.layout["dp_degree"]:
+            self.log.info(f"data.on_layout_change=restart: dp {saved['dp_degree']} -> "
+                          f"{self.layout['dp_degree']}, so each DP rank's data stream starts over")
         restore_rank_state(mine, loader=self.loader, scheduler=self.scheduler, optimizer=self.optimizer,
                            on_layout_change=self.cfg.data.on_layout_change)
+        # optim.on_resume_change: the rate, betas and weight decay of the side that wins
+        changed = resume_settings_applied(self.optimizer, self.scheduler, saved_config(meta),
+                                          self.cfg.to_dict(), policy=self.cfg.optim.on_resume_change)
+        if changed:
+            self.log.info(changed)
         self.saved_step = meta["step"]
         state = TrainState.from_meta(meta)
         self.log.info(f"resumed from {path} at step {state.step}")

@@ -101,6 +101,9 @@ def _read_yaml(path: Path, *, named_by: Path | None) -> dict:
         conf = OmegaConf.load(path)   # OmegaConf's YAML loader also reads 1e-8 as a float
     except yaml.YAMLError as err:
         raise ValueError(f"config file '{path}' is not valid YAML: {_yaml_problem(err)}") from None
+    except UnicodeDecodeError as err:     # a binary file, or text in another encoding
+        raise ValueError(f"config file '{path}'{origin} is not UTF-8 text (byte 0x{err.object[err.start]:02x} "
+                         f"at offset {err.start}): a recipe is a YAML file") from None
     except OSError:   # OmegaConf.load raises OSError for a top-level scalar
         conf = None
     if not isinstance(conf, DictConfig):

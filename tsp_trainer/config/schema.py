@@ -32,6 +32,7 @@ NonFinite = Literal["skip", "stop"]
 OffloadOptimizer = Literal["none", "cpu"]
 WandbMode = Literal["disabled", "offline", "online"]
 WandbReplay = Literal["skip", "rewind"]
+ResumeChange = Literal["recipe", "checkpoint"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 
@@ -227,11 +228,18 @@ class OptimSection:
                         note="AdamW moves each weight by about lr per step")
     min_lr: float = setting(3e-5, min=0, doc="learning rate at the last step")
     warmup_steps: int = setting(10, min=0, doc="optimizer steps of linear warmup")
-    weight_decay: float = setting(0.1, min=0, doc="AdamW decoupled weight decay")
+    # AdamW multiplies each decayed weight by (1 - lr * weight_decay) per step: at lr * weight_decay
+    # >= 1 that factor is 0 or negative (validate.py), and 1e30 overflows the weights at once.
+    weight_decay: float = setting(0.1, min=0, doc="AdamW decoupled weight decay; lr * weight_decay "
+                                                  "must be below 1")
     beta1: float = setting(0.9, min=0, below=1, doc="AdamW first-moment decay")
     beta2: float = setting(0.95, min=0, below=1, doc="AdamW second-moment decay")
     eps: float = setting(1e-8, above=0, doc="AdamW denominator epsilon")
     max_grad_norm: float = setting(1.0, min=0, note="0 = no clipping", doc="global L2 clip")
+    on_resume_change: ResumeChange | None = setting(
+        None, doc="a resume whose lr, min_lr, warmup_steps, train.steps, betas or weight_decay differ "
+                  "from the checkpoint's: recipe = the recipe's schedule and settings from the "
+                  "resumed step, checkpoint = the saved ones; unset = refuse (docs/checkpoints.md)")
 
 
 @dataclass(frozen=True)
@@ -283,7 +291,8 @@ class TrainSection:
                                                   "raises CommError")
     preempt_signals: list[str] = setting(factory=lambda: ["SIGTERM", "SIGUSR1"], choices=PREEMPT_SIGNALS,
                                          doc="signals on which the run checkpoints, then exits 75; "
-                                             "[] = none")
+                                             "[] = none (Ctrl-C, SIGINT, always checkpoints, then "
+                                             "exits 130)")
     max_runtime_min: float = setting(0.0, min=0, note="0 = no limit",
                                      doc="checkpoint and exit 75 before this many minutes")
 

@@ -428,6 +428,11 @@ def _check_schedule(cfg: TrainConfig, model: ModelConfig) -> None:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ValueError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the "
                          "schedule decays from lr down to min_lr")
+    if cfg.optim.lr * cfg.optim.weight_decay >= 1:
+        raise ValueError(f"optim.weight_decay={cfg.optim.weight_decay:g} with optim.lr={cfg.optim.lr:g}: "
+                         "AdamW scales each decayed weight by 1 - lr * weight_decay per step, so "
+                         f"lr * weight_decay must be below 1; lower optim.weight_decay below "
+                         f"{1 / cfg.optim.lr:g}")
     if cfg.optim.warmup_steps > cfg.train.steps:
         raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.steps="
                          f"{cfg.train.steps}; warmup must end within the run")

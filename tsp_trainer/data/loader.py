@@ -32,7 +32,7 @@ from tsp_trainer.data.documents import (UNSHUFFLED_BLOCK_DOCS, DocumentTokenizer
 from tsp_trainer.data.packing import TokenPacker, windows_to_batch
 from tsp_trainer.data.schedule import LengthSchedule
 from tsp_trainer.data.streaming import (check_column, check_dp_layout, open_text_stream,
-                                        resolve_local_files, warn_once_per_job)
+                                        resolve_local_files)
 from tsp_trainer.data.tokenize import TextTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -190,8 +190,7 @@ class PackedLoader:
                 f"loader state was saved with dp_degree={state['dp_degree']} but this run has "
                 f"dp_degree={self.dp_degree}; pass on_layout_change='restart' to start the data "
                 "stream over (see docs/data.md)")
-        warn_once_per_job(f"dp_degree changed {state['dp_degree']} -> {self.dp_degree}: data loader "
-                          f"on_layout_change={policy!r}; the data stream starts over")
+        # the user chose this (data.on_layout_change=restart): the resume logs it, no warning
         self.documents.rewind()
         self._packer = self._new_packer()
         self._replay.clear()

@@ -92,6 +92,8 @@ def split_by_dp_rank(dataset: "IterableDataset", *, dp_rank: int, dp_degree: int
     if mode == "train":
         refuse_example_split(num_shards=dataset.num_shards, dp_degree=dp_degree, source=source,
                              max_example_split_dp=max_example_split_dp)
+        if _local_bytes(source) < SMALL_SOURCE_BYTES:   # reading it all on each rank costs little
+            return split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_degree, strategy="examples")
         warn_once_per_job(
             f"dataset {source!r} has num_shards={dataset.num_shards}, not a multiple of "
             f"dp_degree={dp_degree}, and fewer shards than DP ranks: every DP rank will stream "
@@ -106,6 +108,24 @@ def warn_once_per_job(message: str) -> None:
     it for SLURM too; a process without it is a job of its own)."""
     if os.environ.get("RANK", "0") == "0":
         warnings.warn(message, stacklevel=4)     # the caller of open_text_stream
+
+
+# A local source below this size is streamed whole by each DP rank without a warning (the bundled
+# data and `tsp-eval retrieval-corpus` output are a few MiB).
+SMALL_SOURCE_BYTES = 64 * 2**20
+
+
+def _local_bytes(source: str) -> float:
+    """Bytes of the local file or folder `source` (inf for a hub dataset or anything unreadable)."""
+    path = Path(source)
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    except OSError:
+        pass
+    return float("inf")
 
 
 def reshard_for(dataset: "IterableDataset", dp_degree: int) -> "IterableDataset":

@@ -15,6 +15,7 @@ every rank, exit status 1); `run_launcher` turns it into the failed rank's exit 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -71,28 +72,46 @@ def launch_world_size(args: argparse.Namespace) -> int:
     return max(torch.cuda.device_count(), 1)
 
 
+def _launch_config(args: argparse.Namespace):
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+    return load_config_from_file(path) if path is not None else None
+
+
+def launch_machines(args: argparse.Namespace) -> int:
+    """--num_machines, else the config file's, else 1."""
+    machines = args.num_machines if args.num_machines is not None else getattr(
+        _launch_config(args), "num_machines", 1)
+    return max(machines or 1, 1)
+
+
 def launch_first_rank(args: argparse.Namespace, world: int) -> int:
     """The global rank of this machine's first process: --machine_rank (else the config file's,
-    else 0) x the processes per machine (`world` over --num_machines, else the config's, else 1)."""
-    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    config = load_config_from_file(path) if path is not None else None
+    else 0) x the processes per machine (`world` over launch_machines)."""
+    config = _launch_config(args)
     machine = args.machine_rank if args.machine_rank is not None else getattr(config, "machine_rank", 0)
-    machines = args.num_machines if args.num_machines is not None else getattr(config, "num_machines", 1)
-    return (machine or 0) * (world // max(machines or 1, 1))
+    return (machine or 0) * (world // launch_machines(args))
 
 
 def launch_ranks_here(args: argparse.Namespace, world: int) -> int:
     """The processes this machine's launcher starts: `world` over the machines."""
-    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
-    config = load_config_from_file(path) if path is not None else None
-    machines = args.num_machines if args.num_machines is not None else getattr(config, "num_machines", 1)
-    return world // max(machines or 1, 1)
+    return world // launch_machines(args)
 
 
-def run_launcher(args: argparse.Namespace) -> int:
+def run_launcher(args: argparse.Namespace, *, preempt_signals=("SIGTERM", "SIGUSR1")) -> int:
     """Start `python -m tsp_trainer train RECIPE [key=value ...]` under Accelerate's launcher and
     return the job's exit code: 0, the first failed rank's own code, or 128 + the signal that
-    stopped the launcher."""
+    stopped the launcher (preempt_signals: the recipe's train.preempt_signals, for its line)."""
+    import torch
+
+    if not torch.cuda.is_available():      # else DeepSpeed's import warns that it picked the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # torch elastic logs a WARNING per signal and per rank it forwards a signal to (five lines for
+    # one Ctrl-C on four ranks); the line below names the signal and what the ranks do with it
+    import torch.distributed.elastic.agent.server.api  # noqa: F401 (its import sets its level)
+
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     args.module, args.training_script = True, "tsp_trainer"
     args.training_script_args = ["train", args.recipe, *args.overrides]
     try:
@@ -105,14 +124,27 @@ def run_launcher(args: argparse.Namespace) -> int:
     except subprocess.CalledProcessError as err:           # Accelerate's one-process launcher
         return exit_code(err.returncode)
     except SignalException as err:
-        print(f"{PROG}: stopped by {err.sigval.name}; the ranks were sent it too (a tsp-train rank "
-              "checkpoints and exits 75: relaunch with train.resume=auto)", file=sys.stderr,
-              flush=True)
+        print(f"{PROG}: stopped by {err.sigval.name}; {what_ranks_do(err.sigval, preempt_signals)}",
+              file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     except ValueError as err:                              # Accelerate's checks of its own options
         print(f"{PROG}: error: {err}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     return 0
+
+
+def what_ranks_do(sig: signal.Signals, preempt_signals) -> str:
+    """What the launcher's ranks do with the signal it forwarded to them (torch elastic sends its
+    own; SIGKILL after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds), as tsp-train handles it."""
+    if sig == signal.SIGINT:
+        return ("the ranks were sent it too: each saves a checkpoint at its next step boundary and "
+                "exits 130 (a second Ctrl-C stops them at once, without one); continue with "
+                "train.resume=auto")
+    if sig.name in preempt_signals:
+        return (f"the ranks were sent it too: {sig.name} is in train.preempt_signals, so each saves "
+                "a checkpoint at its next step boundary and exits 75; continue with train.resume=auto")
+    return (f"the ranks were sent it too: {sig.name} is not in train.preempt_signals, so they stopped "
+            "without a checkpoint; train.resume=auto continues from the latest one")
 
 
 def first_failure(err: ChildFailedError) -> tuple[int, int, int]:

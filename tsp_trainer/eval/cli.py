@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(loss)
     loss.add_argument("--seq-len", type=int, default=None,
                       help="tokens per sequence (default: the checkpoint's data.seq_len)")
-    loss.add_argument("--batches", type=int, default=4, help="micro-batches per DP rank (default 4)")
+    loss.add_argument("--batches", type=int, default=None,
+                      help="micro-batches per DP rank (default: a checkpoint's train.eval_batches; else 4)")
     corpus = sub.add_parser("retrieval-corpus", help="write a synthetic passkey-retrieval corpus "
                                                      "(jsonl train/validation) to train a model on")
     corpus.add_argument("out", help="output folder (train.jsonl, validation.jsonl)")
@@ -91,7 +92,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-degree", type=int, default=None, help="tp_x_sp only: T (T x S = D)")
     p.add_argument("--sp-degree", type=int, default=None, help="tp_x_sp only: S")
     p.add_argument("--head-buckets", type=int, default=1, help="TSP K/V all-gathers per shard")
-    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per forward (default 1)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward (default: loss on a checkpoint, its run's "
+                        "data.micro_batch_size; else 1)")
     p.add_argument("--dtype", choices=typing.get_args(DType), default="auto",
                    help="auto = bf16 on GPUs, fp32 on CPU")
     p.add_argument("--tokenizer", default=None,
@@ -146,7 +149,8 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
     degree = args.tsp_degree or world_size
     parallel = ParallelSection(scheme=args.scheme, tsp_degree=degree, head_buckets=args.head_buckets,
                                tp_degree=args.tp_degree, sp_degree=args.sp_degree)
-    resolve_dp_degree(parallel, world_size)
+    dp = resolve_dp_degree(parallel, world_size)
+    _loss_defaults_of_the_run(args, model.train_config)
     _positive(args.micro_batch_size, "--micro-batch-size")
     text = _text(args, model.filler if args.command == "passkey" else model.held_out)
     dtype = resolved_dtype(args.dtype, cuda)
@@ -159,6 +163,7 @@ def prepare(args: argparse.Namespace, *, world_size: int, rank: int, cuda: bool 
         _prepare_passkey(job, args)
     else:
         _prepare_loss(job, args)
+        job.warnings += _other_dp_than_the_run(job, args, dp)
     key = "--lengths" if args.command == "passkey" else "--seq-len"
     for length in job.lengths:
         check_eval_length(model.cfg, parallel, length, key=key)
@@ -225,6 +230,31 @@ def _prepare_loss(job: EvalJob, args) -> None:
     _positive(seq_len, "--seq-len")
     _positive(args.batches, "--batches")
     job.lengths, job.batches = [seq_len], args.batches
+
+
+def _loss_defaults_of_the_run(args, run) -> None:
+    """`loss` on a checkpoint evaluates the batches its run evaluated, unless told otherwise: the
+    run's data.micro_batch_size and train.eval_batches (with its seq_len and held-out text)."""
+    is_loss = args.command == "loss"
+    if args.micro_batch_size is None:
+        args.micro_batch_size = run.data.micro_batch_size if is_loss and run is not None else 1
+    if is_loss and args.batches is None:
+        args.batches = run.train.eval_batches if run is not None and run.train.eval_batches else 4
+
+
+def _other_dp_than_the_run(job: EvalJob, args, dp: int) -> list[str]:
+    """Each DP rank packs its own share of the documents, so the trainer's eval loss is reproduced
+    only on as many DP ranks as the run had: said when everything else is the run's evaluation."""
+    trained, run = job.model.trained_layout, job.model.train_config
+    if not trained or run is None or trained["dp_degree"] == dp or args.text is not None:
+        return []
+    if (job.lengths[0], job.batches, job.micro_batch_size) != (
+            run.data.seq_len, run.train.eval_batches, run.data.micro_batch_size):
+        return []
+    return [f"this evaluation runs on dp {dp} and the checkpoint's run evaluated on dp "
+            f"{trained['dp_degree']}: each DP rank packs its own share of the documents, so the loss "
+            f"differs from the run's eval loss; to reproduce it run {trained['dp_degree']} x "
+            "--tsp-degree processes"]
 
 
 def _positive(value: int, flag: str) -> None:

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ZeRO-Offload: the fp32 master and AdamW moments in pinned host memory, the "
                         "update on the CPU; costs PCIe and CPU time per step; ZeRO 1 or 2 only)")
     p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--plot", default=None, metavar="PATH", help="PNG chart")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="PNG chart of the layout ranking (not with --max-seq-len, --ablation or --dry-run)")
     g = p.add_argument_group("dry run (--dry-run): the real code on fake tensors and a fake process group")
     g.add_argument("--dry-run", action="store_true")
     g.add_argument("--degree", type=int, default=8, help="D for the dry run (default 8)")
@@ -213,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(modes) > 1:
         _fail(parser, f"{' and '.join(modes)} are {('two', 'three')[len(modes) - 2]} modes; run them one at a time "
                       "(the dry run takes the length to check as --seq-len)")
+    if args.plot and modes:
+        _fail(parser, f"--plot draws the ranking of layouts (no mode flag); it cannot draw {modes[0]}'s "
+                      "result: drop --plot, or use --json for a file")
     if args.dry_run:
         return _dry_run(parser, args, cfg)
     if args.ablation:

@@ -11,14 +11,14 @@ Collectives go through parallel.comm.Comm like everywhere else.
 
 from tsp_trainer.run.identity import RunIdentity, WandbResume, resolve_identity, wandb_resume
 from tsp_trainer.run.inputs import CheckedInputs, check_inputs, check_same_model, run_layout
-from tsp_trainer.run.preemption import EXIT_PREEMPTED, StopAgreement
+from tsp_trainer.run.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopAgreement
 from tsp_trainer.run.rundir import (abandoned_checkpoints, check_output_dir, claim_output_dir,
                                     resolve_resume, rewrite_metrics)
 from tsp_trainer.run.watchdog import HangWatchdog
 
 EXIT_BAD_INPUT = 2          # a config, data, tokenizer, output-folder or resume-path error
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_PREEMPTED", "CheckedInputs", "HangWatchdog", "RunIdentity",
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_PREEMPTED", "CheckedInputs", "HangWatchdog", "RunIdentity",
            "StopAgreement", "WandbResume", "abandoned_checkpoints", "check_inputs",
            "check_output_dir", "check_same_model", "claim_output_dir", "resolve_identity",
            "resolve_resume", "rewrite_metrics", "run_layout", "wandb_resume"]

@@ -9,10 +9,11 @@ train.attention_kernel this machine cannot run (model/attention_kernel.py); on C
 rank 0 only, the `auto` memory settings (plan/resolve.py: nothing fits the budget; the other ranks
 take rank 0's, run/startup.py); the tokenizer loads and fits the model's
 vocabulary; the data (data/checks.py check_data_config: sources, format, columns, eval split and
-source, token budget); the resume path names a checkpoint that verifies and whose model shape and
-layout this run accepts; the output folder is writable and not another run's (run/rundir.py). The
-cli runs it on every rank and hands the result to the Trainer (the tokenizer is not loaded twice);
-a Trainer built directly runs it itself. Never imports torch.distributed, accelerate or deepspeed.
+source, token budget); the resume path names a checkpoint that verifies and whose model shape,
+layout and optimizer settings (optim.on_resume_change) this run accepts; the output folder is
+writable and not another run's (run/rundir.py). The cli runs it on every rank and hands the result
+to the Trainer (the tokenizer is not loaded twice); a Trainer built directly runs it itself.
+Never imports torch.distributed, accelerate or deepspeed.
 
 The checkpoint is verified here, once, by global rank 0 (the only hashing of a resume: loading
 trusts it). Under train.resume=auto rank 0 also sets damaged checkpoints aside, so the other ranks
@@ -30,11 +31,12 @@ from pathlib import Path
 from tsp_trainer.checkpoint.disk_format import META
 from tsp_trainer.checkpoint.hf import check_folder_tensors
 from tsp_trainer.checkpoint.reshard import check_layout_change
-from tsp_trainer.checkpoint.train_state import check_same_model, checkpoint_layout
+from tsp_trainer.checkpoint.train_state import check_same_model, checkpoint_layout, saved_config
 from tsp_trainer.config import TrainConfig, validate_config
 from tsp_trainer.data import DataPlan, check_data_config, check_tokenizer_fits, load_run_tokenizer
 from tsp_trainer.data.tokenize import TextTokenizer
 from tsp_trainer.model.attention_kernel import check_run_attention_kernel
+from tsp_trainer.optim import resume_change_refusal, resume_changes
 from tsp_trainer.parallel.mesh import ParallelDims
 from tsp_trainer.plan.resolve import Resolved, resolve_run
 from tsp_trainer.run.rundir import check_output_dir, choose_resume
@@ -73,10 +75,19 @@ def check_inputs(cfg: TrainConfig, *, world_size: int, rank: int = 0) -> Checked
         check_same_model(meta, model_cfg, resume_path)
         check_layout_change(meta["layout"], run_layout(cfg, world_size),
                             policy=cfg.data.on_layout_change, path=resume_path)
+        check_resume_settings(meta, cfg, resume_path)
     check_output_dir(cfg.train.output_dir, resume=cfg.train.resume, resume_path=resume_path,
                      overwrite=cfg.train.overwrite_output_dir)
     return CheckedInputs(tokenizer, data_plan, resume_path, meta, choice.warnings, choice.notes,
                          resolved=resolved)
+
+
+def check_resume_settings(meta: dict, cfg: TrainConfig, path: Path) -> None:
+    """A resume whose optimizer or schedule settings differ from the checkpoint's needs
+    optim.on_resume_change to say which side wins (optim.py)."""
+    changes = resume_changes(saved_config(meta), cfg.to_dict())
+    if changes and cfg.optim.on_resume_change is None:
+        raise ValueError(f"train.resume: checkpoint {path}: {resume_change_refusal(changes)}")
 
 
 def _cpu_auto_settings(cfg: TrainConfig, world_size: int, rank: int) -> Resolved | None:

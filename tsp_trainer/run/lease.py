@@ -139,8 +139,10 @@ def refusal(output_dir: str | os.PathLike, holder: Holder | None) -> str:
 class RunLease:
     """The lease this process holds (see the module docstring)."""
 
-    def __init__(self, output_dir: Path, lock_fd: int | None, holder: Holder, heartbeat_s: float):
+    def __init__(self, output_dir: Path, lock_fd: int | None, holder: Holder, heartbeat_s: float,
+                 created: tuple[Path, ...] = ()):
         self.output_dir = output_dir
+        self.created = created        # the folders acquire() made, deepest first
         self.path = output_dir / LEASE_FILE
         self.holder = holder
         self.locked = lock_fd is not None
@@ -161,6 +163,7 @@ class RunLease:
         """Take the lease, or raise LeaseHeld naming the live holder. Creates the folder (a
         ValueError names it if it cannot be written)."""
         out = Path(output_dir)
+        created = _missing_folders(out)
         probe_writable(str(output_dir))
         me = me or this_process()
         fd = _lock_or_none(out / LOCK_FILE, output_dir)
@@ -169,8 +172,9 @@ class RunLease:
         except BaseException:
             if fd is not None:
                 os.close(fd)
+            _remove_if_unused(created)
             raise
-        return cls(out, fd, me, heartbeat_s)
+        return cls(out, fd, me, heartbeat_s, created)
 
     def _beat(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
@@ -190,6 +194,7 @@ class RunLease:
         if self._lock_fd is not None:
             os.close(self._lock_fd)          # closing drops the flock
             self._lock_fd = None
+        _remove_if_unused(self.created)      # a refused run leaves no folder it made
         if self in _HELD:
             _HELD.remove(self)
 
@@ -207,6 +212,28 @@ def take_for_job(output_dir: str, rank: int, *, take: bool, warn: Callable[[str]
         RunLease.acquire(output_dir, warn=warn)
     else:
         check_not_held_by_another_job(output_dir)
+
+
+def _missing_folders(folder: Path) -> tuple[Path, ...]:
+    """`folder` and each of its parents that does not exist yet, deepest first."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return tuple(missing)
+
+
+def _remove_if_unused(created: tuple[Path, ...]) -> None:
+    """Remove the folders a lease made (deepest first) while they hold nothing but the lock file:
+    a run refused by its input checks wrote nothing else. A folder holding anything is kept."""
+    for folder in created:
+        try:
+            if {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+            folder.rmdir()
+        except OSError:            # not empty, gone, or not ours to remove
+            return
 
 
 def release_held() -> None:

@@ -1,9 +1,15 @@
-"""Stopping early on purpose: a preemption signal, or the end of the allocation.
+"""Stopping early on purpose: a preemption signal, Ctrl-C, or the end of the allocation.
 
 A signal handler only sets a flag (it may run in the middle of a collective; nothing else is safe
 there). At every step boundary all ranks agree with one MAX all-reduce over the world group, so a
 signal that reached one rank only (or one node first) stops every rank after the same step; the
 Trainer then writes a checkpoint and the process exits with EXIT_PREEMPTED.
+
+SIGINT (Ctrl-C) is always such a stop request, whatever train.preempt_signals says, and the process
+then exits 130 (128 + SIGINT, as a shell reports an interrupted command). A terminal's Ctrl-C
+reaches the launcher and every rank at once, and the launcher forwards it to the ranks again
+within moments: a SIGINT within SECOND_INTERRUPT_AFTER_S of the first is the same request. A later
+one is a second Ctrl-C: the process stops at once, without the checkpoint, with one line.
 
     stopper = StopAgreement(mesh.world, signals=("SIGTERM", "SIGUSR1"), max_runtime_s=3600, device=dev)
     with stopper:                              # installs the handlers, restores them on exit
@@ -44,6 +50,8 @@ from tsp_trainer.parallel.comm import Comm
 # sysexits.h EX_TEMPFAIL: "temporary failure, the user is invited to retry": the run stopped at a
 # checkpoint and continues with train.resume=auto.
 EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 128 + signal.SIGINT     # 130: stopped at a checkpoint after Ctrl-C
+SECOND_INTERRUPT_AFTER_S = 2.0
 
 # The code each rank contributes to the MAX all-reduce: 0 = carry on, 1 = out of time, else the
 # signal number (so a signal wins over the clock, and its name survives the reduction).
@@ -62,6 +70,8 @@ class StopAgreement:
         self._clock = clock
         self._start = clock() - (process_age_s() if clock is time.monotonic else 0.0)
         self._received: int = 0              # signal number of the first signal caught, 0 if none
+        self._interrupted_at: float | None = None   # time.monotonic() of the first SIGINT
+        self._agreed: int = 0                # the code every rank agreed on (a signal number, or 1)
         self._previous: dict[int, object] = {}
 
     # -- signal handlers --------------------------------------------------------------------------
@@ -71,6 +81,7 @@ class StopAgreement:
         for name in self.signals:
             signum = getattr(signal, name)
             self._previous[signum] = signal.signal(signum, self._on_signal)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -82,6 +93,19 @@ class StopAgreement:
         # Runs between two bytecodes of the main thread: set the flag, nothing else.
         if not self._received:
             self._received = signum
+
+    def _on_interrupt(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._interrupted_at is None:
+            self._interrupted_at = now
+            self._on_signal(signum, frame)
+        elif now - self._interrupted_at >= SECOND_INTERRUPT_AFTER_S:
+            stop_at_once(say=self.world.rank == 0)
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status of a run this agreement stopped: 130 after Ctrl-C, else 75."""
+        return EXIT_INTERRUPTED if self._agreed == signal.SIGINT else EXIT_PREEMPTED
 
     @property
     def received(self) -> str | None:
@@ -99,13 +123,24 @@ class StopAgreement:
         code = self._received or (_OUT_OF_TIME if self.out_of_time(step_s=step_s, save_s=save_s) else 0)
         flag = torch.tensor([float(code)], device=self.device)
         self.world.all_reduce(flag, tag="lifecycle.stop", op=torch.distributed.ReduceOp.MAX)
-        code = int(flag.item())
+        code = self._agreed = int(flag.item())
         if code == 0:
             return None
         if code == _OUT_OF_TIME:
             return (f"train.max_runtime_min={self.max_runtime_s / 60:g} reached (the next step and "
                     "the final save would not fit)")
         return f"signal {signal.Signals(code).name}"
+
+
+def stop_at_once(*, say: bool) -> None:
+    """A second Ctrl-C: one line (from rank 0: `say`), release the run folder, exit 130 now (no
+    checkpoint, no traceback). os.write: this runs in a signal handler, maybe inside a print."""
+    if say:
+        os.write(2, b"tsp-train: second Ctrl-C: stopping now, without a checkpoint of this step\n")
+    from tsp_trainer.run.lease import release_held
+
+    release_held()
+    os._exit(EXIT_INTERRUPTED)
 
 
 class AgreedDataError(DataError):

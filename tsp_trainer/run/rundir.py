@@ -45,6 +45,7 @@ from tsp_trainer.checkpoint.fallback import (ResumeChoice, check_rank_states_bef
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 RUN_FILE = "run.json"
+LAYOUTS = "layouts.jsonl"      # one line per launch: its first step, layout and device (tsp-report)
 HANG_DUMPS = "hang_dumps"
 
 
@@ -150,7 +151,7 @@ def claim_output_dir(output_dir: str | os.PathLike, *, overwrite: bool) -> list[
     out.mkdir(parents=True, exist_ok=True)
     removed = []
     if overwrite:
-        for name in (CHECKPOINTS, METRICS, RUN_FILE):
+        for name in (CHECKPOINTS, METRICS, RUN_FILE, LAYOUTS):
             target = out / name
             if target.is_dir():
                 shutil.rmtree(target)
@@ -160,6 +161,25 @@ def claim_output_dir(output_dir: str | os.PathLike, *, overwrite: bool) -> list[
                 continue
             removed.append(name)
     return removed
+
+
+def record_layout(output_dir: str | os.PathLike, *, first_step: int, layout: dict, device: str) -> None:
+    """Global rank 0, at each launch: append {first_step, layout, device} to layouts.jsonl,
+    dropping the lines of launches that began after `first_step` (a rollback abandoned them)."""
+    path = Path(output_dir) / LAYOUTS
+    kept = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue                     # a line a crash cut short
+            if record.get("first_step", 0) < first_step:
+                kept.append(record)
+    kept.append({"first_step": first_step, **layout, "device": device})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
 
 
 def rewrite_metrics(path: str | os.PathLike, *, up_to_step: int) -> int | None:

@@ -15,7 +15,7 @@ from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.run.identity import (RunIdentity, WandbResume, read_identity, resolve_identity,
                                      wandb_resume)
 from tsp_trainer.run.rundir import (METRICS, abandoned_checkpoints, checkpoints_root,
-                                    claim_output_dir, is_inside, rewrite_metrics)
+                                    claim_output_dir, is_inside, record_layout, rewrite_metrics)
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,15 @@ class RunSession:
 
 
 def open_run_folder(cfg: TrainConfig, *, world: Comm, resume_path: Path | None,
-                    resume_meta: dict | None, resumed_step: int) -> RunSession:
-    """Collective (world): rank 0 claims the folder and decides the identity; all ranks return it."""
-    session = _open_on_rank0(cfg, resume_path, resume_meta, resumed_step) if world.rank == 0 else None
+                    resume_meta: dict | None, resumed_step: int, layout: dict | None = None,
+                    device: str = "cpu") -> RunSession:
+    """Collective (world): rank 0 claims the folder and decides the identity; all ranks return it.
+    `layout` (checkpoint_layout) and `device` (its type) go to layouts.jsonl for tsp-report."""
+    session = None
+    if world.rank == 0:
+        session = _open_on_rank0(cfg, resume_path, resume_meta, resumed_step)
+        if layout is not None:
+            record_layout(cfg.train.output_dir, first_step=resumed_step + 1, layout=layout, device=device)
     return world.broadcast_object(session)
 
 
