@@ -153,18 +153,25 @@ def test_hf_llama_with_our_weights_gives_our_logits(family):
         torch.testing.assert_close(hf(ids).logits, model(ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,panels", [("d4_s1024_mem", 2), ("d4_s8192", 3)])
-def test_replot_draws_a_throughput_panel_only_for_timed_runs(tmp_path, name, panels):
-    """The saved JSON redraws its PNG; a memory-only run (--steps 0) has no throughput panel."""
+@pytest.mark.parametrize("timed,panels", [(False, 2), (True, 3)])
+def test_replot_draws_a_throughput_panel_only_for_timed_runs(tmp_path, timed, panels):
+    """The saved JSON redraws its PNG; a memory-only run (--steps 0) has no throughput panel, a run
+    with timed steps (tokens_per_s in its rows) has one."""
+    import json
     import pathlib
 
     import matplotlib.image
 
     from tsp_trainer.bench.report import replot
 
-    saved = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "tsp_bench" / f"{name}.json"
+    saved = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results" / "tsp_bench" / "d4_s1024_mem.json"
+    result = json.loads(saved.read_text())
+    if timed:                       # the same run as if its steps had been timed
+        for i, row in enumerate(result["schemes"]):
+            row["tokens_per_s"] = 1000.0 + i
+    (tmp_path / "run.json").write_text(json.dumps(result))
     out = tmp_path / "replot.png"
-    replot(str(saved), str(out))
+    replot(str(tmp_path / "run.json"), str(out))
     height, width = matplotlib.image.imread(out).shape[:2]
     # 5 in of width per panel at 110 dpi (legends below the axes add height, not width)
     assert round(width / (5 * 110)) == panels, (width, height)
