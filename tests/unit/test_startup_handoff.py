@@ -1,6 +1,7 @@
 """tsp-launch checks a recipe once (run/startup.py): its ranks take the launcher's result (the
-resolved `auto` settings, the data plan, the resume choice) instead of checking again, when their
-recipe, overrides and world size are the launcher's; anything else checks as before."""
+data plan, the resume choice; rank 0 decides `auto` once the process group exists) instead of
+checking again, when their recipe, overrides and world size are the launcher's; anything else
+checks as before. The file between them is plain JSON: nothing in it can run code."""
 
 import pytest
 
@@ -30,10 +31,19 @@ def test_the_ranks_take_the_launchers_check_and_do_not_repeat_it(handed, monkeyp
     cfg = load_config(RECIPE, overrides)
     zero = startup.reuse_launcher_check(cfg, world_size=4, rank=0)
     assert zero.data_plan == launched.data_plan and zero.tokenizer is not None
-    assert zero.resolved == launched.resolved and zero.resolved.cfg.parallel.tsp_recompute != "auto"
+    assert zero.resume_path == launched.resume_path and zero.resume_meta == launched.resume_meta
+    assert zero.resolved is None                  # rank 0 decides `auto` for everyone, in the job
     other = startup.reuse_launcher_check(cfg, world_size=4, rank=3)
-    assert other.resolved is None                 # rank 0 decides `auto` for everyone
+    assert other.resolved is None
     assert other.data_plan == launched.data_plan
+
+
+def test_the_handed_file_is_plain_json(handed, monkeypatch):
+    import json
+    import os
+
+    record = json.loads(open(os.environ[startup.CHECKED_INPUTS_ENV]).read())
+    assert record["world_size"] == 4 and record["cfg"]["train"]["steps"] > 0
 
 
 def test_another_recipe_world_or_rank_checks_itself(handed):
@@ -49,7 +59,7 @@ def test_without_the_launcher_nothing_is_reused(tmp_path, monkeypatch):
     monkeypatch.delenv(startup.CHECKED_INPUTS_ENV, raising=False)
     cfg = load_config(RECIPE, [f"train.output_dir={tmp_path / 'run'}"])
     assert startup.reuse_launcher_check(cfg, world_size=4, rank=0) is None
-    monkeypatch.setenv(startup.CHECKED_INPUTS_ENV, str(tmp_path / "gone.pkl"))
+    monkeypatch.setenv(startup.CHECKED_INPUTS_ENV, str(tmp_path / "gone.json"))
     assert startup.reuse_launcher_check(cfg, world_size=4, rank=0) is None
 
 

@@ -12,7 +12,7 @@ on a GPU) and broadcasts the answer before the mesh is built; a refusal is broad
 rank raises the same AutoSettingsError and the CLI prints it once (exit 2).
 
 tsp-launch checks the recipe and its inputs in one process before any rank starts; it writes what
-it found (resolved settings, data plan, resume choice; not the tokenizer, which each rank loads)
+it found (data plan, resume choice; not the tokenizer, which each rank loads) as JSON
 to a private file named by CHECKED_INPUTS_ENV, and each rank whose recipe, overrides and world
 size are the launcher's takes it instead of checking again (`reuse_launcher_check`).
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
-import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from tsp_trainer.config import TrainConfig
-from tsp_trainer.data import load_run_tokenizer
+from tsp_trainer.data import DataPlan, load_run_tokenizer
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.ledger import CommLedger
 from tsp_trainer.plan.resolve import AutoSettingsError, Resolved, resolve_run
@@ -94,13 +94,23 @@ def agree_on_settings(cfg: TrainConfig, decided: Resolved | None, *, world: Comm
 def hand_over_check(cfg: TrainConfig, inputs: CheckedInputs, *, world_size: int, first_rank: int,
                     ranks_here: int) -> Path:
     """Write what the launcher's check found for the ranks it starts (global ranks first_rank ..
-    first_rank + ranks_here - 1) to a private file; returns its path (the caller removes it)."""
-    fd, path = tempfile.mkstemp(prefix="tsp_trainer_checked_", suffix=".pkl")
-    record = {"cfg": cfg, "world_size": world_size, "first_rank": first_rank, "ranks_here": ranks_here,
-              "inputs": dataclasses.replace(inputs, tokenizer=None)}
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(record, f)
+    first_rank + ranks_here - 1) to a private JSON file; returns its path (the caller removes it).
+    Plain data only: the data plan, the resume choice and its meta.json (rank 0 decides `auto`
+    itself once its process group exists, and each rank loads its own tokenizer)."""
+    fd, path = tempfile.mkstemp(prefix="tsp_trainer_checked_", suffix=".json")
+    record = {"cfg": _plain(cfg.to_dict()), "world_size": world_size, "first_rank": first_rank,
+              "ranks_here": ranks_here, "data_plan": dataclasses.asdict(inputs.data_plan),
+              "resume_path": None if inputs.resume_path is None else str(inputs.resume_path),
+              "resume_meta": inputs.resume_meta, "resume_warnings": list(inputs.resume_warnings),
+              "resume_notes": list(inputs.resume_notes)}
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
     return Path(path)
+
+
+def _plain(value):
+    """`value` as JSON reads it back (tuples become lists), so two configs compare as data."""
+    return json.loads(json.dumps(value))
 
 
 def reuse_launcher_check(cfg: TrainConfig, *, world_size: int, rank: int) -> CheckedInputs | None:
@@ -110,24 +120,25 @@ def reuse_launcher_check(cfg: TrainConfig, *, world_size: int, rank: int) -> Che
     if not path:
         return None
     try:
-        with open(path, "rb") as f:
-            record = pickle.load(f)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+        with open(path) as f:
+            record = json.load(f)
+        first = record["first_rank"]
+        same = (record["cfg"] == _plain(cfg.to_dict()) and record["world_size"] == world_size
+                and first <= rank < first + record["ranks_here"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    first = record["first_rank"]
-    if (record["cfg"] != cfg or record["world_size"] != world_size
-            or not first <= rank < first + record["ranks_here"]):
+    if not same:
         return None
-    inputs = record["inputs"]
     tokenizer = load_run_tokenizer(cfg.data.tokenizer, cfg.model)
-    if rank == first:
-        return dataclasses.replace(inputs, tokenizer=tokenizer)
     # as check_inputs on any other rank: under resume=auto rank 0 alone chooses (it tells the
-    # others once the groups exist), it alone prints the resume lines and decides `auto`
-    auto = cfg.train.resume == "auto"
-    return dataclasses.replace(inputs, tokenizer=tokenizer, resume_warnings=(), resume_notes=(),
-                               resume_path=None if auto else inputs.resume_path,
-                               resume_meta=None if auto else inputs.resume_meta, resolved=None)
+    # others once the groups exist) and alone prints the resume lines
+    mine = rank == first or cfg.train.resume != "auto"
+    resume = record["resume_path"] if mine else None
+    return CheckedInputs(tokenizer, DataPlan(**record["data_plan"]),
+                         None if resume is None else Path(resume),
+                         record["resume_meta"] if mine else None,
+                         tuple(record["resume_warnings"]) if rank == first else (),
+                         tuple(record["resume_notes"]) if rank == first else ())
 
 
 def settle(cfg: TrainConfig, inputs: CheckedInputs, *, world_size: int, rank: int, cuda: bool, device,
