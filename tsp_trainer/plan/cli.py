@@ -5,11 +5,13 @@
     tsp-plan --dry-run            # the 7B 128K recipe at world 1,024 on fake tensors (one process)
     tsp-plan --model llama3_8b --gpu h100 --nodes 1 --max-seq-len   # longest context per scheme
     tsp-plan --model llama3_8b --gpu h100 --nodes 1 --ablation      # ... as each technique is added
+    python -m tsp_trainer.plan.peers   # ALST's published ablation beside the planner's ulysses rows
 
 The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, activation
 offload, TSP recompute mode, head buckets, micro-batch x grad accumulation) that fits in GPU memory
 and whose node's pinned host bytes fit its host memory, ranked by predicted
-step time (plan/predict.py; docs/planner.md): for one scheme, D and batch split, the top row's
+step time (plan/predict.py; docs/planner.md), then TSP beside the peers' stacks (ulysses, upipe,
+sp_zero3: planner-only layouts, plan/peers.py; --max-seq-len lists them too): for one scheme, D and batch split, the top row's
 recompute mode, checkpointing and head buckets are what the trainer's `auto` settings choose
 (plan/auto.py). Impossible requests (nothing fits, a global batch no layout can
 split) exit with code 2 and say why.
