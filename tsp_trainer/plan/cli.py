@@ -5,11 +5,13 @@
     tsp-plan --dry-run            # the 7B 128K recipe at world 1,024 on fake tensors (one process)
     tsp-plan --model llama3_8b --gpu h100 --nodes 1 --max-seq-len   # longest context per scheme
     tsp-plan --model llama3_8b --gpu h100 --nodes 1 --ablation      # ... as each technique is added
+    python -m tsp_trainer.plan.peers   # ALST's published ablation beside the planner's ulysses rows
 
 The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpointing, activation
 offload, TSP recompute mode, head buckets, micro-batch x grad accumulation) that fits in GPU memory
 and whose node's pinned host bytes fit its host memory, ranked by predicted
-step time (plan/predict.py; docs/planner.md): for one scheme, D and batch split, the top row's
+step time (plan/predict.py; docs/planner.md), then TSP beside the peers' stacks (ulysses, upipe,
+sp_zero3: planner-only layouts, plan/peers.py; --max-seq-len lists them too): for one scheme, D and batch split, the top row's
 recompute mode, checkpointing and head buckets are what the trainer's `auto` settings choose
 (plan/auto.py). Impossible requests (nothing fits, a global batch no layout can
 split) exit with code 2 and say why.
@@ -25,6 +27,7 @@ from dataclasses import asdict
 from tsp_trainer.config.model_source import add_model_args
 from tsp_trainer.config.schema import OffloadOptimizer, TspRecompute, TspRecomputeSetting
 from tsp_trainer.plan.layout import SCHEMES
+from tsp_trainer.plan.peers import PEER_SCHEMES
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions
 
@@ -46,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the async checkpoint's staging pin (default: the profile's, 2,000 for "
                         "h100 and h200, 1,649 for mi300x; docs/planner.md gives the sources)")
     p.add_argument("--schemes", default=None,
-                   help=f"comma-separated subset of {','.join(SCHEMES)} (default: all; --dry-run: "
-                        "tsp,tp,tp_sp)")
+                   help=f"comma-separated subset of {','.join(SCHEMES + PEER_SCHEMES)} (default: all; "
+                        f"--dry-run: tsp,tp,tp_sp); {', '.join(PEER_SCHEMES)} are the peers' stacks, "
+                        "modelled by the planner only (plan/peers.py)")
     p.add_argument("--max-degree", type=int, default=64, help="largest model-parallel degree D tried")
     p.add_argument("--micro-batch", default=None,
                    help="comma-separated micro-batch sizes to try (default: all)")
@@ -193,10 +197,16 @@ def _schemes(parser, text: str | None, default) -> tuple[str, ...]:
     if text is None:
         return tuple(default)
     names = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    bad = [s for s in names if s not in SCHEMES]
+    known = SCHEMES + PEER_SCHEMES
+    bad = [s for s in names if s not in known]
     if bad or not names:
-        _fail(parser, f"--schemes={text!r}: use a comma-separated subset of {','.join(SCHEMES)}")
+        _fail(parser, f"--schemes={text!r}: use a comma-separated subset of {','.join(known)}")
     return names
+
+
+def _split_peers(names: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the trainer's schemes, the peers the planner models) of --schemes."""
+    return (tuple(s for s in names if s in SCHEMES), tuple(s for s in names if s in PEER_SCHEMES))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +240,7 @@ def _longest(parser, args, cfg) -> int:
     import json
 
     from tsp_trainer.plan.longest import format_longest, longest_seq_len
+    from tsp_trainer.plan.peers import peer_longest
 
     nodes, hw = _cluster(parser, args)
     args.tsp_recompute = _one_mode(args.tsp_recompute)
@@ -237,7 +248,7 @@ def _longest(parser, args, cfg) -> int:
     if batch < 1:
         _fail(parser, f"--global-batch={batch} must be >= 1 (sequences per optimizer step)")
     assumptions = _assumptions(parser, args, hw)
-    schemes = _schemes(parser, args.schemes, SCHEMES)
+    schemes, peers = _split_peers(_schemes(parser, args.schemes, SCHEMES + PEER_SCHEMES))
     world = nodes * hw.gpus_per_node
     offload_optimizer = args.zero_offload_optimizer == "cpu"
     report = {"model": args.model, "gpu": hw.name, "nodes": nodes, "world_size": world,
@@ -249,6 +260,9 @@ def _longest(parser, args, cfg) -> int:
                                 max_degree=args.max_degree, offload=offload,
                                 tsp_recompute=args.tsp_recompute,
                                 offload_optimizer=offload_optimizer) for s in schemes]
+        rows += [peer_longest(cfg, s, hw=hw, nodes=nodes, prec=PRECISIONS[args.dtype],
+                              assumptions=assumptions, max_degree=args.max_degree, offload=offload,
+                              offload_optimizer=offload_optimizer) for s in peers]
         what = "with activation offload to host" if offload else "activations in GPU memory"
         print(format_longest(rows, header=(
             f"longest sequence per scheme: {args.model} on {world} x {hw.name} ({nodes} nodes), global "
@@ -308,7 +322,10 @@ def _plan(parser, args, cfg) -> int:
         except ValueError:
             _fail(parser, f"--micro-batch={args.micro_batch!r} must be comma-separated integers")
     assumptions = _assumptions(parser, args, hw)
-    schemes = _schemes(parser, args.schemes, SCHEMES)
+    schemes, peers = _split_peers(_schemes(parser, args.schemes, SCHEMES + PEER_SCHEMES))
+    if not schemes:
+        _fail(parser, f"--schemes={args.schemes!r}: the ranking needs one of {','.join(SCHEMES)} "
+                      f"beside the peers ({', '.join(PEER_SCHEMES)} are ranked against them)")
     try:
         result = plan(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw, nodes=nodes,
                       schemes=schemes, prec=PRECISIONS[args.dtype], assumptions=assumptions,
@@ -330,13 +347,24 @@ def _plan(parser, args, cfg) -> int:
               f"{len(result.fitting)} of {len(result.candidates)} layouts fit")
     print(format_table(result, header=header, top=args.top, capacity=capacity,
                        gpus_per_node=hw.gpus_per_node))
+    peer_best = {}
+    if peers:
+        from tsp_trainer.plan.peers import format_beside_peers, peer_ranking
+
+        peer_best = peer_ranking(cfg, seq_len=args.seq_len, global_batch=args.global_batch, hw=hw,
+                                 nodes=nodes, schemes=peers, prec=PRECISIONS[args.dtype],
+                                 assumptions=assumptions, max_degree=args.max_degree,
+                                 offload_optimizer=args.zero_offload_optimizer == "cpu")
+        print()
+        print(format_beside_peers(result.best_per_scheme(), peer_best, peers))
     request = {"model": args.model, "seq_len": args.seq_len, "global_batch": args.global_batch,
                "gpu": hw.as_dict(), "nodes": nodes, "world_size": world, "dtype": args.dtype,
                "assumptions": asdict(assumptions),
                "kernel_efficiency": _efficiencies(hw, assumptions).as_dict(), "schemes": list(schemes),
                "tsp_recompute": args.tsp_recompute, "zero_offload_optimizer": args.zero_offload_optimizer}
     if args.json:
-        write_json(args.json, request, result, top=args.top)
+        write_json(args.json, request, result, top=args.top,
+                   peers={k: v.as_dict() for k, v in peer_best.items()})
     if args.plot:
         write_plot(args.plot, result, title=header.split(";")[0], top=args.top, capacity=capacity)
     return 0
@@ -355,6 +383,9 @@ def _dry_run(parser, args, cfg) -> int:
     if not 0 <= args.rank < world:
         _fail(parser, f"--rank={args.rank} must be in [0, {world})")
     schemes = _schemes(parser, args.schemes, ("tsp", "tp", "tp_sp"))
+    if _split_peers(schemes)[1]:
+        _fail(parser, f"--schemes={args.schemes!r}: --dry-run runs the trainer's code; "
+                      f"{', '.join(_split_peers(schemes)[1])} are modelled by the planner only")
     args.tsp_recompute = _one_mode(args.tsp_recompute)
     if args.tsp_recompute != "full" and not args.no_activation_checkpointing:
         _fail(parser, f"--tsp-recompute={args.tsp_recompute} needs --no-activation-checkpointing (the "

@@ -102,11 +102,22 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
         return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "
                                                 "activation offload (--tsp-recompute full)")
 
+    def predictions(seq_len: int) -> list[Prediction]:
+        return _predictions(cfg, scheme, seq_len, hw=hw, world=world, global_batch=global_batch,
+                            prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
+                            tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
+                            fields=fields, replay_keeps=replay_keeps)
+
+    seq_len, best, bound = search_longest(predictions, granule)
+    return Longest(scheme, seq_len, best, bound=bound)
+
+
+def search_longest(predictions, granule: int) -> tuple[int, Prediction | None, str]:
+    """(longest fitting multiple of `granule`, its least-memory prediction, what one granule more
+    overflows) for `predictions(seq_len)`, the candidate layouts predicted at a length: doubling
+    until nothing fits, then bisection (memory grows with the length for every layout)."""
     def fit(units: int) -> tuple[Prediction | None, list[Prediction]]:
-        preds = _predictions(cfg, scheme, units * granule, hw=hw, world=world, global_batch=global_batch,
-                             prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
-                             tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
-                             fields=fields, replay_keeps=replay_keeps)
+        preds = predictions(units * granule)
         return _least_memory(preds), preds
 
     lo, lo_pred = 0, None                      # lo units fit (0: trivially)
@@ -117,7 +128,7 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
             break
         lo, lo_pred, hi = hi, p, hi * 2
     else:
-        return Longest(scheme, lo * granule, lo_pred, bound="search limit")
+        return lo * granule, lo_pred, "search limit"
     while hi - lo > 1:                         # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
         p, preds = fit(mid)
@@ -125,7 +136,7 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
             hi, hi_preds = mid, preds
         else:
             lo, lo_pred = mid, p
-    return Longest(scheme, lo * granule, lo_pred, bound=_bound(hi_preds))
+    return lo * granule, lo_pred, _bound(hi_preds)
 
 
 def peak_breakdown(p: Prediction) -> dict[str, int]:

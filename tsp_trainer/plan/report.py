@@ -134,7 +134,7 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
-def write_json(path: str, request: dict, result: PlanResult, *, top: int) -> None:
+def write_json(path: str, request: dict, result: PlanResult, *, top: int, peers: dict | None = None) -> None:
     doc = {"request": request,
            "ranked": [p.as_dict() for p in result.fitting[:top]],
            "fitting": [{"label": p.layout.label(), "layout": p.layout.as_dict(),
@@ -143,6 +143,8 @@ def write_json(path: str, request: dict, result: PlanResult, *, top: int) -> Non
                        for p in result.fitting],
            "best_per_scheme": {k: v.as_dict() for k, v in result.best_per_scheme().items()},
            "rejected": result.rejected}
+    if peers:
+        doc["peers_planner_only"] = peers
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 
