@@ -89,7 +89,7 @@ def evaluate_with_host_default_elsewhere(rank, world, batches):
     """The Trainer's Evaluator (loss by position with document masking, then the passkey, whose
     per-cell counts are all-reduced over dp), once plainly and once while factories in the
     compute packages and tsp_trainer/eval that name no device create meta tensors."""
-    from tsp_trainer.config import ModelConfig, load_config
+    from tsp_trainer.config import ModelConfig
     from tsp_trainer.data import load_tokenizer
     from tsp_trainer.eval import HaystackBuilder, PasskeyTask
     from tsp_trainer.eval.evaluator import EVAL_LOSS, PASSKEY_ACCURACY, Evaluator

@@ -22,7 +22,7 @@ def _die_in(rank, world, block_name):
     mesh = build_mesh(world)
     model = Transformer(cfg)
     model.init_weights(0)
-    par = parallelize(model, "tsp", mesh, seq_len=16)
+    parallelize(model, "tsp", mesh, seq_len=16)
     ids = torch.randint(0, cfg.vocab_size, (1, 16))
     li, _, pos = zigzag.shard_batch(ids, ids, rank, world)
     x = model.embed_tokens(li)

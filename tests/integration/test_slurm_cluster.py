@@ -145,7 +145,6 @@ def _stop_and_requeue(watch: Watch, out: Path, log: Path, after: int, send, how:
     the figures of that stop."""
     k = _wait_for_step(watch, out, after, f"step {after} before {how}")
     restarts, ranks = watch.restarts, _rank_pids(watch.cluster, watch.job)
-    t0 = time.monotonic()
     send()
     seconds = _until_gone(ranks)
     watch.until(lambda i: watch.restarts > restarts and i.get("JobState") == "RUNNING",

@@ -3,7 +3,6 @@ own process, before Accelerate starts a rank; a good run goes through Accelerate
 rank's exit code (75: stopped at a checkpoint) is the job's. `python -m tsp_trainer check` is the
 same check alone (launch/torchrun.sh runs it)."""
 
-import os
 import shlex
 import subprocess
 import sys

@@ -29,7 +29,6 @@ from tsp_trainer.observability import (
     make_sinks,
     matmul_params,
     peak_flops_for,
-    peak_memory_bytes,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -302,9 +302,9 @@ def test_prediction_time_model():
 def test_candidates_respect_shapes_and_batch():
     rejected = {}
     lays = candidate_layouts(model_config("7b"), seq_len=131072, global_batch=8, world=8, rejected=rejected)
-    assert lays and all(l.world == 8 and l.micro_batch * l.grad_accum * l.dp == 8 for l in lays)
-    assert {l.scheme for l in lays} == {"tsp", "tp", "tp_sp", "sp", "tp_x_sp"}
-    assert all(l.zero_stage == 0 for l in lays if l.dp == 1)
+    assert lays and all(lay.world == 8 and lay.micro_batch * lay.grad_accum * lay.dp == 8 for lay in lays)
+    assert {lay.scheme for lay in lays} == {"tsp", "tp", "tp_sp", "sp", "tp_x_sp"}
+    assert all(lay.zero_stage == 0 for lay in lays if lay.dp == 1)
 
 
 def test_at_128k_on_one_h100_node_tsp_fits_where_sp_does_not():

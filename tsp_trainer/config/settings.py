@@ -39,7 +39,7 @@ class Bound:
 
 
 def setting(default: Any = dataclasses.MISSING, *, doc: str,
-            factory: Callable[[], Any] | Any = dataclasses.MISSING, min: float | None = None,
+            factory: Callable[[], Any] | Any = dataclasses.MISSING, min: float | None = None,  # noqa: A002 (the rule's name in every schema field)
             above: float | None = None, below: float | None = None, note: str = "",
             choices: tuple = ()) -> Any:
     """A schema field: `default` (or `factory` for a list), `doc` (one line: what the key means),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, Layout
+from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile

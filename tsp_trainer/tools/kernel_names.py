@@ -27,6 +27,10 @@ Families (`attention_kernel_family`), by the substrings of the kernels' names:
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:                   # torch is imported where a profile runs
+    import torch
 
 # (family, substrings of the lower-cased name); the first family with a match wins, so the more
 # specific names come first (FA4's CuTe kernels also contain "flash_fwd", FA2's split-KV kernel
