@@ -33,6 +33,7 @@ handed to it fails deep inside the backend ("No backend type associated with dev
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 
 import torch
@@ -97,9 +98,15 @@ class _DirectWork:
         return True
 
 
-# gloo P2P tags of the direct collectives (tsp/ring.py's exchanges use 0 and 1): ops of one kind
-# between a pair are matched in the order posted, which every rank shares (collective order)
-_ALL_GATHER_TAG, _REDUCE_SCATTER_TAG = 2, 3
+class P2PTag(enum.IntEnum):
+    """Every P2P tag of the package. gloo matches a receive to a send by (peer, tag), in the order
+    posted: ops of one kind between a pair share a tag, kinds that may be in flight together get
+    their own."""
+
+    RING_WEIGHTS = 0        # tsp/ring.py: a weight shard's hop
+    RING_GRADS = 1          # tsp/ring.py: a gradient accumulator's hop, beside a weight hop
+    ALL_GATHER = 2          # direct all-gather on gloo (Comm._direct_all_gather)
+    REDUCE_SCATTER = 3      # direct reduce-scatter on gloo (Comm._direct_reduce_scatter)
 
 
 class Comm:
@@ -236,9 +243,9 @@ class Comm:
         [D, ...] rank-major: (D - 1) blocks out and in per rank, as in a ring."""
         blocks = out.view(self.size, -1)
         blocks[self.rank].copy_(inp.view(-1))
-        ops = [dist.P2POp(dist.isend, blocks[self.rank], self.ranks[p], self.group, _ALL_GATHER_TAG)
+        ops = [dist.P2POp(dist.isend, blocks[self.rank], self.ranks[p], self.group, P2PTag.ALL_GATHER)
                for p in self._peers()]
-        ops += [dist.P2POp(dist.irecv, blocks[p], self.ranks[p], self.group, _ALL_GATHER_TAG)
+        ops += [dist.P2POp(dist.irecv, blocks[p], self.ranks[p], self.group, P2PTag.ALL_GATHER)
                 for p in self._peers()]
         return _DirectWork(dist.batch_isend_irecv(ops))
 
@@ -249,9 +256,9 @@ class Comm:
         blocks = inp.view(self.size, -1)
         peers = self._peers()
         got = blocks.new_empty((len(peers), blocks.shape[1]))
-        ops = [dist.P2POp(dist.isend, blocks[p], self.ranks[p], self.group, _REDUCE_SCATTER_TAG)
+        ops = [dist.P2POp(dist.isend, blocks[p], self.ranks[p], self.group, P2PTag.REDUCE_SCATTER)
                for p in peers]
-        ops += [dist.P2POp(dist.irecv, got[i], self.ranks[p], self.group, _REDUCE_SCATTER_TAG)
+        ops += [dist.P2POp(dist.irecv, got[i], self.ranks[p], self.group, P2PTag.REDUCE_SCATTER)
                 for i, p in enumerate(peers)]
 
         def finish() -> None:
@@ -311,7 +318,7 @@ class Comm:
 
     # -- point to point ---------------------------------------------------------------------------
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, send_to: int, recv_from: int,
-                 tag: str, p2p_tag: int = 0) -> list:
+                 tag: str, p2p_tag: P2PTag = P2PTag.RING_WEIGHTS) -> list:
         """Post one isend and one irecv (batch_isend_irecv) to/from group ranks; returns works.
         `p2p_tag` keeps concurrent exchanges between the same pair apart (gloo matches by tag)."""
         self.check_device("send/recv", tag, send, recv)
