@@ -72,15 +72,17 @@ class Trainer:
             self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
             self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
             self.attention = run_attention_kernel(cfg, self.model_cfg, device=self.device)
-            use_attention_kernel(self.attention)           # before check_device_support reads it
+            use_attention_kernel(self.attention)           # torch's flash implementation (FA3 / FA4)
             self.log.info(f"attention kernel: {self.attention.kernel} ({self.attention.reason})")
             self.memory = inputs.memory or choose_auto_settings(   # on a GPU: its memory, its rules
                 cfg, world_size=world_size, cuda=cuda, device=self.device,
-                refuses=lambda c: check_device_support(c, self.model_cfg, device=self.device))
+                refuses=lambda c: check_device_support(c, self.model_cfg, device=self.device,
+                                                       attention_kernel=self.attention.kernel))
             if self.memory is not None:                    # the auto settings, as saved and logged
                 cfg = self.cfg = self.memory.apply(cfg)
                 self.log.info(self.memory.line())
-            check_device_support(cfg, self.model_cfg, device=self.device)   # still before any group
+            check_device_support(cfg, self.model_cfg, device=self.device,   # still before any group
+                                 attention_kernel=self.attention.kernel)
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
             self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
@@ -164,7 +166,7 @@ class Trainer:
     def _build_model(self) -> Parallelized:
         c = self.cfg
         with torch.device("meta"):                       # no rank ever holds the full model
-            model = Transformer(self.model_cfg)
+            model = Transformer(self.model_cfg, attention_kernel=self.attention.kernel)
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
                      "checkpoint_replay_keeps": resolved_replay_keeps(c)}

@@ -175,15 +175,10 @@ def _efficient_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
 _VARLEN_KERNELS = {"flash": _flash_varlen, "efficient": _efficient_varlen}
 
 
-# The kernel of this process's CUDA runs (use_attention_kernel): fa2 | fa3 | fa4 | cudnn | efficient.
-_ACTIVE_KERNEL = "fa2"
-
-
 def use_attention_kernel(choice: Choice) -> None:
-    """Make `choice` (select_attention_kernel) this process's attention kernel: FA3 / FA4 are
-    activated in torch's dispatcher (every flash call of the process, until another kernel is
-    chosen), any other choice restores torch's FA2 there."""
-    global _ACTIVE_KERNEL
+    """Set torch's flash implementation for `choice` (select_attention_kernel): FA3 / FA4 are
+    activated in torch's dispatcher, a process-wide setting of torch's, any other choice restores
+    torch's FA2 there. The route itself takes the kernel as an argument (`sdpa_route(kernel=)`)."""
     from torch.nn import attention
 
     impl = {"fa3": "FA3", "fa4": "FA4"}.get(choice.kernel)
@@ -191,21 +186,16 @@ def use_attention_kernel(choice: Choice) -> None:
         attention.activate_flash_attention_impl(impl)
     elif attention.current_flash_attention_impl() is not None:
         attention.restore_flash_attention_impl()
-    _ACTIVE_KERNEL = choice.kernel
-
-
-def active_attention_kernel() -> str:
-    return _ACTIVE_KERNEL
 
 
 def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int,
-               kernel: str | None = None) -> SdpaRoute:
+               kernel: str = "fa2") -> SdpaRoute:
     """The kernel `attention_core` uses for these inputs (see the module docstring); `kernel`
-    (default: the process's, use_attention_kernel) decides only whether cuDNN replaces flash."""
+    (the run's train.attention_kernel choice) decides only whether cuDNN replaces flash."""
     if device_type != "cuda":
         return SdpaRoute("cpu_lse_merge")
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
-        if (kernel or _ACTIVE_KERNEL) == "cudnn":
+        if kernel == "cudnn":
             return SdpaRoute("cudnn", expand_kv=gqa)
         return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
     alignment = 8 if dtype in _HALF else 4
@@ -220,7 +210,7 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
 
 
 def check_cuda_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                         kernel: str | None = None) -> SdpaRoute:
-    """The CUDA route of a model under attention kernel `kernel` (default: the process's), or
+                         kernel: str = "fa2") -> SdpaRoute:
+    """The CUDA route of a model under attention kernel `kernel`, or
     UnsupportedAttentionError (the Trainer calls this before it starts any process group)."""
     return sdpa_route("cuda", dtype, gqa=num_heads != num_kv_heads, head_dim=head_dim, kernel=kernel)

@@ -114,7 +114,7 @@ class ParallelAttention(nn.Module):
         q = apply_rope(F.linear(x, wq, bq).view(b, t, -1, d), rope.cos, rope.sin)
         k = apply_rope(F.linear(x, wk, bk).view(b, t, -1, d), rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
-        out = context_attention(q, k, v, rope.runs, g.sp, rope.documents)        # [B, T_region, n_h/T * d]
+        out = context_attention(q, k, v, rope.runs, g.sp, rope.documents, rope.attention_kernel)        # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
 
 
