@@ -198,7 +198,7 @@ def _checkpointed_backward(rank, world, layers, mode, seq, keeps="all"):
     from tsp_trainer.config import model_config
     from tsp_trainer.model import Transformer
     from tsp_trainer.model.activation_checkpoint import CheckpointCall, checkpointed_block
-    from tsp_trainer.parallel.tsp.attention import TSPAttention
+    from tsp_trainer.parallel.tsp.attention import AttentionSettings
     from tsp_trainer.parallel import zigzag
     from tsp_trainer.parallel.mesh import build_mesh
     from tsp_trainer.parallel.schemes import parallelize
@@ -215,7 +215,7 @@ def _checkpointed_backward(rank, world, layers, mode, seq, keeps="all"):
     puts, put = [], CheckpointCall.put
 
     def recording_put(call, key, value):
-        puts.append(("attention" if isinstance(key, TSPAttention) else "mlp", _slot_bytes(value)))
+        puts.append(("attention" if isinstance(key, AttentionSettings) else "mlp", _slot_bytes(value)))
         put(call, key, value)
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -251,14 +251,13 @@ def _checkpointed_backward(rank, world, layers, mode, seq, keeps="all"):
 
 def _assert_one_block_input_per_block_end(c: dict, block_input: int) -> None:
     """Each block's backward ends one block input below the previous block's end, and the first end
-    one block input below the backward's top, each up to one norm-weight gradient (fp32 [h]): those
-    are summed over the group by a gloo all-reduce, and under load gloo's worker thread can drop its
-    last hold on one a moment after the op completed (the storage's free then runs on that thread,
-    LiveTensorMemory's docstring), so it is counted live at one measuring point more. A block input
-    kept or freed early (T h fp32, 32 times larger here) still fails."""
-    ends, small = c["block_ends"], 4 * c["h"]
+    one block input below the backward's top, less the block's two partial norm-weight gradients
+    (fp32 [h] each): they stay alive until the one all-reduce of the replicated gradients at the end
+    of the backward (parallel/grad_sync.py). A block input kept or freed early (T h fp32, 16 times
+    the two gradients here) fails."""
+    ends, norm_grads = c["block_ends"], 2 * 4 * c["h"]
     steps = [a - b for a, b in zip([c["top"], *ends], ends)]
-    assert all(abs(step - block_input) <= small for step in steps), (steps, block_input, c)
+    assert steps == [block_input - norm_grads] * len(ends), (steps, block_input, c)
 
 
 @pytest.mark.parametrize("mode", ["full", "none"])
