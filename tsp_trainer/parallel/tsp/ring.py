@@ -1,19 +1,7 @@
-"""The two weight-moving schedules of TSP, written once and used by the MLP, embedding and LM head.
-
-`ring_forward`: every rank starts with its own packed shard; at step k rank p holds shard
-(p - k) mod D, computes with it, and passes it on to p + 1 (batch_isend_irecv posted *before* the
-compute, so the transfer overlaps it). After D steps every rank has seen every shard.
-
-`ring_backward`: the reverse ring. At step k rank p holds shard (p + k) mod D and adds its local
-gradient for that shard to the accumulator that arrived with it from p + 1, then sends both on to
-p - 1. The accumulator has the dtype `grad_step` returns: the blocks return fp32, so the sum over
-the D ranks is never rounded to bf16 (accumulator hops move 4 bytes per element). Shard j's accumulator visits j, j-1, ..., j+1 and a last hop brings it home to j, so the
-full gradient (summed over all D ranks' tokens) ends at its owner and no rank ever holds more than
-two shards and two accumulators. Traffic per rank: D - 1 weight hops and D accumulator hops
-(accumulator hops only, when the gradient does not need the weights: the embedding).
-
-`ShardBroadcasts`: the attention schedule: owner r broadcasts its shard, one owner at a time,
-the next shards prefetched asynchronously into a fixed pool of buffers while shard r is used.
+"""The weight-moving schedules of TSP, written once: the rings of the MLP, embedding and LM head
+(`ring_forward`, `ring_backward`, `ring_backward_into`, each driven by one `RingComm`) and the
+attention's owner-by-owner broadcasts (`ShardBroadcasts`). Why each rank holds at most two shards
+and two accumulators, and what moves per hop: docs/parallelism.md, "TSP rings".
 """
 
 from __future__ import annotations
