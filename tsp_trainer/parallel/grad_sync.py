@@ -3,7 +3,7 @@ different tokens or partial activations.
 
 `ReplicatedGrads` (TSP's norms and its replicated o_proj / down_proj biases): one autograd node per
 forward pass hands out views of all of them; its backward runs once every view's gradient is in,
-after the rest of the backward, and sums them over the group in ONE flattened fp32 all-reduce
+after the rest of the backward, and sums them over the group in one flattened fp32 all-reduce
 (as Megatron's finalize_model_grads does after backward). So each parameter's .grad holds the full
 gradient when autograd accumulates it, for DeepSpeed's reduction hooks and clipping alike.
 

@@ -1,5 +1,5 @@
 """The weight-moving schedules of TSP, written once: the rings of the MLP, embedding and LM head
-(`ring_forward`, `ring_backward`, `ring_backward_into`, each driven by one `RingComm`) and the
+(`ring_forward`, `ring_backward`, `ring_backward_into`, their hops posted through `RingComm`) and the
 attention's owner-by-owner broadcasts (`ShardBroadcasts`). Why each rank holds at most two shards
 and two accumulators, and what moves per hop: docs/parallelism.md, "TSP rings".
 """
