@@ -1,11 +1,12 @@
 """Gradient sums over a group for weights every rank of it holds whole (replicated) but applies to
 different tokens or partial activations.
 
-`ReplicatedGrads` (TSP's norms and its replicated o_proj / down_proj biases): one autograd node per
-forward pass hands out views of all of them; its backward runs once every view's gradient is in,
-after the rest of the backward, and sums them over the group in one flattened fp32 all-reduce
-(as Megatron's finalize_model_grads does after backward). So each parameter's .grad holds the full
-gradient when autograd accumulates it, for DeepSpeed's reduction hooks and clipping alike.
+`ReplicatedGrads` (TSP's norms and its replicated o_proj / down_proj biases): each forward pass
+hands the layers views of all of them, whose backward adds their partial gradients into one flat
+fp32 buffer; one autograd node that runs after them all sums the buffer over the group in one
+all-reduce (as Megatron's finalize_model_grads does after backward) and hands each parameter its
+slice. So each .grad holds the full gradient when autograd accumulates it, for DeepSpeed's
+reduction hooks and clipping alike.
 
 `SumGradOverGroup` (the baselines): identity forward, all-reduce of one gradient in backward;
 Megatron TP enters a TP region with it (an activation gradient, needed before backward goes on).
@@ -43,53 +44,83 @@ class SumGradOverGroup(torch.autograd.Function):
         return summed.to(grad.dtype), None, None, None
 
 
-class _SumGradsOnce(torch.autograd.Function):
-    """Forward: a view of each parameter. Backward: their gradients packed into one fp32 buffer,
-    all-reduced (sum) over `comm` in one op, unpacked in each parameter's dtype."""
+class _SumOnce(torch.autograd.Function):
+    """Forward: the anchor every view of the pass hangs from (a scalar). Backward, after every
+    view's backward: one all-reduce (sum) of the pass's flat fp32 buffer, each parameter's slice
+    returned in its dtype."""
 
     @staticmethod
-    def forward(ctx, comm: Comm, done, *params):
-        ctx.comm, ctx.done = comm, done
+    def forward(ctx, comm: Comm, flat: torch.Tensor, done, *params):
+        ctx.comm, ctx.flat, ctx.done = comm, flat, done
         ctx.shapes, ctx.dtypes = [p.shape for p in params], [p.dtype for p in params]
-        return tuple(p.view_as(p) for p in params)
+        return flat.new_zeros(())
 
     @staticmethod
-    def backward(ctx, *grads):
-        # every rank runs the same graph: a view unused in this pass (no gradient) is zero everywhere
-        flat = torch.cat([torch.zeros(shape.numel(), device=ctx.comm.device) if g is None
-                          else g.reshape(-1).to(torch.float32) for g, shape in zip(grads, ctx.shapes)])
-        ctx.comm.all_reduce(flat, tag=REPLICATED_GRAD_TAG)
-        summed = flat.split([shape.numel() for shape in ctx.shapes])
+    def backward(ctx, _):
+        ctx.comm.all_reduce(ctx.flat, tag=REPLICATED_GRAD_TAG)
+        summed = ctx.flat.split([shape.numel() for shape in ctx.shapes])
         ctx.done()
-        return (None, None, *(s.view(shape).to(dtype) for s, shape, dtype in zip(summed, ctx.shapes, ctx.dtypes)))
+        return (None, None, None, *(g.view(shape).to(dtype)
+                                    for g, shape, dtype in zip(summed, ctx.shapes, ctx.dtypes)))
+
+
+class _View(torch.autograd.Function):
+    """Forward: a view of one parameter, tied to the pass's anchor. Backward: its gradient added
+    into its slot of the flat buffer (fp32) as soon as it is computed; the parameter's gradient
+    comes from _SumOnce."""
+
+    @staticmethod
+    def forward(ctx, anchor, boxed: tuple[nn.Parameter], slot):
+        ctx.slot = slot
+        (weight,) = boxed
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.slot.add_(grad.reshape(-1))
+        return torch.zeros((), device=grad.device), None, None
 
 
 class ReplicatedGrads:
     """The replicated parameters of one model on one group, and this pass's views of them.
-    `begin_pass` (a forward pre-hook on the model's first module) makes the views, `use` is how a
-    layer reads its replicated weight in the pass; the views are dropped once their gradients are
-    summed."""
+    `begin_pass` (a forward pre-hook on the model's first module) opens the pass: a flat fp32
+    buffer with one slot per parameter (as Megatron's grad buffer) and the anchor of its one
+    all-reduce; `use` is how a layer reads its replicated weight in the pass."""
 
     def __init__(self, comm: Comm):
         self.comm = comm
         self.params: list[nn.Parameter] = []
+        self._slots: dict[int, torch.Tensor] = {}
         self._views: dict[int, torch.Tensor] = {}
+        self._anchor: torch.Tensor | None = None
 
     def add(self, param: nn.Parameter) -> None:
         self.params.append(param)
 
     def begin_pass(self, *_) -> None:
-        """A new forward pass: views through one _SumGradsOnce node when its backward will sum
-        partial gradients (grad enabled, more than one rank), else the parameters themselves."""
-        self._views = views = {}
-        if torch.is_grad_enabled() and self.comm.size > 1 and any(p.requires_grad for p in self.params):
+        """A new forward pass: its gradients are summed at the end of its backward when there is
+        something to sum (grad enabled, more than one rank); otherwise layers read the parameters."""
+        self._slots, self._views, self._anchor = {}, {}, None
+        if not (torch.is_grad_enabled() and self.comm.size > 1 and any(p.requires_grad for p in self.params)):
+            return
+        flat = torch.zeros(sum(p.numel() for p in self.params), device=self.comm.device)
+        slots = {id(p): s for p, s in zip(self.params, flat.split([p.numel() for p in self.params]))}
 
-            def done() -> None:
-                if self._views is views:       # not a later pass's views
-                    self._views = {}
-            out = _SumGradsOnce.apply(self.comm, done, *self.params)
-            views.update({id(p): v for p, v in zip(self.params, out)})
+        def done() -> None:               # the pass's backward is over: layers read the parameters
+            if self._slots is slots:
+                self._slots, self._views, self._anchor = {}, {}, None
+        self._anchor = _SumOnce.apply(self.comm, flat, done, *self.params)
+        self._slots = slots
 
     def use(self, param: nn.Parameter) -> torch.Tensor:
-        """This pass's view of `param` (the parameter itself outside a pass that sums gradients)."""
-        return self._views.get(id(param), param)
+        """This pass's view of `param` (the parameter itself outside a pass that sums gradients).
+        Made at its first use, so autograd runs its backward as soon as the gradient is in (nodes
+        run latest-made first), and reused by a checkpoint's replay."""
+        slot = self._slots.get(id(param))
+        if slot is None:
+            return param
+        if id(param) not in self._views:
+            # boxed: no autograd edge to the parameter (its gradient comes from _SumOnce), and the
+            # view's base is still the Parameter (activation offload leaves those in place)
+            self._views[id(param)] = _View.apply(self._anchor, (param,), slot)
+        return self._views[id(param)]
