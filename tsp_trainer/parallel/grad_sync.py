@@ -44,83 +44,102 @@ class SumGradOverGroup(torch.autograd.Function):
         return summed.to(grad.dtype), None, None, None
 
 
+class _Buffer:
+    """One pass's replicated gradients in one flat fp32 buffer, a slot per parameter (as Megatron's
+    grad buffer), made when the backward writes its first gradient (the forward holds none)."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device):
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.device, self.flat = device, None
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        start = self.offsets[index]
+        self.full()[start:start + self.numels[index]].add_(grad.reshape(-1))
+
+    def full(self) -> torch.Tensor:
+        if self.flat is None:
+            self.flat = torch.zeros(sum(self.numels), device=self.device)
+        return self.flat
+
+
 class _SumOnce(torch.autograd.Function):
     """Forward: the anchor every view of the pass hangs from (a scalar). Backward, after every
-    view's backward: one all-reduce (sum) of the pass's flat fp32 buffer, each parameter's slice
-    returned in its dtype."""
+    view's backward: one all-reduce (sum) of the pass's buffer, each parameter's slot returned in
+    its dtype."""
 
     @staticmethod
-    def forward(ctx, comm: Comm, flat: torch.Tensor, done, *params):
-        ctx.comm, ctx.flat, ctx.done = comm, flat, done
+    def forward(ctx, comm: Comm, buffer: _Buffer, done, *params):
+        ctx.comm, ctx.buffer, ctx.done = comm, buffer, done
         ctx.shapes, ctx.dtypes = [p.shape for p in params], [p.dtype for p in params]
-        return flat.new_zeros(())
+        return torch.zeros((), device=buffer.device)
 
     @staticmethod
     def backward(ctx, _):
-        ctx.comm.all_reduce(ctx.flat, tag=REPLICATED_GRAD_TAG)
-        summed = ctx.flat.split([shape.numel() for shape in ctx.shapes])
+        flat = ctx.buffer.full()
+        ctx.comm.all_reduce(flat, tag=REPLICATED_GRAD_TAG)
         ctx.done()
+        summed = flat.split(ctx.buffer.numels)
         return (None, None, None, *(g.view(shape).to(dtype)
                                     for g, shape, dtype in zip(summed, ctx.shapes, ctx.dtypes)))
 
 
 class _View(torch.autograd.Function):
     """Forward: a view of one parameter, tied to the pass's anchor. Backward: its gradient added
-    into its slot of the flat buffer (fp32) as soon as it is computed; the parameter's gradient
-    comes from _SumOnce."""
+    into its slot of the buffer (fp32) as soon as it is computed; the parameter's gradient comes
+    from _SumOnce."""
 
     @staticmethod
-    def forward(ctx, anchor, boxed: tuple[nn.Parameter], slot):
-        ctx.slot = slot
+    def forward(ctx, anchor, boxed: tuple[nn.Parameter], buffer: _Buffer, index: int):
+        ctx.buffer, ctx.index = buffer, index
         (weight,) = boxed
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.slot.add_(grad.reshape(-1))
-        return torch.zeros((), device=grad.device), None, None
+        ctx.buffer.add(ctx.index, grad)
+        return torch.zeros((), device=grad.device), None, None, None
 
 
 class ReplicatedGrads:
     """The replicated parameters of one model on one group, and this pass's views of them.
-    `begin_pass` (a forward pre-hook on the model's first module) opens the pass: a flat fp32
-    buffer with one slot per parameter (as Megatron's grad buffer) and the anchor of its one
-    all-reduce; `use` is how a layer reads its replicated weight in the pass."""
+    `begin_pass` (a forward pre-hook on the model's first module) opens the pass: its buffer and
+    the anchor of its one all-reduce; `use` is how a layer reads its replicated weight in it."""
 
     def __init__(self, comm: Comm):
         self.comm = comm
         self.params: list[nn.Parameter] = []
-        self._slots: dict[int, torch.Tensor] = {}
-        self._views: dict[int, torch.Tensor] = {}
+        self._index: dict[int, int] = {}
+        self._buffer: _Buffer | None = None
         self._anchor: torch.Tensor | None = None
+        self._views: dict[int, torch.Tensor] = {}
 
     def add(self, param: nn.Parameter) -> None:
+        self._index[id(param)] = len(self.params)
         self.params.append(param)
 
     def begin_pass(self, *_) -> None:
         """A new forward pass: its gradients are summed at the end of its backward when there is
         something to sum (grad enabled, more than one rank); otherwise layers read the parameters."""
-        self._slots, self._views, self._anchor = {}, {}, None
+        self._buffer, self._anchor, self._views = None, None, {}
         if not (torch.is_grad_enabled() and self.comm.size > 1 and any(p.requires_grad for p in self.params)):
             return
-        flat = torch.zeros(sum(p.numel() for p in self.params), device=self.comm.device)
-        slots = {id(p): s for p, s in zip(self.params, flat.split([p.numel() for p in self.params]))}
+        buffer = _Buffer(self.params, self.comm.device)
 
         def done() -> None:               # the pass's backward is over: layers read the parameters
-            if self._slots is slots:
-                self._slots, self._views, self._anchor = {}, {}, None
-        self._anchor = _SumOnce.apply(self.comm, flat, done, *self.params)
-        self._slots = slots
+            if self._buffer is buffer:
+                self._buffer, self._anchor, self._views = None, None, {}
+        self._anchor = _SumOnce.apply(self.comm, buffer, done, *self.params)
+        self._buffer = buffer
 
     def use(self, param: nn.Parameter) -> torch.Tensor:
         """This pass's view of `param` (the parameter itself outside a pass that sums gradients).
         Made at its first use, so autograd runs its backward as soon as the gradient is in (nodes
         run latest-made first), and reused by a checkpoint's replay."""
-        slot = self._slots.get(id(param))
-        if slot is None:
+        if self._buffer is None or id(param) not in self._index:
             return param
         if id(param) not in self._views:
             # boxed: no autograd edge to the parameter (its gradient comes from _SumOnce), and the
             # view's base is still the Parameter (activation offload leaves those in place)
-            self._views[id(param)] = _View.apply(self._anchor, (param,), slot)
+            self._views[id(param)] = _View.apply(self._anchor, (param,), self._buffer, self._index[id(param)])
         return self._views[id(param)]
