@@ -333,7 +333,7 @@ def tsp_rank(device: torch.device, spec: dict, layout: dict, steps: int, peak: f
     traffic. Returns {"tsp_rank": ..., and the parts that ran}. A part's estimate is its steps
     plus one (the profiler's own time) at the measured micro-step time."""
     from tsp_trainer.model.activation_checkpoint import checkpointed_block
-    from tsp_trainer.model.attention_route import active_attention_kernel, use_attention_kernel
+    from tsp_trainer.model.attention_route import use_attention_kernel
     from tsp_trainer.model.attention_kernel import Choice
     from tsp_trainer.model.documents import Documents
     from tsp_trainer.model.offload import ActivationOffload
@@ -346,7 +346,6 @@ def tsp_rank(device: torch.device, spec: dict, layout: dict, steps: int, peak: f
     cfg, seq, d, nb = spec["model"], spec["seq_len"], layout["degree"], layout["head_buckets"]
     dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32
     chosen, others = attention_kernels(device, spec, layout)
-    previous_kernel = active_attention_kernel()
     parts: dict = {}
     with fake_world(d, 0), CopyTraffic(device) as traffic:
         mesh = build_mesh(d, device=device)
@@ -377,6 +376,7 @@ def tsp_rank(device: torch.device, spec: dict, layout: dict, steps: int, peak: f
         batch = list(par.local_batch(ids, labels))
         try:
             use_attention_kernel(chosen)
+            model.attention_kernel = chosen.kernel
             main = measure(batch, steps)
             main["attention_kernel"] = chosen.kernel
             parts["tsp_rank"] = main
@@ -405,10 +405,11 @@ def tsp_rank(device: torch.device, spec: dict, layout: dict, steps: int, peak: f
                     parts["tsp_rank_by_kernel"][kernel] = {"skipped": choice}
                 elif budget.allows(f"tsp_rank_by_kernel/{kernel}", (steps + 3) * step_s):
                     use_attention_kernel(choice)
+                    model.attention_kernel = choice.kernel
                     run = measure(batch, steps)
                     parts["tsp_rank_by_kernel"][kernel] = _kernel_summary(run, choice.reason)
         finally:
-            use_attention_kernel(Choice(previous_kernel, "restored"))
+            use_attention_kernel(Choice("fa2", "restored"))     # torch's own FA2 again
         parts["tsp_rank"]["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
     parts["tsp_rank"].update(_planner_fields(spec, layout, parts["tsp_rank"], device, peak))
     if "peak_act_bytes" in parts.get("activation_offload", {}):

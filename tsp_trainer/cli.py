@@ -215,12 +215,12 @@ def _settle(cfg, inputs, *, world: int, rank: int, cuda: bool):
     (run/startup.py), checked against this device's rules."""
     import torch
 
-    from tsp_trainer.engine.device_support import check_device_support
+    from tsp_trainer.engine.device_support import device_refusal
     from tsp_trainer.run.startup import settle
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return settle(cfg, inputs, world_size=world, rank=rank, cuda=cuda, device=device,
-                  refuses=lambda c: check_device_support(c, c.model.to_model_config(), device=device))
+                  refuses=device_refusal(device))
 
 
 def comm_failure_line(err, rank: int, placement) -> str:

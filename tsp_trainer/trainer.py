@@ -26,7 +26,7 @@ from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.data.prefetch import batch_to_device, pins_batches
 from tsp_trainer.engine import deepspeed as ds_engine
-from tsp_trainer.engine.device_support import check_device_support
+from tsp_trainer.engine.device_support import check_device_support, device_refusal
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
@@ -64,7 +64,7 @@ class Trainer:
             if inputs is None or resolved is None:   # built directly; tsp-train did both before
                 check_wandb_credentials(cfg.logging.wandb_mode)   # before check_inputs makes the run folder
                 inputs, resolved = prepare_run(cfg, world_size=world_size, rank=global_rank, cuda=cuda,
-                                               device=self.device, refuses=self._refuses)
+                                               device=self.device, refuses=device_refusal(self.device))
             for line in inputs.resume_warnings:        # rank 0's: which checkpoints failed, and why
                 self.log.warning(line)
             for line in inputs.resume_notes:
@@ -76,11 +76,12 @@ class Trainer:
             self.log.info(f"model: {describe_source(cfg.model)}; tokenizer: {self.tokenizer.name}")
             self.bf16 = cfg.train.dtype == "bf16"          # resolve_config turned "auto" into a dtype
             self.attention = run_attention_kernel(cfg, self.model_cfg, device=self.device)
-            use_attention_kernel(self.attention)           # before check_device_support reads it
+            use_attention_kernel(self.attention)           # torch's flash implementation (FA3 / FA4)
             self.log.info(f"attention kernel: {self.attention.kernel} ({self.attention.reason})")
             if resolved.line():                            # the auto settings, decided by rank 0
                 self.log.info(resolved.line())
-            check_device_support(cfg, self.model_cfg, device=self.device)   # still before any group
+            check_device_support(cfg, self.model_cfg, device=self.device,   # still before any group
+                                 attention_kernel=self.attention.kernel)
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
             self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
@@ -114,10 +115,6 @@ class Trainer:
         self._open_run(inputs, world_size=world_size, global_rank=global_rank)
 
     # -- building ---------------------------------------------------------------------------------
-    def _refuses(self, cfg: TrainConfig) -> None:
-        """What this device cannot run (a candidate of the `auto` settings included)."""
-        check_device_support(cfg, cfg.model.to_model_config(), device=self.device)
-
     @contextlib.contextmanager
     def _startup(self, phase: str):
         """Rank 0 logs each start-up phase with its seconds: the first tens of seconds of a run
@@ -169,7 +166,7 @@ class Trainer:
     def _build_model(self) -> Parallelized:
         c = self.cfg
         with torch.device("meta"):                       # no rank ever holds the full model
-            model = Transformer(self.model_cfg)
+            model = Transformer(self.model_cfg, attention_kernel=self.attention.kernel)
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
                      "checkpoint_replay_keeps": c.parallel.checkpoint_replay_keeps}

@@ -143,14 +143,14 @@ def test_host_syncs_per_micro_step_are_a_small_constant():
                          ids=["tsp", "sp", "tsp-biases", "sp-biases"])
 def test_bf16_gradient_reductions_and_accumulators_are_fp32(scheme, options, biases):
     """bf16 weights and activations move in bf16; every gradient reduction (TSP: the attention
-    weight-gradient reduce, the MLP / embedding / LM-head ring accumulators, the norm all-reduce;
-    SP: the replicated weights' and norms' all-reduces; with biases, the replicated o/down biases'
-    all-reduces) moves fp32. The ledger equals the comm model with 2-byte weights and activations
-    and 4-byte gradients."""
+    weight-gradient reduce, the MLP / embedding / LM-head ring accumulators, the one all-reduce of
+    the norms' and replicated o/down biases' gradients; SP: the replicated weights' and norms'
+    all-reduces, with biases the o/down biases') moves fp32. The ledger equals the comm model with
+    2-byte weights and activations and 4-byte gradients."""
     o = run_on_ranks(bf16_step_ledger, 2, scheme, options, biases)[0]
     grad_tags = {"tsp": ("attn.wgrad", "mlp.weights.grad", "embed.weights.grad", "head.weights.grad",
-                         "norm.grad"), "sp": ("wgrad", "norm.grad")}[scheme]
-    grad_tags += ("bias.grad",) if biases else ()           # replicated o_proj / down_proj biases
+                         "replicated.grad"), "sp": ("wgrad", "norm.grad")}[scheme]
+    grad_tags += ("bias.grad",) if biases and scheme == "sp" else ()    # replicated o/down biases
     for tag in grad_tags:
         assert o["dtypes"][tag] == ["float32"], (tag, o["dtypes"])
     for tag, dtypes in o["dtypes"].items():

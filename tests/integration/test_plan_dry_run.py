@@ -102,7 +102,9 @@ def test_dry_run_of_a_config_folder_with_biases(tmp_path):
     tsp = report["schemes"]["tsp"]
     assert tsp["param_shapes"]["layers.0.self_attn.q_proj.bias"] == [256 // 4]
     assert tsp["param_shapes"]["layers.0.self_attn.o_proj.bias"] == [256]
-    assert tsp["comm"]["all_reduce/bias.grad"]["count"] == 2 * 2          # o and down, 2 layers
+    # norms and the o / down biases of 2 layers: one all-reduce of (2 L + 1 + 2 L) h fp32 elements
+    replicated = tsp["comm"]["all_reduce/replicated.grad"]
+    assert (replicated["count"], replicated["bytes"]) == (1, (5 + 4) * 256 * 4)
 
 
 def _at_longest(tmp_path, *args: str, timeout: int) -> dict:

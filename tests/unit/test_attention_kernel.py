@@ -113,13 +113,7 @@ def test_the_setting_is_a_checked_choice_of_train():
         validate_config(load_config("recipes/tiny_cpu.yaml", ["train.attention_kernel=fa5"]), 2)
 
 
-@pytest.fixture
-def restore_active_kernel():
-    yield
-    attention_route._ACTIVE_KERNEL = "fa2"
-
-
-def test_use_attention_kernel_activates_fa3_and_fa4_and_restores_fa2(monkeypatch, restore_active_kernel):
+def test_use_attention_kernel_activates_fa3_and_fa4_and_restores_fa2(monkeypatch):
     from torch.nn import attention
 
     calls, active = [], [None]
@@ -133,15 +127,15 @@ def test_use_attention_kernel_activates_fa3_and_fa4_and_restores_fa2(monkeypatch
     attention_route.use_attention_kernel(Choice("fa2", "auto"))
     attention_route.use_attention_kernel(Choice("efficient", "auto"))
     assert calls == [("activate", "FA3"), ("activate", "FA4"), ("restore",)]
-    assert attention_route.active_attention_kernel() == "efficient"
 
 
-def test_the_cudnn_route_expands_kv_and_refuses_a_prefix_call(restore_active_kernel):
-    attention_route.use_attention_kernel(Choice("cudnn", "train.attention_kernel"))
-    route = attention_route.sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=64)
+def test_the_cudnn_route_expands_kv_and_refuses_a_prefix_call():
+    route = attention_route.sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=64, kernel="cudnn")
     assert (route.kernel, route.expand_kv) == ("cudnn", True)
-    assert attention_route.sdpa_route("cuda", torch.float32, gqa=True, head_dim=64).kernel == "efficient"
+    assert attention_route.sdpa_route("cuda", torch.float32, gqa=True, head_dim=64,
+                                      kernel="cudnn").kernel == "efficient"
     assert attention_route.sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=64, kernel="fa3").kernel == "flash"
+    assert attention_route.sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=64).kernel == "flash"
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match="a query block of 4 against 8 keys needs a bottom-right"):
         route.segment(q, torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8), gqa=False)

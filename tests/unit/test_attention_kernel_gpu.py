@@ -5,7 +5,6 @@ log-sum-exp route on the same inputs. `pytest -m gpu`; skipped without CUDA."""
 import pytest
 import torch
 
-from tsp_trainer.model import attention_route
 from tsp_trainer.model.attention_kernel import installed_attention_kernels, select_attention_kernel
 from tsp_trainer.model.attention_route import SdpaRoute, sdpa_route, use_attention_kernel
 
@@ -33,7 +32,7 @@ def kernel_in_use(request):
     use_attention_kernel(Choice(kernel, "test"))
     yield kernel
     use_attention_kernel(Choice("fa2", "test"))
-    assert attention_route.active_attention_kernel() == "fa2"
+    assert torch.nn.attention.current_flash_attention_impl() is None
 
 
 def _inputs(n_q: int, n_k: int):
@@ -72,7 +71,7 @@ def test_prefix_call_is_bottom_right_against_the_cpu_route(kernel_in_use):
 @pytest.mark.parametrize("kernel_in_use", ["cudnn"], indirect=True)
 def test_cudnn_square_causal_call_against_the_cpu_route(kernel_in_use):
     q, k, v = _inputs(128, 128)
-    route = sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=64)
+    route = sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=64, kernel=kernel_in_use)
     assert route.kernel == "cudnn"
     gpu = _run(route, "causal", q, k, v, torch.device("cuda"), torch.bfloat16)
     cpu = _run(SdpaRoute("cpu_lse_merge"), "causal", q, k, v, torch.device("cpu"), torch.float32)

@@ -1,32 +1,15 @@
-"""Which attention kernel a CUDA run uses (train.attention_kernel), decided once per run.
+"""Which attention kernel a CUDA run uses (train.attention_kernel), decided once per run and passed
+to the model (Transformer(attention_kernel=)).
 
-torch 2.13's SDPA flash path runs torch's vendored FlashAttention-2 unless
-`torch.nn.attention.activate_flash_attention_impl("FA3" | "FA4")` swaps in FlashAttention-3
-(module `flash_attn_interface`) or FlashAttention-4 (`flash_attn.cute.interface`, the flash-attn-4
-package) for every flash call of the process: dense SDPA, the lower-right CausalBias path and the
-varlen `aten._flash_attention_forward` (torch/nn/attention/_fa3.py, _fa4.py). cuDNN attention is a
-separate SDPA backend. What each kernel takes, as torch 2.13's wrappers check it:
-
-  kernel  device (compute capability)   dtype      GQA      bottom-right prefix   varlen
-  fa2     sm80 and newer                bf16/fp16  native   yes                   yes
-  fa3     sm90 (Hopper) only            bf16/fp16  native   yes                   yes
-  fa4     sm90 or sm100 (Hopper/B200)   bf16/fp16  native   yes                   yes
-  cudnn   sm80 and newer                bf16/fp16  K/V      no                    no
-                                                   expanded
-
-All three flash kernels align a causal mask bottom-right when a query block is shorter than its
-keys (a zigzag chunk against its key prefix, a document inside a run). torch's lower-right
-CausalBias reaches only the flash and memory-efficient kernels, never cuDNN, and the varlen call of
-document masking is a flash call: cuDNN serves square causal runs only (tsp_degree 1, no document
-masking). fp32, or head_dim > 256, takes no flash kernel: memory-efficient attention, as
-model/attention_route.py decides.
-
-`auto` takes the first of fa3, fa4, fa2 that is installed and takes the run; a forced kernel that
-is missing or cannot take the run is refused (ValueError, one line) before any process group.
-`select_attention_kernel` and `precheck_attention_kernel` are pure (standard library);
-`installed_attention_kernels` probes the environment, `check_run_attention_kernel` (the
-check-inputs phase) and `run_attention_kernel` (the Trainer, with the device's compute
-capability) apply them to a run.
+torch's SDPA flash path runs its vendored FlashAttention-2 unless
+`torch.nn.attention.activate_flash_attention_impl` swaps in FA3 (sm90) or FA4 (sm90/sm100) for
+the process; cuDNN attention is a separate backend that takes square causal calls only (no
+lower-right bias, no varlen), so it serves tsp_degree 1 without document masking. fp32, or head_dim
+> 256, takes no flash kernel: memory-efficient attention (model/attention_route.py). `auto` takes
+the first of fa3, fa4, fa2 installed and able to run; a forced kernel that cannot run is refused in
+one line before any process group. `select_attention_kernel` and `precheck_attention_kernel` are
+pure; `check_run_attention_kernel` (check-inputs) and `run_attention_kernel` (the Trainer) apply
+them to a run.
 """
 
 from __future__ import annotations

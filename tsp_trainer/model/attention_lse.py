@@ -1,25 +1,15 @@
-"""Bottom-right causal attention without masked waste on CPU: the key prefix and the diagonal
+"""Bottom-right causal attention on CPU without masked-out work: the key prefix and the diagonal
 block computed apart and merged by log-sum-exp.
 
-A zigzag chunk of n queries at positions first..first+n-1 sees keys 0..first+n-1: every query sees
-the whole prefix 0..first-1 (no mask), and the diagonal block first..first+n-1 causally (a square
-`is_causal` call, whose kernel skips the blocks above the diagonal). With a boolean mask over the
-[n, first+n] rectangle instead, CPU SDPA computes every masked-out score too: for the last chunk
-(first = S - n, n = S / 2D) that is about twice the causal work. Documents (model/documents.py)
-use the same call with their own key range.
+A zigzag chunk of n queries at first..first+n-1 sees every key of the prefix 0..first-1 (no mask)
+and its diagonal block causally (`is_causal`); a boolean mask over the whole rectangle would make
+CPU SDPA compute every masked-out score too, about twice the work for the last chunk.
 
-    out = softmax([s_prefix, s_diag]) [v_prefix; v_diag]
-        = w_p out_p + w_d out_d,   w_x = exp(lse_x - lse),   lse = logaddexp(lse_p, lse_d)
+    out = w_p out_p + w_d out_d,   w_x = exp(lse_x - lse),   lse = logaddexp(lse_p, lse_d)
 
-Both parts run on torch's CPU flash kernel (`aten._scaled_dot_product_flash_attention_for_cpu`),
-which returns the log-sum-exp [B, H, n] (fp32) and supports GQA (H a multiple of H_kv). Backward
-runs the kernel's backward once per part with the *merged* output and log-sum-exp: the flash
-backward rebuilds each part's probabilities as exp(s - lse) and uses rowsum(dO * O), both of the
-whole softmax, so the two parts' dQ add up and their dK, dV are the exact gradients of their keys
-(the identity ring-flash-attention relies on). That holds for any subset of keys, so backward
-walks the prefix in blocks of n keys and writes each block's dK, dV into one preallocated buffer:
-beside dK, dV only one block's gradients exist (as with SDPA's own backward). Saved: q, k, v
-(views), the merged output and lse.
+Both parts run torch's CPU flash kernel, which returns the log-sum-exp. Backward runs the kernel's
+backward per part with the merged output and lse, which gives each part's exact dK, dV (the
+identity ring-flash-attention relies on), key block by key block into one buffer.
 """
 
 from __future__ import annotations

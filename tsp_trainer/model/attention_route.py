@@ -1,40 +1,15 @@
-"""Which SDPA kernel `attention_core` asks for, decided from (device, dtype, GQA, head_dim) alone.
+"""Which SDPA kernel `attention_core` asks for, decided from (device, dtype, GQA, head_dim) and the
+run's attention kernel, and the SDPA calls of that route.
 
-A query run that needs a bottom-right causal mask (zigzag chunks: queries at positions
-first..first+n-1 against keys 0..first+n-1) goes to torch's lower-right `CausalBias` on CUDA.
-That bias reaches a fused kernel only when flash or memory-efficient attention accepts the
-inputs; otherwise it materialises a dense [n_q, n_k] mask and runs the math kernel: ~4 GiB of
-scores per head and call at 128K, out of memory (torch/nn/attention/bias.py, `_dispatch`). So on
-CUDA the route names one fused kernel, `attention_core` restricts SDPA to it (a silent fall to the
-math kernel becomes a loud "No available kernel"), and what no fused kernel takes is refused
-before any process group exists, naming shape and dtype:
-
-  bf16 / fp16, head_dim <= 256          flash (GQA native, lower-right causal, no mask)
-  fp32, or head_dim > 256               memory-efficient, with K/V heads expanded to the query
-                                        heads under GQA (the lower-right variant of the kernel is
-                                        called without GQA support; expanding costs K/V x groups
-                                        of transient memory, linear in the sequence)
-  fp32 head_dim not a multiple of 4,    refused: neither fused kernel takes it
-  half head_dim > 256 not a multiple of 8
-
-Which flash kernel serves "flash" is the run's train.attention_kernel (model/attention_kernel.py):
-`use_attention_kernel` activates FlashAttention-3 or -4 in torch's dispatcher for the process
-(torch.nn.attention.activate_flash_attention_impl) or keeps torch's FA2; "cudnn" makes the route
-name cuDNN attention for square causal calls, with K/V heads expanded under GQA (torch 2.13
-documents GQA for the flash and math kernels only). The selection refuses cuDNN for bottom-right
-and varlen calls: torch sends those to flash or memory-efficient attention alone.
-
-Document masking (model/documents.py) runs a row's segments in one varlen call on CUDA (flash's
-cu_seqlens mode for bf16/fp16, memory-efficient's for fp32; both bottom-right causal, both with
-autograd in torch 2.13: `torch.ops.aten._flash_attention_forward`, `_efficient_attention_forward`),
-and one bottom-right causal call per segment elsewhere.
-
-On CPU (the validation path; CPU SDPA has no lower-right bias without a mask) the route splits a
-bottom-right causal call into its key prefix (no mask) and diagonal block (`is_causal`) and merges
-them by log-sum-exp (model/attention_lse.py): no mask, no masked-out scores computed. A second
-route, a boolean mask per block of CPU_MASK_QUERY_BLOCK queries, stays selectable
-(SdpaRoute("cpu_blocked_mask", query_block=...)) as the comparison. `attention_core` takes the route as given,
-so a test runs the CUDA route's math on CPU tensors (tests/unit/test_attention_route.py).
+On CUDA a bottom-right causal call (a zigzag chunk against its key prefix) must reach a fused
+kernel: torch's lower-right CausalBias otherwise materialises a dense [n_q, n_k] mask for the math
+kernel, out of memory at long context. So the route names one fused kernel and `attention_core`
+restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256, memory-efficient otherwise (K/V
+heads expanded under GQA), cuDNN for square causal calls when the run chose it; what no fused
+kernel takes is refused before any process group exists. Document masking runs one varlen fused
+call per row on CUDA. On CPU (the validation path) a bottom-right call is split into its key
+prefix and diagonal block, merged by log-sum-exp (model/attention_lse.py): no mask at all; a
+blocked-mask route stays selectable for comparison (SdpaRoute("cpu_blocked_mask", query_block=)).
 """
 
 from __future__ import annotations
@@ -178,15 +153,10 @@ def _efficient_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
 _VARLEN_KERNELS = {"flash": _flash_varlen, "efficient": _efficient_varlen}
 
 
-# The kernel of this process's CUDA runs (use_attention_kernel): fa2 | fa3 | fa4 | cudnn | efficient.
-_ACTIVE_KERNEL = "fa2"
-
-
 def use_attention_kernel(choice: Choice) -> None:
-    """Make `choice` (select_attention_kernel) this process's attention kernel: FA3 / FA4 are
-    activated in torch's dispatcher (every flash call of the process, until another kernel is
-    chosen), any other choice restores torch's FA2 there."""
-    global _ACTIVE_KERNEL
+    """Set torch's flash implementation for `choice` (select_attention_kernel): FA3 / FA4 are
+    activated in torch's dispatcher, a process-wide setting of torch's, any other choice restores
+    torch's FA2 there. The route itself takes the kernel as an argument (`sdpa_route(kernel=)`)."""
     from torch.nn import attention
 
     impl = {"fa3": "FA3", "fa4": "FA4"}.get(choice.kernel)
@@ -194,22 +164,17 @@ def use_attention_kernel(choice: Choice) -> None:
         attention.activate_flash_attention_impl(impl)
     elif attention.current_flash_attention_impl() is not None:
         attention.restore_flash_attention_impl()
-    _ACTIVE_KERNEL = choice.kernel
-
-
-def active_attention_kernel() -> str:
-    return _ACTIVE_KERNEL
 
 
 def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int,
-               kernel: str | None = None) -> SdpaRoute:
+               kernel: str = "fa2") -> SdpaRoute:
     """The kernel `attention_core` uses for these inputs (see the module docstring); `kernel`
-    (default: the process's, use_attention_kernel) decides only whether cuDNN replaces flash."""
+    (the run's train.attention_kernel choice) decides only whether cuDNN replaces flash."""
     if device_type != "cuda":
         return SdpaRoute("cpu_lse_merge")
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
-        if (kernel or _ACTIVE_KERNEL) == "cudnn":
-            return SdpaRoute("cudnn", expand_kv=gqa)
+        if kernel == "cudnn":
+            return SdpaRoute("cudnn", expand_kv=gqa)    # torch documents GQA for flash and math only
         return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head_dim % alignment == 0:
@@ -223,7 +188,7 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
 
 
 def check_cuda_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                         kernel: str | None = None) -> SdpaRoute:
-    """The CUDA route of a model under attention kernel `kernel` (default: the process's), or
+                         kernel: str = "fa2") -> SdpaRoute:
+    """The CUDA route of a model under attention kernel `kernel`, or
     UnsupportedAttentionError (the Trainer calls this before it starts any process group)."""
     return sdpa_route("cuda", dtype, gqa=num_heads != num_kv_heads, head_dim=head_dim, kernel=kernel)

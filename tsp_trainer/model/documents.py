@@ -1,29 +1,15 @@
 """Document masking for packed sequences: which keys each query may see, as host integers.
 
-A packed row of S tokens holds several documents back to back. With masking on, a query at
-position p attends to keys ds(p) .. p, where ds(p) is the first position of p's document, never
-across a boundary; with `reset_positions` RoPE also sees p - ds(p) instead of p.
+A query at position p attends to keys ds(p) .. p, ds(p) the first position of p's document (with
+`reset_positions` RoPE also sees p - ds(p)). Boundaries travel as `Documents` (per row, host ints
+read once from the loader), attached to the positions of the tokens in hand, and every scheme cuts
+its own query runs at them: no rule ties documents to the zigzag chunks.
 
-Boundaries travel as `Documents` (per batch row, the logical positions where a document starts,
-host ints read once from the loader's `document_ids` on the host), attached to the positions of
-the tokens in hand (`PositionRuns.documents`). Every scheme keeps the full row's boundaries and its
-own query runs (two zigzag chunks for TSP / SP, one run otherwise), so any document length works:
-no rule ties documents to the 2D chunks.
-
-Attention is planned as *segments*: a query run cut at document starts. A segment is a
-contiguous block of queries at positions k_stop - n .. k_stop - 1 of one document, against its
-keys k_start .. k_stop - 1 (lower-right causal alignment). Work is sum over segments of
-n * (k_stop - k_start), i.e. it follows the squared document lengths, not S^2, and no N x N mask
-exists anywhere (the CPU route masks one [block, keys of the document] rectangle at a time).
-
-    segments = plan_segments(q_runs, doc_starts)          # tuple[Segment, ...], host ints
-    varlen = varlen_plan(segments)                        # cu_seqlens for a varlen kernel (CUDA)
-
-Built once per batch: a `Documents` lives for one micro-batch and memoizes, per query layout
-(q_runs: the rank's own queries, or the whole row), one `RowPlan` per row (`documents.plan(q_runs)`),
-whose varlen key index and offsets are made on a device on first use (`RowPlan.varlen(device)`).
-Every layer, head bucket, row and recompute of the micro-step reuses them: no host work and no
-host-to-device copy per attention call.
+Attention is planned as segments, a query run cut at document starts, each attended bottom-right
+causal against its document's keys: the work follows the squared document lengths, and no N x N
+mask exists anywhere. A `Documents` lives for one micro-batch and builds each row's plan (and its
+varlen offsets on a device) once, reused by every layer, bucket and recompute: no host work per
+attention call.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_runs: tuple[tuple[int, int, int], ...] | None = None,
-                   route: SdpaRoute | None = None, documents: Documents | None = None) -> torch.Tensor:
+                   route: SdpaRoute | None = None, documents: Documents | None = None,
+                   kernel: str = "fa2") -> torch.Tensor:
     """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
     position j). Returns [B, Tq, Hq * d].
 
@@ -45,7 +46,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     holds (start, stop, first position) of each contiguous run of query positions (zigzag chunks,
     host ints from Rotary.runs; a positions tensor [Tq] is accepted and read once): the queries of
     a run see keys 0..first+(i-start), attended against that key prefix with a bottom-right
-    aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape)
+    aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape,
+    under the run's attention `kernel`)
     makes the SDPA calls: a fused kernel with torch's lower-right CausalBias on CUDA (no mask in
     memory), a boolean mask per block of queries on CPU (model/attention_route.py).
 
@@ -58,7 +60,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_runs = PositionRuns.of(q_runs).query_runs()
     b, tq, hq, d = q.shape
     gqa = hq != k.shape[2]
-    route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d)
+    route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d, kernel=kernel)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, d]
     if route.expand_kv and gqa:          # [B, Hkv, T, d] -> [B, Hq, T, d]: the kernel takes no GQA
         kt, vt = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (kt, vt))
@@ -101,7 +103,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
         # the queries are the keys; with document masking, at the positions of rope.runs
         runs = rope.runs if rope.documents is not None else None
-        return self.o_proj(attention_core(q, k, v, runs, documents=rope.documents))
+        return self.o_proj(attention_core(q, k, v, runs, documents=rope.documents,
+                                          kernel=rope.attention_kernel))
 
 
 def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

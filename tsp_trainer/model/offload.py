@@ -1,20 +1,11 @@
 """Activation offload (`train.offload_activations`): what each decoder block saves for its backward
-is moved to host memory during the forward and brought back one block ahead during the backward.
+moves to host memory during the forward and comes back one block ahead during the backward.
 
-Mechanism: a `block_wrapper` (model/transformer.py) that runs each block (plain, or inside
-torch.utils.checkpoint) under `torch.autograd.graph.saved_tensors_hooks`. Under TSP without
-checkpointing a block saves its norms' inputs and X_p (the norms' outputs, the only activations the
-TSP autograd functions keep); with checkpointing it saves the block input (non-reentrant checkpoint
-saves its inputs through the same hooks). Parameters and views of parameters stay where they are.
-Nothing in parallel/ changes: the hooks see the tensors after the TSP functions chose them.
-
-On CUDA: pack = copy into pinned host memory on a side stream (the device tensor is released when
-the copy is done); during backward, the first unpack of block i waits for block i's copy back and
-starts block i-1's host-to-device copy on the side stream, so at most two blocks' saved tensors
-are on the GPU in backward (and one in forward, while its copy drains). On CPU both sides are host
-memory: pack copies into a separate host buffer and unpack copies back, the same code path with
-real copies (exact: tests/distributed/test_offload.py), whose cost experiments/offload_cost.py
-measures.
+A `block_wrapper` (model/transformer.py) runs each block, plain or checkpointed, under
+`saved_tensors_hooks`; parameters and their views stay where they are, and nothing in parallel/
+changes (the hooks see what the TSP functions chose to save). On CUDA the copies run on a side
+stream into pinned memory, so at most two blocks' saved tensors are on the GPU in backward; on CPU
+the same code path makes real host copies (exact: tests/distributed/test_offload.py).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """RMSNorm as one autograd function: y = (x * rstd).to(x.dtype) * w, rstd = rsqrt(mean(x^2) + eps).
 
-Why a custom function: autograd over the plain expression keeps the fp32 copy x.float() (4 bytes per
-element, beside the input in bf16) and the normalised input, and its backward holds ~5 fp32
-[tokens, h] temporaries at once (the gradients of x.float(), pow, mean, rsqrt, mul). At 128K tokens
-on one rank (TP) that is ~10 GB at the peak of the step. This function saves only the input x (the
-residual stream, alive anyway in fp32 runs) and rstd [tokens, 1] fp32, and its backward walks the
-tokens in chunks of at most `BACKWARD_CHUNK_BYTES` of fp32, computing dx and dw in one pass: per
-chunk two fp32 [c, h] temporaries (the normalised input and the incoming gradient times w), so
-the transient of the backward is dx itself plus two chunks, whatever the sequence length.
-
-The forward is the same arithmetic as before (bit-identical outputs). The backward uses the closed
-form dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd, which equals autograd's
-chain rule up to fp32 rounding (tests/unit/test_rms_norm.py: fp32 within 2 ulps-ish tolerances,
-fp64 gradcheck). dw = sum over tokens of dy * xhat.to(x.dtype), accumulated in fp32 across chunks
-(in bf16 that is more accurate than autograd's bf16 sum) and returned in w's dtype.
-
-Shapes: x [..., h] (any leading dims), w [h], rstd [..., 1] fp32.
+Why: autograd over the plain expression keeps an fp32 copy of x and the normalised input, and its
+backward holds about five fp32 [tokens, h] temporaries at once. This function saves x and rstd
+[tokens, 1] only, and its backward walks the tokens in chunks of at most `BACKWARD_CHUNK_BYTES`,
+so its transient is dx plus two fp32 chunks whatever the sequence length. The forward is
+bit-identical to the plain expression; the backward's closed form
+dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, equals autograd's to fp32 rounding, and dw is
+accumulated in fp32 across chunks (tests/unit/test_rms_norm.py). Shapes: x [..., h], w [h].
 """
 
 from __future__ import annotations

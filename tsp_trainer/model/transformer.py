@@ -74,9 +74,12 @@ class LMHead(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """`attention_kernel`: the run's train.attention_kernel choice (model/attention_kernel.py),
+    handed to every attention call through the pass's Rotary."""
+
+    def __init__(self, cfg: ModelConfig, *, attention_kernel: str = "fa2"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.attention_kernel = cfg, attention_kernel
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -94,7 +97,8 @@ class Transformer(nn.Module):
         sequence-parallel caller passes the positions of its slice."""
         if positions is None:
             positions = PositionRuns.contiguous(input_ids.shape[1])
-        rope = Rotary.for_model(positions, self.cfg, device=input_ids.device)
+        rope = Rotary.for_model(positions, self.cfg, device=input_ids.device,
+                                attention_kernel=self.attention_kernel)
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             x = block(x, rope) if self.block_wrapper is None else self.block_wrapper(block, x, rope)

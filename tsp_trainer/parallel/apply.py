@@ -20,6 +20,7 @@ from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.model.transformer import Transformer, init_parameter
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling
+from tsp_trainer.parallel.grad_sync import ReplicatedGrads
 from tsp_trainer.parallel.tsp.attention import TSPAttention
 from tsp_trainer.parallel.tsp.mlp import TSPGatedMLP
 from tsp_trainer.parallel.tsp.norm import TSPRMSNorm
@@ -124,6 +125,7 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     local = LocalShards(model, specs, comm.rank, init_seed)
     tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // comm.size)
     replay_attention, replay_mlp = replay_keeps(checkpoint_replay_keeps)
+    replicated = ReplicatedGrads(comm)        # norms and o/down biases: one gradient sum per pass
     for i, block in enumerate(model.layers):
         pre = f"layers.{i}."
         attn, mlp = pre + "self_attn.", pre + "mlp."
@@ -131,19 +133,21 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute,
                                        tiling=tiling, replay_keeps=replay_attention,
-                                       **local.head_norms(attn, cfg), **biases)
+                                       replicated=replicated, **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
-                                tiling=tiling, replay_keeps=replay_mlp, **biases)
+                                tiling=tiling, replay_keeps=replay_mlp, replicated=replicated, **biases)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
-                                                        pre + "input_layernorm"), comm=comm)
+                                                        pre + "input_layernorm"), replicated=replicated)
         block.post_attention_layernorm = TSPRMSNorm(
             materialize_norm(block.post_attention_layernorm, local, pre + "post_attention_layernorm"),
-            comm=comm)
-    model.norm = TSPRMSNorm(materialize_norm(model.norm, local, "norm"), comm=comm)
+            replicated=replicated)
+    model.norm = TSPRMSNorm(materialize_norm(model.norm, local, "norm"), replicated=replicated)
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
     model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size)
+    # every pass starts with the embedding (Transformer.hidden_states): the replicated views open there
+    model.embed_tokens.register_forward_pre_hook(replicated.begin_pass)
     model.lm_head = TSPLMHead(head, comm=comm, vocab_size=cfg.vocab_size,
                               loss_chunk_tokens=loss_chunk_tokens)
     mark_model_parallel(model, specs)

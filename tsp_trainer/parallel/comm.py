@@ -1,38 +1,19 @@
 """Thin wrappers over torch.distributed: one `Comm` per process group (one mesh axis on this
-rank). Every op takes ranks *within the group*, records itself in the ledger, and is a local no-op
-on a group of size 1. This is the only module in the package that calls torch.distributed ops.
+rank), the only module of the package that calls torch.distributed ops. Every op takes ranks
+within the group, records itself in the ledger, and is a local no-op on a group of size 1.
 
-Failures: a collective runs under the process group's timeout (train.collective_timeout_s; every
-group of parallel/mesh.py is created with it). When a peer dies, or stalls until the timeout
-expires, the backend's error is re-raised as CommError naming the op, what it moved, the axis, this
-rank and the peers involved, instead of a bare backend message (or, with no timeout, a hang).
-
-In flight: every op is entered into `ledger.in_flight` when issued and removed when it returns (or
-its Work is waited), so the hang watchdog can name the op a stalled step is waiting on. Ops another
-library issues on one of our groups (DeepSpeed's ZeRO reductions over dp) are covered by
-`Comm.foreign_ops`, which marks them in flight and gives their failures the same CommError.
-
-Direct exchanges on gloo: gloo's all_gather_into_tensor and reduce_scatter_tensor take more CPU and
-time than sending the same bytes point to point (4 CPU ranks, experiments/gloo_collectives.py: a K/V
-all-gather of 512 KiB per rank 4.6 ms and 7.7 ms of CPU summed over the ranks against 2.8 and 5.8; a
-dK/dV reduce-scatter of 2 MiB 5.9 and 10.6 ms against 2.6 and 5.8; docs/benchmarks.md,
-"Communication"), and TSP's attention runs two of them per item. On a gloo group they are therefore
-run as direct exchanges (each rank sends its block to, or the peer's block of the input to, every
-peer; `_DirectWork` finishes the op when waited: nothing to do for the all-gather, which receives
-into `out` itself, and the sum of the received blocks for the reduce-scatter). The ledger records
-the same op and bytes as the collective; failures and time-outs surface as the same CommError naming
-the op. NCCL (and any other backend) keeps its own collectives. all_reduce, broadcast and reduce
-stay gloo's: a direct all-reduce is no cheaper, and a direct reduce would hold D - 1 received
-gradient shards at the owner.
-
-Device guard: a Comm knows the compute device of the run (cuda:<local device> under NCCL, cpu
-under gloo). Every tensor op checks its tensors are there before it is issued, also on groups of
-size 1, and raises WrongDeviceError naming the op: NCCL serves only CUDA tensors, and a host tensor
-handed to it fails deep inside the backend ("No backend type associated with device type cpu")."""
+Why wrap: a failed or timed-out op becomes a CommError naming the op, its bytes, the axis and the
+peers (not a bare backend message); every op is marked in flight for the hang watchdog, also ops
+another library issues on our groups (`foreign_ops`); and a tensor off the run's device is refused
+by name before NCCL fails deep inside. On gloo, all-gather and reduce-scatter run as direct
+point-to-point exchanges, cheaper than gloo's collectives for the same bytes
+(docs/benchmarks.md, "Communication"); the ledger records them as the collectives they replace.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 
 import torch
@@ -97,9 +78,15 @@ class _DirectWork:
         return True
 
 
-# gloo P2P tags of the direct collectives (tsp/ring.py's exchanges use 0 and 1): ops of one kind
-# between a pair are matched in the order posted, which every rank shares (collective order)
-_ALL_GATHER_TAG, _REDUCE_SCATTER_TAG = 2, 3
+class P2PTag(enum.IntEnum):
+    """Every P2P tag of the package. gloo matches a receive to a send by (peer, tag), in the order
+    posted: ops of one kind between a pair share a tag, kinds that may be in flight together get
+    their own."""
+
+    RING_WEIGHTS = 0        # tsp/ring.py: a weight shard's hop
+    RING_GRADS = 1          # tsp/ring.py: a gradient accumulator's hop, beside a weight hop
+    ALL_GATHER = 2          # direct all-gather on gloo (Comm._direct_all_gather)
+    REDUCE_SCATTER = 3      # direct reduce-scatter on gloo (Comm._direct_reduce_scatter)
 
 
 class Comm:
@@ -114,7 +101,9 @@ class Comm:
         self.ledger = ledger
         self.axis = axis
         self.device = torch.device(device)    # where every tensor of this group's ops must live
-        # all-gather and reduce-scatter as direct exchanges on gloo (module docstring)
+        # all-gather and reduce-scatter as direct exchanges on gloo (module docstring); all_reduce,
+        # broadcast and reduce stay gloo's: a direct all-reduce is no cheaper, and a direct reduce
+        # would hold D - 1 received gradient shards at the owner
         self.direct_exchanges = self.size > 1 and _backend(group) == "gloo"
 
     def __repr__(self) -> str:
@@ -236,9 +225,9 @@ class Comm:
         [D, ...] rank-major: (D - 1) blocks out and in per rank, as in a ring."""
         blocks = out.view(self.size, -1)
         blocks[self.rank].copy_(inp.view(-1))
-        ops = [dist.P2POp(dist.isend, blocks[self.rank], self.ranks[p], self.group, _ALL_GATHER_TAG)
+        ops = [dist.P2POp(dist.isend, blocks[self.rank], self.ranks[p], self.group, P2PTag.ALL_GATHER)
                for p in self._peers()]
-        ops += [dist.P2POp(dist.irecv, blocks[p], self.ranks[p], self.group, _ALL_GATHER_TAG)
+        ops += [dist.P2POp(dist.irecv, blocks[p], self.ranks[p], self.group, P2PTag.ALL_GATHER)
                 for p in self._peers()]
         return _DirectWork(dist.batch_isend_irecv(ops))
 
@@ -249,9 +238,9 @@ class Comm:
         blocks = inp.view(self.size, -1)
         peers = self._peers()
         got = blocks.new_empty((len(peers), blocks.shape[1]))
-        ops = [dist.P2POp(dist.isend, blocks[p], self.ranks[p], self.group, _REDUCE_SCATTER_TAG)
+        ops = [dist.P2POp(dist.isend, blocks[p], self.ranks[p], self.group, P2PTag.REDUCE_SCATTER)
                for p in peers]
-        ops += [dist.P2POp(dist.irecv, got[i], self.ranks[p], self.group, _REDUCE_SCATTER_TAG)
+        ops += [dist.P2POp(dist.irecv, got[i], self.ranks[p], self.group, P2PTag.REDUCE_SCATTER)
                 for i, p in enumerate(peers)]
 
         def finish() -> None:
@@ -311,7 +300,7 @@ class Comm:
 
     # -- point to point ---------------------------------------------------------------------------
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, send_to: int, recv_from: int,
-                 tag: str, p2p_tag: int = 0) -> list:
+                 tag: str, p2p_tag: P2PTag = P2PTag.RING_WEIGHTS) -> list:
         """Post one isend and one irecv (batch_isend_irecv) to/from group ranks; returns works.
         `p2p_tag` keeps concurrent exchanges between the same pair apart (gloo matches by tag)."""
         self.check_device("send/recv", tag, send, recv)

@@ -1,19 +1,11 @@
 """One block of a gated MLP's intermediate dim, by hand and in token chunks: shared by TSP's MLP
 ring (parallel/tsp/mlp.py) and the baselines' column/row-parallel MLP (parallel/baselines/layers.py).
 
-`TokenTiling` decides, per call, how many local tokens one chunk takes (`parallel.mlp_chunk_tokens`,
-parallel/loss_chunks.py `resolve_mlp_chunk_tokens`) and, when the tokens are tiled, that the
-block's [tokens, h] accumulators (MLP output, dX; TSP's attention output over owners and its dX)
-are kept in the activation dtype instead of fp32 (docs/long_context/tiled_mlp.md). In fp32 the
-two are the same; in bf16 each chunk's GEMM adds into the bf16 accumulator itself, summing in fp32
-and rounding once (one rounding per ring step or attention owner instead of one at the end).
-
-TSP's packed shard gives the block's weights fused (`fused_weights`): gate and up are one GEMM
-against [W_gate; W_up], and in backward one GEMM gives [dW_gate; dW_up] and one dX += [dg | du]
-[W_gate; W_up]. The baselines hold W_gate and W_up as separate parameters (`split_gate_up`): the
-same computation with two GEMMs for each of these, writing the halves of the same buffers. Every accumulation (outputs, dX, weight gradients) goes through `add_matmul`,
-which sums inside the GEMM: `addmm_` in the accumulator's dtype, or on CUDA a bf16 GEMM writing
-its fp32 accumulator directly; only CPU's bf16 GEMM into fp32 writes a product and adds it.
+`TokenTiling` sets the chunks (`parallel.mlp_chunk_tokens`) and, once the tokens are tiled, keeps
+the [tokens, h] accumulators in the activation dtype instead of fp32 (each GEMM adds into them
+itself, summing in fp32 and rounding once per step). TSP's packed shard gives [W_gate; W_up] as
+one view (`fused_weights`), so gate and up are one GEMM; the baselines hold them apart
+(`split_gate_up`). Every accumulation goes through `add_matmul`, which sums inside the GEMM.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """How many local tokens the LM head's loss (`parallel.loss_chunk_tokens`) and the gated MLP
 (`parallel.mlp_chunk_tokens`) take at a time.
 
-The vocab-parallel loss (TSP's vocab ring, parallel/tsp/vocab.py; the baselines' cross-entropy,
-parallel/baselines/megatron.py) computes fp32 logits of a block of tokens against this rank's
-vocabulary shard: [tokens, V/D]. For all local tokens at once that block grows with the sequence
-(2.7M tokens on 8 ranks with a 128K vocabulary: 22 GB), so the loss takes the tokens in chunks
-and the block is [chunk, V/D]. "auto" tiles only when the block would exceed a bound.
-
-The gated MLP (TSP's ring, parallel/tsp/mlp.py; the baselines' column/row-parallel MLP,
-parallel/baselines/layers.py) computes the gate/up pre-activations of its local tokens against one
-block of the intermediate dim, [tokens, I/D], and in backward their gradients beside them: about
-MLP_ALIVE_INTERMEDIATES such tensors at once (g, u, silu(g), the product, dp, dg/du). In token
-chunks each is [chunk, I/D]; "auto" follows the same rule with the same default bound.
-
-Standard library only (the planner, plan/, uses the same rule); `in_vocab_shard` takes tensors
-but needs no import of torch.
+Why: the vocab-parallel loss makes fp32 logits [tokens, V/D] and the MLP gate/up intermediates
+[tokens, I/D] with about MLP_ALIVE_INTERMEDIATES of them alive in backward; for all local tokens
+at once both grow with the sequence. In chunks they are [chunk, V/D] and [chunk, I/D]; "auto"
+tiles only when the block would exceed a bound. Standard library only (the planner uses the same
+rule).
 """
 
 from __future__ import annotations

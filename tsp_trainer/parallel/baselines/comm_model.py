@@ -1,34 +1,8 @@
 """Closed-form communication of the baselines: the ledger bytes one rank records for one forward +
 backward of `Transformer.loss_sum` plus the global token count (parallel/loss.py), keyed "op/tag"
-like `CommLedger.summary()`. Payload conventions are the ledger's (ledger.py): all-gather counts the
-gathered output, reduce-scatter the full input, all-reduce the buffer.
-
-Notation: T = tp size, S = sp size, L layers, B micro-batch, N = seq_len, h hidden, h_kv = n_kv * d,
-I intermediate, V vocabulary, e bytes per activation/parameter element (4 in fp32).
-n = B N / S tokens are in a TP region on each rank; a = n h e is one such activation.
-
-  TP (T > 1):      all-reduce  attn.tp, mlp.tp: 2 L a each (forward leave + backward enter),
-                               embed.tp: a (forward), head.tp: a (backward)
-  TP + SP:         all-gather and reduce-scatter attn.tp, mlp.tp: 2 L a each;
-                               embed.tp, head.tp: a each
-  both:            all-reduce  head.ce: 3 n x 4 B (fp32 max, target logit, sum-exp)
-  SP (S > 1):      all-gather  attn.kv: 2 L x B N 2 (h_kv / T) e (forward + backward re-gather)
-                   reduce-scatter attn.dkv: L x B N 2 (h_kv / T) e
-                   all-reduce  wgrad: (L (P_attn + P_mlp) + 2 V h) / T x 4, P_attn = 2h^2 +
-                               2 h h_kv (+ h + 2 h_kv q/k/v biases), P_mlp = 3 h I (+ 2 I gate/up
-                               biases) (every non-norm weight once, in fp32; a tied table twice:
-                               once per use)
-                   all-reduce  loss.count: 8 B (fp64 token count)
-  norms:           all-reduce  norm.grad: (2L + 1) h 4 (fp32) when the norm inputs are split over ranks
-                               (TP+SP: over tp; SP: over sp; TP x SP: over sp, or over all D
-                               ranks with tp_sequence_parallel)
-  o/down biases:   all-reduce  bias.grad: L h 4 (fp32) per replicated bias (o_proj, down_proj),
-                               over the same groups as the norms
-
-Per rank and step the TP traffic is 4 L a ~ 4 L B N h e / S (independent of T, as in section 5.1 of
-the TSP paper, https://arxiv.org/abs/2604.26294, where the (T-1)/T factor counts the bytes that
-actually cross links), and the SP traffic 3 L B N 2 h_kv e / T + 4 P / T: bytes grow with N for
-every baseline.
+like `CommLedger.summary()`, in the ledger's payload conventions (ledger.py). The formulas, per
+scheme and tag, are tabled in docs/parallelism.md, "Baseline communication formulas";
+tests/distributed/test_baselines.py asserts the ledger equals them exactly.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Baseline blocks: one set of modules covers TP, TP+SP, SP and TP x SP, configured by `Groups`.
 
-A baseline on rank p is described by two sub-axes of the model-parallel group:
-  tp  (size T): weights split Megatron-style (q, k, v, gate, up column parallel; o, down row
-      parallel; embedding and LM head by vocabulary rows); tokens in the TP region are replicated
-      over tp, or split contiguously outside it when `sequence_parallel` (Megatron SP);
-  sp  (size S): tokens split zigzag (chunks p, 2S-1-p), weights replicated; K/V all-gathered.
-TP = (T=D, S=1), TP+SP = (T=D, S=1, sequence_parallel), SP = (T=1, S=D), TP x SP = (T, S).
-
-| Block     | Held on rank p                | Forward op                         | Backward op                     |
-|-----------|-------------------------------|------------------------------------|---------------------------------|
-| attention | heads p*n_h/T.. of q,k,v,o    | enter TP region; project; context  | transposes; dK/dV reduce-scatter|
-|           |                               | attention over sp; o_proj; leave   | over sp; weight grads summed    |
-|           |                               | TP region                          | over sp (all-reduce)            |
-| MLP       | intermediate block p (I/T)    | enter; gated MLP block (in token   | transposes; grads summed over sp|
-|           |                               | chunks when tiled); leave          | (gate/up recomputed when tiled) |
-| norms     | full weight                   | local, token-wise                  | grad summed over the token-     |
-|           |                               |                                    | splitting groups (`norm_grad`)  |
-| embedding | vocab rows p*V/T..            | masked lookup; leave TP region     | local rows; summed over sp      |
-| LM head   | vocab rows p*V/T..            | enter; logits [.., V/T]; vocab-    | local (softmax - onehot)        |
-|           |                               | parallel cross-entropy, in token   | (logits recomputed per chunk    |
-|           |                               | chunks when tiled                  | when tiled)                     |
-| biases    | q/k/v, gate/up: with their    | added in the column-parallel       | as their weights (summed over sp)|
-|           | rows; o, down: full           | matmul; o/down after leaving TP    | o, down: as the norms           |
-"enter"/"leave" are copy_to_region / reduce_from_region (all-reduce), or with sequence_parallel
-gather_from_sequence / reduce_scatter_to_sequence (all-gather / reduce-scatter): megatron.py.
+A baseline on rank p is two sub-axes of the model-parallel group: tp (size T) splits the weights
+Megatron-style (column parallel q, k, v, gate, up; row parallel o, down; vocabulary rows), and sp
+(size S) splits the tokens zigzag with the weights replicated and K/V all-gathered. TP = (T=D,
+S=1), TP+SP = TP with `sequence_parallel`, SP = (T=1, S=D), TP x SP = (T, S). What each block
+holds and moves: docs/parallelism.md, "The baselines, on the same code".
 """
 
 from __future__ import annotations
@@ -132,7 +113,7 @@ class ParallelAttention(nn.Module):
         q = apply_rope(q, rope.cos, rope.sin)
         k = apply_rope(k, rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
-        out = context_attention(q, k, v, rope.runs, g.sp, rope.documents)        # [B, T_region, n_h/T * d]
+        out = context_attention(q, k, v, rope.runs, g.sp, rope.documents, rope.attention_kernel)        # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
 
 

@@ -1,24 +1,18 @@
-"""Megatron-style autograd functions for the TP, TP+SP and TP x SP baselines: region entry/exit
-around the column/row parallel matmuls, sequence gather/scatter, and the vocab-parallel embedding
-and cross-entropy. In these schemes the weights stay with their owners and the activations move
-(the opposite of TSP, where the weights move and the activations stay). All communication goes
-through `Comm` (ledger); nothing here imports parallel/tsp.
+"""Megatron-style autograd functions for the TP, TP+SP and TP x SP baselines: the weights stay with
+their owners and the activations move (the opposite of TSP). All communication goes through `Comm`;
+nothing here imports parallel/tsp. On a group of size 1 every function is the identity.
+Activations are [B, T, h]; the sequence (dim 1) is split in contiguous blocks, block i on rank i.
 
-| Function                    | Forward op                         | Backward op                      |
-|-----------------------------|------------------------------------|----------------------------------|
-| copy_to_region              | identity                           | all-reduce (sum) over the group  |
-| copy_weight_to_region       | identity                           | all-reduce (sum, fp32) of a      |
-|                             |                                    | replicated weight's gradient     |
-| reduce_from_region          | all-reduce (sum) over the group    | identity                         |
-| gather_from_sequence        | all-gather along the sequence dim  | reduce-scatter along the sequence|
-| reduce_scatter_to_sequence  | reduce-scatter along the sequence  | all-gather along the sequence    |
-| vocab_parallel_cross_entropy| all-reduce max, target, sum-exp    | none (softmax - onehot, local)   |
-| tiled_vocab_parallel_loss   | LM head matmul + the same three    | none (logits recomputed per chunk|
-|                             | all-reduces, tokens in chunks      | of tokens, softmax - onehot)     |
-| vocab_parallel_argmax       | all-reduce max, then min of indices| none (evaluation only)           |
-
-Activations are [B, T, h]; "sequence" is dim 1, split in contiguous blocks (block i on group rank i).
-On a group of size 1 every function is the identity.
+| Function                     | Forward op                          | Backward op                     |
+|------------------------------|-------------------------------------|---------------------------------|
+| copy_to_region               | identity                            | all-reduce (sum)                |
+| copy_weight_to_region        | identity                            | all-reduce (sum, fp32) of a     |
+|                              |                                     | replicated weight's gradient    |
+| reduce_from_region           | all-reduce (sum)                    | identity                        |
+| gather_from_sequence         | all-gather along the sequence       | reduce-scatter                  |
+| reduce_scatter_to_sequence   | reduce-scatter along the sequence   | all-gather                      |
+| vocab_parallel_cross_entropy | all-reduce max, target, sum-exp     | none (softmax - onehot, local)  |
+| tiled_vocab_parallel_loss    | the same, tokens in chunks          | none (logits recomputed)        |
 """
 
 from __future__ import annotations

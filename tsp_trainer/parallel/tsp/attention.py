@@ -1,91 +1,20 @@
-"""TSP attention (docs/design.md; the TSP paper, https://arxiv.org/abs/2604.26294, section 3).
+"""TSP attention: each rank keeps its tokens and the attention weights come to them, one owner's
+head group at a time, so the sum over heads completes locally and no activation is all-reduced.
 
-Rank p of D holds rows of W_q, W_k, W_v for head group p and the matching columns of W_o, and the
-N/D tokens X_p of its two zigzag chunks. The work is a schedule of items (r, b): owner r's shard,
-head bucket b, in the same order on every rank. Per owner every rank projects its local tokens
-with the whole shard in one GEMM, X_p [W_q; W_k; W_v]^T (+ b) -> [n, (hq + 2 hkv)/D * d] (W_q, W_k,
-W_v are consecutive rows of the packed shard, so [W_q; W_k; W_v] is a view), applies RoPE, and
-each item (r, b) takes its bucket's heads as slices; per item it all-gathers K and V over the tsp
-group, reorders them to logical order and runs causal attention for its local queries. After the
-owner's last bucket one GEMM adds A_r W_o^(r)T into the output, A_r [n, hq/D * d] the buckets'
-outputs side by side. The sum over heads completes locally: no all-reduce. GEMMs per rank and
-layer: 2 D forward, 4 D backward (5 D under full recompute), whatever the head buckets
-(tests/distributed/test_gemm_launches.py). q/k/v biases (Qwen2, Llama attention_bias) belong to
-their heads: they are packed into the same broadcast shard as W_q, W_k, W_v, W_o. The o_proj bias is
-replicated and added once per token after the sum; its gradient is summed over the group (like a
-norm's, tag "bias.grad"). Qwen3's q_norm / k_norm (RMSNorm over each head's d channels, before
-RoPE) run inside the owner's projection on the local tokens of the owner's heads; their weights
-[d] are replicated, each rank's backward adds its tokens' part over every owner's heads, and the
-sum over the group completes them (tag "norm.grad", as the block norms).
-
-Overlap. Every transfer is asynchronous and issued one step ahead of the compute that
-needs it, in the same order on every rank (tests/distributed/test_tsp_overlap.py checks the order):
-- weights: owner r's shard is broadcast into a fixed pool of buffers (tsp/ring.py ShardBroadcasts),
-  the next shards in flight while shard r is used;
-- K/V: item i+1's projection is computed (its owner's GEMM, at the owner's first bucket) and its
-  all-gather issued before item i's attention, so the gather runs under the attention kernel
-  (forward and backward);
-- dK/dV: backward issues item i's reduce-scatter and waits for it only after compute that does
-  not need it: under full recompute item i+1's attention forward; when item i+1 has the same owner,
-  also item i+1's attention backward (item i is finished just before item i+1's scatter is issued:
-  one in flight); after the owner's last bucket, the owner's dW_o GEMM. An owner's last item is
-  finished before the next owner's projection and K/V gather (so at most two weight shards and two
-  gradient buffers are held);
-- weight gradients: this rank's partial gradient of shard r is written straight into a packed fp32
-  buffer (no per-weight gradient tensors) and reduced to owner r asynchronously while shard r+1 is
-  computed; the buffer that reduce frees is the next one filled.
-On CUDA these are NCCL ops on NCCL's stream: `wait()` orders the compute stream after them without
-blocking the host, so the transfers run beside the kernels.
-
-Backward per owner: dA = dy W_o^(r) [n, hq/D * d] in one GEMM, sliced per bucket into its
-attention backward; dW_o += dy^T A_r in one GEMM; each bucket's dq, dk, dv (after RoPE's adjoint)
-go into dP = [dq | dk | dv] [n, (hq + 2 hkv)/D * d], laid out as [W_q; W_k; W_v]'s rows, and once
-the last bucket's dK/dV are in, one GEMM dW_qkv += dP^T X_p into the packed fp32 gradient's
-[W_q; W_k; W_v] view (its column sums the q/k/v bias gradients) and one dX += dP [W_q; W_k; W_v].
-
-Transient memory per block (packed shards P_attn / D; fp32 weights): forward three weight buffers;
-backward two weight buffers and two fp32 gradient buffers (the one filled, the one being reduced):
-4 shards (test_tsp_memory.py), plus two gathered K/V buckets (the one in use, the next one in flight)
-and one gathered dK/dV bucket. Per owner in flight:
-forward its projection [n, (hq + 2 hkv)/D * d] and, with more than one bucket, A_r [n, hq/D * d];
-backward dA [n, hq/D * d], dP [n, (hq + 2 hkv)/D * d] (from the first bucket's attention backward
-on) and, with more than one bucket, A_r: local tokens only, never gathered ones. The output
-(forward) and dX (backward) accumulators [N/D, h] are fp32, or the activation dtype once the
-layer's tokens are tiled (`parallel.mlp_chunk_tokens`, parallel/gated_mlp.py); each owner's GEMM
-adds into them itself (`add_matmul`: in their dtype, or on CUDA a bf16 GEMM with an fp32 output),
-and a tiled block holds no fp32 [N/D, h].
-
-Recompute (`parallel.tsp_recompute`):
-- "full" (default): saved between forward and backward: X_p only. Backward re-broadcasts shard r,
-  recomputes the owner's local projection GEMM and each bucket's attention forward, then
-  backpropagates.
-- "selective": forward also keeps, per item, the local q and stacked k, v (after RoPE) and the
-  attention output with its autograd graph, whose saved views of the gathered K/V are dropped (a
-  saved-tensor hook keeps only their geometry) and re-gathered from the local k, v in backward. So
-  backward runs no projection forward and no attention forward: it re-broadcasts the weights (for
-  dX and the weight gradients) and re-gathers K/V. Extra saved bytes per layer and rank: about
-  (2 q + 2 k/v + the kernel's output + log-sum-exp) tokens x heads of this rank's tokens, i.e. ~5
-  X_p for multi-head attention (tsp-plan models it).
-- "none": the attention keeps what selective keeps; the MLP (tsp/mlp.py) also keeps its gate/up
-  pre-activations, so no GEMM of the forward runs again in backward.
-Under activation checkpointing (model/activation_checkpoint.py) the block's replay is the
-recompute, whatever the mode (tsp/kept.py): the first forward keeps nothing (X_p is the
-checkpoint's to drop). With `parallel.checkpoint_replay_keeps` all or attention the replay keeps
-the items as selective does and hands them through the checkpointed call's slot to this
-function's backward, which then runs as selective's (weights re-broadcast for dX and the weight
-gradients, K/V re-gathered, no projection or attention forward): per item and step two attention
-forwards (forward, replay) and one backward, as full recompute without checkpointing. With
-nothing the replay puts None and the backward runs full recompute's path (projections and
-attention forward again): three forwards, and no block's items held. Selective and none without
-checkpointing run one forward.
-The backward by hand (RoPE's adjoint, the projections' matmuls into the packed gradient) is the same
-in every mode; it reduces this rank's partial weight gradients to owner r in fp32 (the sum over D
-ranks is not rounded to bf16 on the way).
+Rank p holds W_q, W_k, W_v rows and W_o columns of head group p (q/k/v biases travel with them;
+the o_proj bias is replicated, its gradient summed in parallel/grad_sync.py). The forward and the
+hand-written backward run a schedule of items (owner r, head bucket b), the same on every rank,
+each transfer issued one item ahead of the compute that hides it; `parallel.tsp_recompute` and
+activation checkpointing decide what backward recomputes (tsp/kept.py). The schedule, its GEMMs,
+its transient memory and the recompute modes: docs/parallelism.md, "TSP attention". Qwen3's
+q_norm / k_norm (RMSNorm over each head's d channels, before RoPE) run inside the owner's
+projection; their weights [d] are replicated and summed like the block norms.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import typing
 
 import torch
@@ -99,11 +28,23 @@ from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
-from tsp_trainer.parallel.grad_sync import SumGradOverGroup
+from tsp_trainer.parallel.grad_sync import ReplicatedGrads
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, unpack
 
 RECOMPUTE_MODES = typing.get_args(TspRecompute)   # parallel.tsp_recompute (module docstring)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionSettings:
+    """What the attention function takes besides tensors, fixed when the layer is built. Compared
+    by identity: it is also the key of the layer's checkpoint slot (tsp/kept.py)."""
+
+    comm: Comm
+    head_dim: int
+    head_buckets: int
+    tiling: TokenTiling
+    norm_eps: float = 1e-6           # Qwen3's q/k norms
 
 
 class TSPAttention(nn.Module):
@@ -118,7 +59,7 @@ class TSPAttention(nn.Module):
                  head_dim: int, comm: Comm, head_buckets: int = 1, recompute: str = "full",
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
-                 replay_keeps: bool = True,
+                 replay_keeps: bool = True, replicated: ReplicatedGrads | None = None,
                  head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6):
         super().__init__()
         # q_norm, k_norm weights [d] (Qwen3), replicated; absent otherwise (names as model.layers)
@@ -131,6 +72,9 @@ class TSPAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             _weight_holder(w, b) for w, b in ((q, bq), (k, bk), (v, bv), (o, o_bias)))
         self.head_dim, self.comm, self.head_buckets = head_dim, comm, head_buckets
+        self.replicated = _replicated(replicated, comm, self.o_proj.bias,
+                                      *(m.weight for m in (getattr(self, "q_norm", None),
+                                                           getattr(self, "k_norm", None)) if m is not None))
         n_kv_local = k.shape[0] // head_dim
         if n_kv_local % head_buckets:
             raise ValueError(f"parallel.head_buckets={head_buckets} must divide the KV heads per "
@@ -138,6 +82,7 @@ class TSPAttention(nn.Module):
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"parallel.tsp_recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
         self.recompute = recompute
+        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         # The shard's parameters, in packing order: W_q, W_k, W_v, W_o [, b_q, b_k, b_v]
@@ -148,12 +93,26 @@ class TSPAttention(nn.Module):
         kept = kept_for_backward(self.recompute != "full", self.replay_keeps)
         norms = (None, None)
         if hasattr(self, "q_norm"):      # each rank's gradient is its tokens' part: summed over the group
-            norms = tuple(SumGradOverGroup.apply(m.weight, self.comm, "norm.grad", True)
-                          for m in (self.q_norm, self.k_norm))
-        y = _TSPAttentionFn.apply(x, rope, self, kept, *norms, *shard)
+            norms = tuple(self.replicated.use(m.weight) for m in (self.q_norm, self.k_norm))
+        y = _TSPAttentionFn.apply(x, rope, self.settings, kept, *norms, *shard)
         if self.o_proj.bias is None:
             return y
-        return y + SumGradOverGroup.apply(self.o_proj.bias, self.comm, "bias.grad", True)
+        return y + self.replicated.use(self.o_proj.bias)
+
+
+def _replicated(replicated: ReplicatedGrads | None, comm: Comm,
+                *params: nn.Parameter | None) -> ReplicatedGrads | None:
+    """Register the layer's replicated parameters (the o_proj bias, Qwen3's q/k norm weights) with
+    the model's ReplicatedGrads (their gradients are summed over the group with the block norms');
+    one without it would train on a partial gradient."""
+    params = [p for p in params if p is not None]
+    if not params:
+        return replicated
+    if replicated is None or replicated.comm is not comm:
+        raise ValueError("a replicated parameter needs the model's ReplicatedGrads on the same group")
+    for p in params:
+        replicated.add(p)
+    return replicated
 
 
 def _weight_holder(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Module:
@@ -350,7 +309,8 @@ class _Item:
         full = self.gather.wait()
         self.gather = None
         if not graph:
-            return attention_core(self.q, full[:, :, 0], full[:, :, 1], rope.runs, documents=rope.documents)
+            return attention_core(self.q, full[:, :, 0], full[:, :, 1], rope.runs, documents=rope.documents,
+                                  kernel=rope.attention_kernel)
         self.q_leaf, self.sink = self.q.detach().requires_grad_(), []
         self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
         hooks = contextlib.nullcontext()
@@ -362,7 +322,8 @@ class _Item:
                 self.dropped = _DroppedKV(full)
                 hooks = torch.autograd.graph.saved_tensors_hooks(self.dropped.pack, self.dropped.unpack)
             with hooks:
-                self.a = attention_core(self.q_leaf, k, v, rope.runs, documents=rope.documents)
+                self.a = attention_core(self.q_leaf, k, v, rope.runs, documents=rope.documents,
+                                        kernel=rope.attention_kernel)
         if drop_kv:
             self.dropped.kv = None                       # nothing refers to the gathered K/V now
         return self.a
@@ -385,11 +346,11 @@ class _Projections:
     the item of its first bucket is prepared (waiting for shard r's broadcast if needed), the
     items of its other buckets slice it."""
 
-    def __init__(self, x: torch.Tensor, shards: ShardBroadcasts, block: TSPAttention, shapes,
+    def __init__(self, x: torch.Tensor, shards: ShardBroadcasts, settings: AttentionSettings, shapes,
                  rope: Rotary, norms: _HeadNorms | None = None):
-        self.x, self.shards, self.block, self.shapes, self.rope = x, shards, block, shapes, rope
+        self.x, self.shards, self.settings, self.shapes, self.rope = x, shards, settings, shapes, rope
         self.norms = norms
-        self.cols = _Columns(shapes, block.head_buckets)
+        self.cols = _Columns(shapes, settings.head_buckets)
         self._owner: int | None = None
         self._projection: _OwnerProjection | None = None
 
@@ -397,11 +358,11 @@ class _Projections:
         """Item (r, b), its K/V all-gather issued."""
         if self._owner != r:
             shard = _Shard(self.shards.get(r), self.shapes)
-            self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.block.head_dim,
+            self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.settings.head_dim,
                                                 self.norms)
             self._owner = r
-        item = self._projection.item(b, self.block.comm)
-        if b == self.block.head_buckets - 1:           # the owner's last slices are taken
+        item = self._projection.item(b, self.settings.comm)
+        if b == self.settings.head_buckets - 1:           # the owner's last slices are taken
             self._owner = self._projection = None
         return item
 
@@ -432,18 +393,18 @@ class _OwnerOutputs:
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rope: Rotary, block: TSPAttention, keep: Kept, q_norm, k_norm, *params):
+    def forward(ctx, x, rope: Rotary, settings: AttentionSettings, keep: Kept, q_norm, k_norm, *params):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard);
         # q_norm, k_norm: the per-head norm weights [d] (Qwen3) or None
-        comm, shapes = block.comm, [tuple(w.shape) for w in params]
-        norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, block.norm_eps)
-        items, last = _schedule(comm.size, block.head_buckets), block.head_buckets - 1
+        comm, shapes = settings.comm, [tuple(w.shape) for w in params]
+        norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, settings.norm_eps)
+        items, last = _schedule(comm.size, settings.head_buckets), settings.head_buckets - 1
         selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
-        projections = _Projections(x, shards, block, shapes, rope, norms)
+        projections = _Projections(x, shards, settings, shapes, rope, norms)
         # the sum over owners: fp32, or x's dtype once the layer's tokens are tiled
-        y = torch.zeros(x.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
-        y2, outputs = y.view(-1, x.shape[-1]), _OwnerOutputs(block.head_buckets)
+        y = torch.zeros(x.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
+        y2, outputs = y.view(-1, x.shape[-1]), _OwnerOutputs(settings.head_buckets)
         kept, nxt = [], projections.item(*items[0])
         for i, (r, b) in enumerate(items):
             item = nxt                       # the next item's gather in flight under this attention
@@ -455,22 +416,22 @@ class _TSPAttentionFn(torch.autograd.Function):
                 add_matmul(y2, outputs.take(), _Shard(shards.get(r), shapes).wo.t())
                 shards.release(r)
         ctx.save_for_backward(x, q_norm, k_norm, *params)
-        ctx.rope, ctx.block, ctx.shapes = rope, block, shapes
-        keep.store(ctx, block, kept if selective else None)
+        ctx.rope, ctx.settings, ctx.shapes = rope, settings, shapes
+        keep.store(ctx, settings, kept if selective else None)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, q_norm, k_norm, *params = ctx.saved_tensors
-        block, comm, shapes, rope = ctx.block, ctx.block.comm, ctx.shapes, ctx.rope
-        norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, block.norm_eps)
-        items, kept = _schedule(comm.size, block.head_buckets), Kept.load(ctx, block)
+        settings, comm, shapes, rope = ctx.settings, ctx.settings.comm, ctx.shapes, ctx.rope
+        norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, settings.norm_eps)
+        items, kept = _schedule(comm.size, settings.head_buckets), Kept.load(ctx, settings)
         shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
         x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
-        dx = torch.zeros(x2.shape, dtype=block.tiling.accumulator_dtype(x), device=x.device)
-        projections = _Projections(x, shards, block, shapes, rope, norms) if kept is None else None
-        cols = _Columns(shapes, block.head_buckets)
+        dx = torch.zeros(x2.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
+        projections = _Projections(x, shards, settings, shapes, rope, norms) if kept is None else None
+        cols = _Columns(shapes, settings.head_buckets)
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
             if kept is not None:
@@ -495,7 +456,7 @@ class _TSPAttentionFn(torch.autograd.Function):
             nxt = prepare(i + 1) if i + 1 < len(items) else None    # its K/V gather in flight
             if b == 0:
                 owner = _OwnerBackward(r, dy2, _Shard(shards.get(r), shapes),
-                                       _Shard(grads.buffer(r), shapes), cols, block.head_buckets, norms)
+                                       _Shard(grads.buffer(r), shapes), cols, settings.head_buckets, norms)
             # same owner: item i-1's key/value side finishes after this item's attention backward
             pending, item = owner.query_side(x2, dy2, item, b, rope, comm, dx, pending), nxt
         finish(pending)

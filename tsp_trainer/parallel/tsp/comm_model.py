@@ -8,8 +8,8 @@ I intermediate, V vocab, L layers, n_b head buckets, b_w / b_a bytes per weight 
 element, b_g = 4: gradients are reduced and carried in fp32 whatever the weights' dtype
 (GRAD_BYTES). P_attn = 2 h^2 + 2 h h_kv (+ h + 2 h_kv with q/k/v biases) and P_mlp = 3 h I (+ 2 I
 with gate/up biases) per layer: what one packed shard carries (ModelConfig.attn_sharded_params,
-mlp_sharded_params). Replicated o_proj / down_proj biases add one all-reduce of h elements each per
-layer ("bias.grad", fp32), as the norms do.
+mlp_sharded_params). The replicated weights (2 L + 1 norms, and n_rb L o_proj / down_proj biases)
+have their gradients summed in one flattened fp32 all-reduce per backward ("replicated.grad").
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import collections
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import padded_vocab_size
-from tsp_trainer.parallel.grad_sync import GRAD_BYTES
+from tsp_trainer.parallel.grad_sync import GRAD_BYTES, REPLICATED_GRAD_TAG
 
 
 def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, head_buckets: int = 1,
@@ -55,12 +55,10 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         add(op, "embed.weights.grad", d, vocab_grad)
         add(op, "head.weights", 2 * (d - 1), vocab_shard)
         add(op, "head.weights.grad", d, vocab_grad)
-    add("all_reduce", "norm.grad", 2 * L + 1, h * GRAD_BYTES)
-    if cfg.qk_norm:                                              # q_norm, k_norm [head_dim] per layer
-        add("all_reduce", "norm.grad", 2 * L, cfg.head_dim * GRAD_BYTES)
     replicated_biases = int(cfg.o_bias) + int(cfg.mlp_bias)
-    if replicated_biases:
-        add("all_reduce", "bias.grad", replicated_biases * L, h * GRAD_BYTES)
+    head_norms = 2 * L * cfg.head_dim if cfg.qk_norm else 0     # q_norm, k_norm [head_dim] per layer
+    add("all_reduce", REPLICATED_GRAD_TAG, 1,
+        ((2 * L + 1 + replicated_biases * L) * h + head_norms) * GRAD_BYTES)
     if loss_count_reduces:
         add("all_reduce", "loss.count", loss_count_reduces, 8)     # float64 token count
     return {k: dict(v) for k, v in out.items()}

@@ -2,19 +2,13 @@
 mlp.py).
 
 Without activation checkpointing: what `parallel.tsp_recompute` keeps (the attention items under
-selective and none, the MLP's gate/up pre-activations under none), on the autograd node, and only
-when grad is enabled. Under activation checkpointing (model/activation_checkpoint.py) the block's
-replay in backward is the recompute, in every mode: the first forward keeps nothing beyond what
-checkpointing keeps, and the replay keeps what `parallel.checkpoint_replay_keeps` lets it keep and
-puts it in the checkpointed call's slot, where that block's backward takes it (one block's worth,
-freed as the backward goes):
-- all: the attention items and the MLP's gate/up, so no forward runs a third time;
-- attention: the attention items only; the MLP's slot holds None and its backward recomputes
-  gate/up per token chunk (one more gate/up GEMM pass, [chunk, I/D] alive instead of the block's
-  [N/D, I]);
-- nothing: both slots hold None; the attention backward also runs its projections and attention
-  forward again, as full recompute does without checkpointing.
-Each TSP block is told at construction (parallel/apply.py) whether its replay keeps.
+selective and none, the MLP's gate/up pre-activations under none), on the autograd node, only when
+grad is enabled. Under activation checkpointing the block's replay in backward is the recompute in
+every mode: the first forward keeps nothing, and the replay keeps what
+`parallel.checkpoint_replay_keeps` allows (all: items and gate/up; attention: items only; nothing)
+and puts it in the checkpointed call's slot, keyed by the layer's settings, where that block's
+backward takes it. A part kept as None is recomputed. The modes side by side: docs/parallelism.md,
+"`parallel.tsp_recompute`".
 """
 
 from __future__ import annotations

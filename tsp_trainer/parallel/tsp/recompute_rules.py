@@ -1,24 +1,12 @@
 """Which attention routes `parallel.tsp_recompute=selective` (and `none`, which keeps the same
 attention items) can run on.
 
-Selective recompute (parallel/tsp/attention.py) keeps, per item and layer, the attention kernel's
-autograd graph with the kernel's saved *views* of the gathered K/V dropped (a saved-tensor hook
-keeps their geometry) and re-gathered in backward. That works only when the kernel saves views.
-Two CUDA routes of model/attention_route.py save copies instead, which selective recompute would
-keep for every item of every layer (D x n_b copies of a K/V bucket per layer, i.e. the whole
-sequence's K/V of every head, on every rank):
-
-  expand_kv (fp32 + GQA, memory-efficient kernel)   K/V repeated to the query heads:
-                                                    [B, S, n_heads / (D n_b), d] each, per item
-  document masking's varlen call (flash, efficient) each document's keys packed by index_select
-                                                    into [sum of key ranges, kv heads, d]
-
-Both are refused before any process group exists (the Trainer calls this beside
-`check_cuda_attention`), naming what to set instead. Not under activation checkpointing: there the
-trainer accepts only tsp_recompute=full, and the block's replay keeps its items, copies included,
-for that one block's backward (parallel/tsp/kept.py; plan/activations.py `tsp_replay_kept` counts
-the expanded copies), a bounded cost that keeps these routes open to checkpointed training. On CPU (the lse-merge route) the kernel saves
-views, also under document masking (one call per segment, on slices).
+Selective recompute keeps each item's attention graph with the kernel's saved views of the
+gathered K/V dropped and re-gathered in backward; that works only when the kernel saves views. Two
+CUDA routes save copies instead (fp32 + GQA's expanded K/V; document masking's packed varlen keys),
+which would keep the whole sequence's K/V of every head on every rank: both are refused before any
+process group exists, naming what to set instead. Under activation checkpointing they stay open:
+the replay keeps its copies for one block only (tsp/kept.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""The two weight-moving schedules of TSP, written once and used by the MLP, embedding and LM head.
-
-`ring_forward`: every rank starts with its own packed shard; at step k rank p holds shard
-(p - k) mod D, computes with it, and passes it on to p + 1 (batch_isend_irecv posted *before* the
-compute, so the transfer overlaps it). After D steps every rank has seen every shard.
-
-`ring_backward`: the reverse ring. At step k rank p holds shard (p + k) mod D and adds its local
-gradient for that shard to the accumulator that arrived with it from p + 1, then sends both on to
-p - 1. The accumulator has the dtype `grad_step` returns: the blocks return fp32, so the sum over
-the D ranks is never rounded to bf16 (accumulator hops move 4 bytes per element). Shard j's accumulator visits j, j-1, ..., j+1 and a last hop brings it home to j, so the
-full gradient (summed over all D ranks' tokens) ends at its owner and no rank ever holds more than
-two shards and two accumulators. Traffic per rank: D - 1 weight hops and D accumulator hops
-(accumulator hops only, when the gradient does not need the weights: the embedding).
-
-`ShardBroadcasts`: the attention schedule: owner r broadcasts its shard, one owner at a time,
-the next shards prefetched asynchronously into a fixed pool of buffers while shard r is used.
+"""The weight-moving schedules of TSP, written once: the rings of the MLP, embedding and LM head
+(`ring_forward`, `ring_backward`, `ring_backward_into`, their hops posted through `RingComm`) and the
+attention's owner-by-owner broadcasts (`ShardBroadcasts`). Why each rank holds at most two shards
+and two accumulators, and what moves per hop: docs/parallelism.md, "TSP rings".
 """
 
 from __future__ import annotations
@@ -22,9 +10,34 @@ from typing import Callable
 
 import torch
 
-from tsp_trainer.parallel.comm import Comm, wait_all
+from tsp_trainer.parallel.comm import Comm, P2PTag, wait_all
 
-_WEIGHT_TAG, _GRAD_TAG = 0, 1   # P2P tags: keep weight and accumulator messages apart
+
+class RingComm:
+    """One ring of `comm` seen from this rank: every hop sends to the neighbour on one side and
+    receives from the neighbour on the other (`step=+1`: send to p + 1, receive from p - 1;
+    `step=-1`: the reverse ring). `send_recv` queues a hop, `commit` posts the queued hops (each
+    recorded in the ledger as a send and a recv under `tag`), `wait` blocks until they are done.
+    One RingComm per stream of hops that is waited for on its own (weights, accumulators)."""
+
+    def __init__(self, comm: Comm, *, step: int, tag: str, p2p_tag: P2PTag):
+        self.comm, self.tag, self.p2p_tag = comm, tag, p2p_tag
+        self.send_to, self.recv_from = (comm.rank + step) % comm.size, (comm.rank - step) % comm.size
+        self._queued: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._works: list = []
+
+    def send_recv(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self._queued.append((send, recv))
+
+    def commit(self) -> None:
+        for send, recv in self._queued:
+            self._works += self.comm.exchange(send, recv, send_to=self.send_to, recv_from=self.recv_from,
+                                              tag=self.tag, p2p_tag=self.p2p_tag)
+        self._queued = []
+
+    def wait(self) -> None:
+        wait_all(self._works)
+        self._works = []
 
 
 def ring_forward(comm: Comm, own: torch.Tensor, step: Callable[[int, torch.Tensor], None], *,
@@ -32,14 +45,14 @@ def ring_forward(comm: Comm, own: torch.Tensor, step: Callable[[int, torch.Tenso
     """Call step(j, shard_j) for every shard j, passing the packed shards around the ring.
     `own` must be a packed copy (it is reused as a receive buffer)."""
     d, p = comm.size, comm.rank
+    weights = RingComm(comm, step=+1, tag=tag, p2p_tag=P2PTag.RING_WEIGHTS)
     cur, nxt = own, (torch.empty_like(own) if d > 1 else None)
     for k in range(d):
-        works = []
-        if k < d - 1:
-            works = comm.exchange(cur, nxt, send_to=(p + 1) % d, recv_from=(p - 1) % d, tag=tag,
-                                  p2p_tag=_WEIGHT_TAG)
+        if k < d - 1:                              # the next shard travels under this step
+            weights.send_recv(cur, nxt)
+            weights.commit()
         step((p - k) % d, cur)
-        wait_all(works)
+        weights.wait()
         if k < d - 1:
             cur, nxt = nxt, cur
 
@@ -51,26 +64,27 @@ def ring_backward(comm: Comm, own: torch.Tensor | None,
     packed partial gradient for shard j. Returns the full gradient of this rank's own shard.
     own=None: the gradient does not need the weights (embedding), only accumulators travel."""
     d, p = comm.size, comm.rank
+    weights = RingComm(comm, step=-1, tag=tag, p2p_tag=P2PTag.RING_WEIGHTS)
+    grads = RingComm(comm, step=-1, tag=tag + ".grad", p2p_tag=P2PTag.RING_GRADS)
     cur = own
     nxt = torch.empty_like(own) if (d > 1 and own is not None) else None
-    acc_works, acc_in = [], None
+    acc_in = None
     for k in range(d):
-        w_works = []
         if k < d - 1 and own is not None:
-            w_works = comm.exchange(cur, nxt, send_to=(p - 1) % d, recv_from=(p + 1) % d, tag=tag,
-                                    p2p_tag=_WEIGHT_TAG)
+            weights.send_recv(cur, nxt)
+            weights.commit()
         local = grad_step((p + k) % d, cur)
-        wait_all(acc_works)                       # accumulator for shard p+k, sent by p+1 at k-1
+        grads.wait()                              # accumulator for shard p+k, sent by p+1 at k-1
         acc = local if acc_in is None else acc_in.add_(local)
         if d == 1:
             return acc
         acc_in = torch.empty_like(acc)
-        acc_works = comm.exchange(acc, acc_in, send_to=(p - 1) % d, recv_from=(p + 1) % d,
-                                  tag=tag + ".grad", p2p_tag=_GRAD_TAG)
-        wait_all(w_works)
+        grads.send_recv(acc, acc_in)
+        grads.commit()
+        weights.wait()
         if k < d - 1 and own is not None:
             cur, nxt = nxt, cur
-    wait_all(acc_works)
+    grads.wait()
     return acc_in                                  # shard p's accumulator, home after D hops
 
 
@@ -83,27 +97,27 @@ def ring_backward_into(comm: Comm, own: torch.Tensor,
     buffer of the next, so a step holds 4 packed buffers: the shard in use, the one arriving, the
     accumulator being filled and the one arriving (tests/distributed/test_tsp_memory.py)."""
     d, p = comm.size, comm.rank
+    weights = RingComm(comm, step=-1, tag=tag, p2p_tag=P2PTag.RING_WEIGHTS)
+    grads = RingComm(comm, step=-1, tag=tag + ".grad", p2p_tag=P2PTag.RING_GRADS)
     cur, nxt = own, (torch.empty_like(own) if d > 1 else None)
     acc = torch.zeros(own.shape, dtype=torch.float32, device=own.device)
-    spare, acc_works = None, []
+    spare = None
     for k in range(d):
-        w_works = []
         if k < d - 1:
-            w_works = comm.exchange(cur, nxt, send_to=(p - 1) % d, recv_from=(p + 1) % d, tag=tag,
-                                    p2p_tag=_WEIGHT_TAG)
-        if k > 0:
-            wait_all(acc_works)                   # acc: shard p+k's accumulator, from p+1
+            weights.send_recv(cur, nxt)
+            weights.commit()
+        grads.wait()                              # from k = 1: acc is shard p+k's, from p+1
         grad_into((p + k) % d, cur, acc)
         if d == 1:
             return acc
         recv = spare if spare is not None else torch.empty_like(acc)
-        acc_works = comm.exchange(acc, recv, send_to=(p - 1) % d, recv_from=(p + 1) % d,
-                                  tag=tag + ".grad", p2p_tag=_GRAD_TAG)
-        wait_all(w_works)
+        grads.send_recv(acc, recv)
+        grads.commit()
+        weights.wait()
         if k < d - 1:
             cur, nxt = nxt, cur
         acc, spare = recv, acc                    # the sent buffer is the next receive buffer
-    wait_all(acc_works)
+    grads.wait()
     return acc                                     # shard p's accumulator, home after D hops
 
 

@@ -1,27 +1,11 @@
-"""TSP embedding and LM head + loss: each rank holds V/D rows of the vocabulary (rows p*V/D ..).
+"""TSP embedding and LM head + loss: each rank holds V/D vocabulary rows; the vocab shards pass
+around the ring (tsp/ring.py), so full-vocabulary logits of all tokens never exist on one rank.
 
-Embedding: the vocab shards pass around the ring (tsp/ring.py); at each step a rank looks up those
-of its local token ids that fall in the shard in hand. Backward: the reverse ring carries each
-shard's gradient accumulator home to the owner. Like F.embedding's backward, the rows are summed
-in fp32 (a token seen thousands of times would otherwise be added up in bf16, one rounding per
-occurrence) and the accumulator travels in fp32.
-
-LM head + loss: the same ring; at each step a rank computes the logits of its local tokens for the
-shard in hand, chunk by chunk of `loss_chunk_tokens` tokens ([chunk, V/D], never the full
-vocabulary, and never [N/D, V/D] when the tokens are tiled: parallel/loss_chunks.py), folds them
-into an online log-sum-exp and picks the target logit when the label falls in the shard. Backward
-recomputes each block of logits and returns (softmax - onehot) x grad along the reverse ring:
-matmuls in the weights' dtype (bf16 tensor cores, no fp32 copy of X or W), their results summed in
-fp32 (dX over shards, the weight gradient over chunks and ranks in an fp32 accumulator). A shard
-serves every chunk before it moves on, so tiling adds kernel launches, not ring transfers.
-Full-vocabulary logits of all tokens never exist on one rank.
-
-Evaluation (`TSPLMHead.token_stats`, forward only): the same ring and online log-sum-exp, also
-keeping a running argmax over the shards, gives each local token its loss and most likely next
-token, with the same [chunk, V/D] logits at a time.
-
-No op here depends on the values of ids or labels for its shape: tokens outside the shard in hand
-are masked arithmetically, never selected with a boolean mask (which costs a host sync on CUDA).
+The head folds each [chunk, V/D] block of logits into an online log-sum-exp (chunks:
+parallel/loss_chunks.py) and its backward recomputes them; gradients are summed in fp32 and
+travel home in fp32 accumulators. No op's shape depends on the values of ids or labels: tokens
+outside the shard in hand are masked arithmetically (no host sync). Schedule: docs/parallelism.md,
+"TSP rings".
 """
 
 from __future__ import annotations
