@@ -21,7 +21,7 @@ from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import (TokenTiling, fused_weights, gated_mlp_backward_into,
                                             gated_mlp_forward_into)
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
-from tsp_trainer.parallel.tsp.attention import _replicated_bias, _weight_holder
+from tsp_trainer.parallel.tsp.attention import _replicated, _weight_holder
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import pack, ring_backward_into, ring_forward, unpack
 
@@ -52,7 +52,7 @@ class TSPGatedMLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = (
             _weight_holder(w, b) for w, b in ((gate, bg), (up, bu), (down, down_bias)))
         self.comm = comm
-        self.replicated = _replicated_bias(self.down_proj.bias, replicated, comm)
+        self.replicated = _replicated(replicated, comm, self.down_proj.bias)
         self.tiling = tiling if tiling is not None else TokenTiling(inter_shard=gate.shape[0])
         self.settings = MLPSettings(comm, self.tiling)
 
