@@ -113,7 +113,7 @@ for _case in CASES:
                               for s, w, c, o in CASES])
 def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
     cfg = CFGS[cfg_name]
-    ids, labels, ref = _reference(cfg_name)
+    ref = _reference(cfg_name)[2]
     results = RUNS.result(world, (scheme, cfg_name, tuple(sorted(options.items()))))
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     t = results[0]["info"]["tp_degree"]
@@ -151,7 +151,7 @@ def _tiled_parity_and_ledger(scheme, world, cfg_name, options, key, chunk):
     """Run with `key` (loss_chunk_tokens or mlp_chunk_tokens) = chunk: each rank's chunk, loss,
     gradients and ledger against one process and the closed form; the ranks' results."""
     cfg = CFGS[cfg_name]
-    ids, labels, ref = _reference(cfg_name)
+    ref = _reference(cfg_name)[2]
     results = RUNS.result(world, (scheme, cfg_name, tuple(sorted({**options, key: chunk}.items()))))
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     for rank, out in enumerate(results):

@@ -71,7 +71,7 @@ for _s, _w, _dp, _o in CASES:
                          ids=[f"{s}-w{w}-dp{d}" + ("-" + "x".join(map(str, o.values())) if o else "")
                               for s, w, d, o in CASES])
 def test_eval_under_every_layout_equals_one_process(scheme, world, dp, options):
-    ids, labels, ref_loss, ref_argmax, ref_passkey = _reference()
+    _, labels, ref_loss, ref_argmax, ref_passkey = _reference()
     outs = RUNS.result(world, (scheme, dp, tuple(sorted(options.items()))))
 
     # per-token stats: each rank's tokens, at their global positions, equal the reference
