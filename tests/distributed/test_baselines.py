@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.tsp_cases import init_model, make_batch, reference
-from tests.helpers.dist import run_on_ranks
+from tests.helpers.dist import ForkedCases
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import RopeScaling
 from tsp_trainer.config.schema import Scheme
@@ -48,6 +48,8 @@ CFGS = {
                         intermediate_size=128, max_seq_len=64, tie_embeddings=True),
 }
 TOL = dict(rtol=1e-5, atol=1e-6)
+# Every case's ranks run in a fork shared with the next cases of its world size (ForkedCases).
+RUNS = ForkedCases()
 
 CASES = [(scheme, world, cfg, {}) for world in (2, 4) for scheme in ("tp", "tp_sp", "sp")
          for cfg in ("mha", "gqa")]
@@ -95,13 +97,24 @@ def _baseline_rank(rank, world, cfg, scheme, options, ids, labels, ref_logits):
             "param_numel": sum(p.numel() for p in model.parameters())}
 
 
+def _register(scheme, world, cfg_name, options) -> tuple:
+    """Registers the case with RUNS; its key."""
+    ids, labels, ref = _reference(cfg_name)
+    key = (scheme, cfg_name, tuple(sorted(options.items())))
+    return RUNS.add(world, key, _baseline_rank, CFGS[cfg_name], scheme, options, ids, labels, ref["logits"])
+
+
+for _case in CASES:
+    _register(*_case)
+
+
 @pytest.mark.parametrize("scheme,world,cfg_name,options", CASES,
                          ids=[f"{s}-d{w}-{c}" + ("-" + "x".join(str(v) for v in o.values()) if o else "")
                               for s, w, c, o in CASES])
 def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
     cfg = CFGS[cfg_name]
-    ids, labels, ref = _reference(cfg_name)
-    results = run_on_ranks(_baseline_rank, world, cfg, scheme, options, ids, labels, ref["logits"])
+    ref = _reference(cfg_name)[2]
+    results = RUNS.result(world, (scheme, cfg_name, tuple(sorted(options.items()))))
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     t = results[0]["info"]["tp_degree"]
     replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * cfg.replicated_biases
@@ -123,6 +136,8 @@ def test_baseline_parity_and_ledger(scheme, world, cfg_name, options):
 TILED = [("tp", 2, "gqa", {}, 5), ("tp", 4, "tied", {}, 7), ("tp_sp", 2, "tied", {}, 5),
          ("tp_sp", 4, "llama_bias", {}, 9), ("sp", 2, "tied", {}, 5), ("sp", 4, "gqa", {}, 3),
          ("tp_x_sp", 4, "gqa", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}, 5)]
+for _s, _w, _c, _o, _k in TILED:
+    _register(_s, _w, _c, {**_o, "loss_chunk_tokens": _k})
 
 
 @pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED,
@@ -136,9 +151,8 @@ def _tiled_parity_and_ledger(scheme, world, cfg_name, options, key, chunk):
     """Run with `key` (loss_chunk_tokens or mlp_chunk_tokens) = chunk: each rank's chunk, loss,
     gradients and ledger against one process and the closed form; the ranks' results."""
     cfg = CFGS[cfg_name]
-    ids, labels, ref = _reference(cfg_name)
-    results = run_on_ranks(_baseline_rank, world, cfg, scheme, {**options, key: chunk},
-                           ids, labels, ref["logits"])
+    ref = _reference(cfg_name)[2]
+    results = RUNS.result(world, (scheme, cfg_name, tuple(sorted({**options, key: chunk}.items()))))
     expected_comm = expected_ledger_bytes(cfg, scheme, degree=world, batch=BATCH, seq_len=SEQ, **options)
     for rank, out in enumerate(results):
         assert out[key.removesuffix("_tokens")] == chunk
@@ -155,6 +169,8 @@ def _tiled_parity_and_ledger(scheme, world, cfg_name, options, key, chunk):
 TILED_MLP = [("tp", 2, "llama_bias", {}, 5), ("tp", 4, "qwen2", {}, 7), ("tp_sp", 2, "gqa", {}, 5),
              ("tp_sp", 4, "llama_bias", {}, 9), ("sp", 2, "llama_bias", {}, 5), ("sp", 4, "qwen2", {}, 3),
              ("tp_x_sp", 4, "llama_bias", {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}, 5)]
+for _s, _w, _c, _o, _k in TILED_MLP:
+    _register(_s, _w, _c, {**_o, "mlp_chunk_tokens": _k})
 
 
 @pytest.mark.parametrize("scheme,world,cfg_name,options,chunk", TILED_MLP,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.tsp_cases import init_model
-from tests.helpers.dist import run_on_ranks
+from tests.helpers.dist import ForkedCases
 from tests.unit.test_document_masking import per_document_reference
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
@@ -89,13 +89,24 @@ def _masked_rank(rank, world, scheme, options, checkpointing, reset_positions, i
             "count": int(total), "grads": par.gather_full_grads()}
 
 
+# Every case's ranks run in a fork shared with the next cases of its world size (ForkedCases).
+RUNS = ForkedCases()
+
+
+def _key(scheme, options, checkpointing, reset_positions) -> tuple:
+    return scheme, tuple(sorted(options.items())), checkpointing, reset_positions
+
+
+for _s, _w, _o, _ac, _r in CASES:
+    RUNS.add(_w, _key(_s, _o, _ac, _r), _masked_rank, _s, _o, _ac, _r, *_batch())
+
+
 @pytest.mark.parametrize("scheme,world,options,checkpointing,reset_positions", CASES,
                          ids=[f"{s}-d{w}{'-' + '-'.join(f'{k}{v}' for k, v in o.items()) if o else ''}"
                               f"{'-ac' if ac else ''}{'-reset' if r else ''}" for s, w, o, ac, r in CASES])
 def test_packed_documents_equal_documents_alone(scheme, world, options, checkpointing, reset_positions):
     ref_loss, ref_count, ref_grads = _reference(reset_positions)
-    ids, labels = _batch()
-    results = run_on_ranks(_masked_rank, world, scheme, options, checkpointing, reset_positions, ids, labels)
+    results = RUNS.result(world, _key(scheme, options, checkpointing, reset_positions))
     for rank, out in enumerate(results):
         assert out["count"] == ref_count
         assert out["loss_sum"] == pytest.approx(ref_loss, rel=1e-5), f"rank {rank} loss"

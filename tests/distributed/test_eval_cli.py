@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.trainer_cases import train_rank
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.data import iterate_eval_batches, load_tokenizer
 from tsp_trainer.eval import bucket_edges
@@ -88,11 +87,9 @@ def test_imported_model_loss_by_position_equals_transformers(tmp_path, model_typ
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny model trained 2 steps under DP=2 x TSP=2 (4 ranks)."""
-    out = tmp_path_factory.mktemp("run")
-    run_on_ranks(train_rank, 4, ["train.steps=2", "optim.warmup_steps=1", f"train.output_dir={out}"], False)
-    return out
+def checkpoint(evaluated_run):
+    """A tiny model trained 2 steps under DP=2 x TSP=2 (4 ranks): the session's evaluated run."""
+    return evaluated_run
 
 
 def test_passkey_on_a_checkpoint_is_the_same_on_one_process_and_tsp2(tmp_path, checkpoint):

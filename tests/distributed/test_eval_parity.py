@@ -14,7 +14,7 @@ import torch
 
 from tests.distributed.eval_cases import eval_rank, reference_passkey, reference_stats
 from tests.distributed.tsp_cases import make_batch
-from tests.helpers.dist import run_on_ranks
+from tests.helpers.dist import ForkedCases
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import RopeScaling
 from tsp_trainer.data import load_tokenizer
@@ -61,12 +61,18 @@ def _expected_buckets(loss, labels):
     return sums, tokens
 
 
+# Every case's ranks run in a fork shared with the next cases of its world size (ForkedCases).
+RUNS = ForkedCases()
+for _s, _w, _dp, _o in CASES:
+    RUNS.add(_w, (_s, _dp, tuple(sorted(_o.items()))), eval_rank, CFG, _s, _o, *_reference()[:2], _task(), _dp)
+
+
 @pytest.mark.parametrize("scheme,world,dp,options", CASES,
                          ids=[f"{s}-w{w}-dp{d}" + ("-" + "x".join(map(str, o.values())) if o else "")
                               for s, w, d, o in CASES])
 def test_eval_under_every_layout_equals_one_process(scheme, world, dp, options):
-    ids, labels, ref_loss, ref_argmax, ref_passkey = _reference()
-    outs = run_on_ranks(eval_rank, world, CFG, scheme, options, ids, labels, _task(), dp)
+    _, labels, ref_loss, ref_argmax, ref_passkey = _reference()
+    outs = RUNS.result(world, (scheme, dp, tuple(sorted(options.items()))))
 
     # per-token stats: each rank's tokens, at their global positions, equal the reference
     covered = torch.zeros(BATCH, SEQ, dtype=torch.long)

@@ -10,20 +10,15 @@ import json
 import pytest
 
 from tests.distributed.test_eval_cli import _cli_rank
-from tests.distributed.trainer_cases import train_rank
 from tests.helpers.dist import run_on_ranks
 
 pytestmark = pytest.mark.distributed
 
-PASSKEY = ["eval.passkey_every=1", "eval.passkey_lengths=[128,160]", "eval.passkey_depths=[0,0.5,1]",
-           "eval.passkey_samples=3", "eval.passkey_digits=3"]
-
-
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    run_on_ranks(train_rank, 4, ["train.steps=2", "optim.warmup_steps=1", "train.eval_every=2",
-                                 "train.eval_batches=3", f"train.output_dir={out}", *PASSKEY], False)
+def run(evaluated_run):
+    """tests/distributed/conftest.py's run (EVALUATED_RUN: 2 steps, eval_every 2, 3 eval batches,
+    passkey every step at lengths 128 and 160, depths 0, 0.5 and 1, 3 samples of 3 digits)."""
+    out = evaluated_run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, {r["step"]: r for r in records}
 

@@ -2,6 +2,7 @@
 (inside the MLP ring) or of a checkpoint save, and a NaN loss on one rank only."""
 
 import os
+import shutil
 
 import pytest
 
@@ -120,19 +121,28 @@ def _shape_rank(rank, world, overrides):
     return "no error"
 
 
-def test_resume_of_another_model_shape_is_refused(tmp_path):
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory):
+    """One process, D=1, 2 steps: its run folder (each test below resumes from a copy)."""
+    out = tmp_path_factory.mktemp("one_rank")
+    run_on_ranks(train_rank, 1, ["parallel.tsp_degree=1", f"train.output_dir={out}", "train.steps=2"],
+                 False)
+    return out
+
+
+def test_resume_of_another_model_shape_is_refused(tmp_path, one_rank_run):
+    shutil.copytree(one_rank_run, tmp_path, dirs_exist_ok=True)
     common = ["parallel.tsp_degree=1", f"train.output_dir={tmp_path}", "train.steps=2"]
-    run_on_ranks(train_rank, 1, common, False)
     message = run_on_ranks(_shape_rank, 1, common + ["model.hidden_size=32", "train.resume=auto"])[0]
     assert "another model shape" in message and "model.hidden_size=32" in message and "64" in message
 
 
-def test_corrupted_checkpoint_is_refused_on_resume(tmp_path):
+def test_corrupted_checkpoint_is_refused_on_resume(tmp_path, one_rank_run):
     """The manifest is verified before anything is loaded: a flipped byte or a missing file in the
     checkpoint train.resume names gives an error naming the file (train.resume=auto falls back
     instead: test_checkpoint_fallback.py)."""
+    shutil.copytree(one_rank_run, tmp_path, dirs_exist_ok=True)
     common = ["parallel.tsp_degree=1", f"train.output_dir={tmp_path}", "train.steps=2"]
-    run_on_ranks(train_rank, 1, common, False)
     step = tmp_path / "checkpoints" / "step_00000002"
     shard = next((step / "model").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())

@@ -27,8 +27,9 @@ TOKENIZER = REPO / "data" / "tokenizer"
     (4, 2, []),                                                   # tiny: GQA 4 heads / 2 KV heads
     (1, 1, ["model.num_kv_heads=4", "model.tie_embeddings=true"]),  # D=1, MHA, tied embeddings
 ], ids=["dp2_tsp2_gqa", "d1_mha_tied"])
-def test_exported_folder_matches_our_model(tmp_path, world, tsp, model):
-    """Train 2 steps, export the checkpoint with `tsp-export`, load it with from_pretrained.
+def test_exported_folder_matches_our_model(tmp_path, world, tsp, model, request):
+    """Train 2 steps, export the checkpoint with `tsp-export`, load it with from_pretrained (DP=2 x
+    TSP=2: the session's evaluated run, tests/distributed/conftest.py).
 
     Logits: rtol 1e-5 / atol 1e-6 (fp32). Both sides run the same fp32 operations (RMSNorm in
     fp32, rotate_half RoPE from the same inverse frequencies, torch SDPA, SwiGLU); measured
@@ -37,8 +38,12 @@ def test_exported_folder_matches_our_model(tmp_path, world, tsp, model):
 
     overrides = model + ["train.steps=2", f"parallel.tsp_degree={tsp}",
                          f"train.output_dir={tmp_path / 'run'}"]
-    run_on_ranks(train_rank, world, overrides, False)
-    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    if world == 4:
+        run = request.getfixturevalue("evaluated_run")
+    else:
+        run_on_ranks(train_rank, world, overrides, False)
+        run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000002"
     out = tmp_path / "hf"
     export_main([str(ckpt), str(out), "--max-shard-size", "300KB", "--tokenizer", str(TOKENIZER)])
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.tsp_cases import make_batch, reference, tsp_rank
-from tests.helpers.dist import run_on_ranks
+from tests.helpers.dist import ForkedCases
 from tsp_trainer.config import model_config
 from tsp_trainer.config.model import RopeScaling
 from tsp_trainer.parallel import zigzag
@@ -17,6 +17,8 @@ from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
 
 pytestmark = pytest.mark.distributed
 RTOL, ATOL = 1e-5, 1e-6
+# Every case's ranks run in a fork shared with the next cases of its degree (ForkedCases).
+RUNS = ForkedCases()
 
 
 def _assert_parity(ref, outs):
@@ -30,15 +32,23 @@ def _assert_parity(ref, outs):
                                        msg=lambda m: f"rank {rank} grad {name}: {m}")
 
 
-@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len", [
-    (1, 4, 1, 16), (2, 4, 1, 16), (2, 2, 1, 24), (2, 4, 2, 32), (2, 2, 1, 8),
-    (4, 4, 1, 16), (4, 4, 1, 40), (4, 8, 2, 48),
-])
+def _plain(kv_heads, seq_len, **extra):
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **extra)
+    return (cfg, *make_batch(cfg, 2, seq_len))
+
+
+PLAIN_CASES = [(1, 4, 1, 16), (2, 4, 1, 16), (2, 2, 1, 24), (2, 4, 2, 32), (2, 2, 1, 8),
+               (4, 4, 1, 16), (4, 4, 1, 40), (4, 8, 2, 48)]
+for _d, _kv, _b, _t in PLAIN_CASES:
+    _cfg, _ids, _labels = _plain(_kv, _t)
+    RUNS.add(_d, ("plain", _kv, _b, _t), tsp_rank, _cfg, 7, _ids, _labels, _b)
+
+
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len", PLAIN_CASES)
 def test_tsp_matches_single_process(degree, kv_heads, buckets, seq_len):
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads)
-    ids, labels = make_batch(cfg, 2, seq_len)
+    cfg, ids, labels = _plain(kv_heads, seq_len)
     ref = reference(cfg, 7, ids, labels)
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets)
+    outs = RUNS.result(degree, ("plain", kv_heads, buckets, seq_len))
     _assert_parity(ref, outs)
 
 
@@ -56,36 +66,48 @@ FAMILY_CFGS = {
 }
 
 
+FAMILY_SHAPES = [(2, 2, 32), (4, 1, 48)]
+for _f in sorted(FAMILY_CFGS):
+    for _d, _b, _t in FAMILY_SHAPES:
+        _cfg, _ids, _labels = _plain(4, _t, **FAMILY_CFGS[_f])
+        RUNS.add(_d, ("family", _f, _b, _t), tsp_rank, _cfg, 7, _ids, _labels, _b)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_CFGS))
-@pytest.mark.parametrize("degree,buckets,seq_len", [(2, 2, 32), (4, 1, 48)])
+@pytest.mark.parametrize("degree,buckets,seq_len", FAMILY_SHAPES)
 def test_tsp_families_biases_and_scaled_rope(family, degree, buckets, seq_len):
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, **FAMILY_CFGS[family])
-    ids, labels = make_batch(cfg, 2, seq_len)
+    cfg, ids, labels = _plain(4, seq_len, **FAMILY_CFGS[family])
     ref = reference(cfg, 7, ids, labels)
     assert any(n.endswith(".bias") for n in ref["grads"]) or family == "mistral_linear"
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets)
+    outs = RUNS.result(degree, ("family", family, buckets, seq_len))
     _assert_parity(ref, outs)
     expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=seq_len, head_buckets=buckets)
     for o in outs:
         assert ledger_totals(o["ledger"]) == expected
 
 
-@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode", [
+SELECTIVE_CASES = [
     (1, 4, 1, 16, None, "selective"), (2, 4, 2, 32, None, "selective"),
     (2, 2, 1, 24, "qwen2_yarn", "selective"), (4, 4, 1, 40, "llama_bias_llama3", "selective"),
     (4, 8, 2, 48, None, "selective"),
     (1, 4, 1, 16, None, "none"), (2, 4, 2, 32, "qwen2_yarn", "none"),
     (4, 4, 1, 40, "llama_bias_llama3", "none"),
-])
+]
+for _d, _kv, _b, _t, _f, _m in SELECTIVE_CASES:
+    _cfg, _ids, _labels = _plain(_kv, _t, **FAMILY_CFGS.get(_f, {}))
+    RUNS.add(_d, ("recompute", _kv, _b, _t, _f, _m), tsp_rank, _cfg, 7, _ids, _labels, _b, 2, 1e-2,
+             False, "sgd", _m)
+
+
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode", SELECTIVE_CASES)
 def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, seq_len, family, mode):
     """parallel.tsp_recompute=selective (attention output and K/V views kept from forward, K/V
     re-gathered) and none (also the MLP's gate/up pre-activations kept: no recompute) give the same
     logits, loss, gradients and, after two SGD steps, weights; they move exactly the bytes of full
     recompute (backward re-gathers K/V in all three; the MLP's ring is the same)."""
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **FAMILY_CFGS.get(family, {}))
-    ids, labels = make_batch(cfg, 2, seq_len)
+    cfg, ids, labels = _plain(kv_heads, seq_len, **FAMILY_CFGS.get(family, {}))
     ref = reference(cfg, 7, ids, labels, steps=2, optim="sgd")
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd", mode)
+    outs = RUNS.result(degree, ("recompute", kv_heads, buckets, seq_len, family, mode))
     _assert_parity(ref, outs)
     expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=seq_len, head_buckets=buckets)
     for o in outs:
@@ -94,7 +116,7 @@ def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, s
             torch.testing.assert_close(o["weights"][name], w, rtol=RTOL, atol=ATOL, msg=name)
 
 
-@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode,keeps", [
+CHECKPOINT_CASES = [
     (1, 4, 1, 16, None, "full", "all"), (2, 4, 2, 32, "llama_bias_llama3", "full", "all"),
     (4, 8, 2, 48, None, "selective", "all"), (2, 2, 1, 24, "qwen2_yarn", "selective", "all"),
     (4, 4, 1, 40, "llama_bias_llama3", "none", "all"),
@@ -102,7 +124,14 @@ def test_selective_recompute_matches_single_process(degree, kv_heads, buckets, s
     (4, 8, 2, 48, None, "full", "attention"),
     (1, 4, 1, 16, None, "full", "nothing"), (2, 2, 1, 24, "qwen2_yarn", "full", "nothing"),
     (4, 4, 1, 40, "llama_bias_llama3", "full", "nothing"),
-])
+]
+for _d, _kv, _b, _t, _f, _m, _k in CHECKPOINT_CASES:
+    _cfg, _ids, _labels = _plain(_kv, _t, **FAMILY_CFGS.get(_f, {}))
+    RUNS.add(_d, ("checkpointing", _kv, _b, _t, _f, _m, _k), tsp_rank, _cfg, 7, _ids, _labels, _b, 2,
+             1e-2, False, "sgd", _m, "auto", True, "auto", False, _k)
+
+
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,family,mode,keeps", CHECKPOINT_CASES)
 def test_activation_checkpointing_matches_single_process(degree, kv_heads, buckets, seq_len, family,
                                                           mode, keeps):
     """Under activation checkpointing the block's replay hands what parallel.checkpoint_replay_keeps
@@ -111,32 +140,54 @@ def test_activation_checkpointing_matches_single_process(degree, kv_heads, bucke
     the same logits, loss, gradients and, after two SGD steps (each a forward + backward through the
     replay; the logits forward with grad is never backpropagated, so its blocks never replay),
     weights."""
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **FAMILY_CFGS.get(family, {}))
-    ids, labels = make_batch(cfg, 2, seq_len)
+    cfg, ids, labels = _plain(kv_heads, seq_len, **FAMILY_CFGS.get(family, {}))
     ref = reference(cfg, 7, ids, labels, steps=2, optim="sgd")
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, buckets, 2, 1e-2, False, "sgd", mode,
-                        "auto", True, "auto", False, keeps)
+    outs = RUNS.result(degree, ("checkpointing", kv_heads, buckets, seq_len, family, mode, keeps))
     _assert_parity(ref, outs)
     for o in outs:
         for name, w in ref["weights"].items():
             torch.testing.assert_close(o["weights"][name], w, rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_tsp_gqa_on_four_ranks():
+def _gqa():
     cfg = model_config("tiny", num_heads=8, num_kv_heads=4, hidden_size=64)
-    ids, labels = make_batch(cfg, 1, 32)
+    return (cfg, *make_batch(cfg, 1, 32))
+
+
+def _tied():
+    cfg = model_config("tiny", tie_embeddings=True)
+    return (cfg, *make_batch(cfg, 2, 16))
+
+
+_cfg, _ids, _labels = _gqa()
+RUNS.add(4, "gqa", tsp_rank, _cfg, 3, _ids, _labels, 1)
+_cfg, _ids, _labels = _tied()
+RUNS.add(2, "tied_meta", tsp_rank, _cfg, 11, _ids, _labels, 1, 0, 1e-2, True)
+
+
+def test_tsp_gqa_on_four_ranks():
+    cfg, ids, labels = _gqa()
     ref = reference(cfg, 3, ids, labels)
-    _assert_parity(ref, run_on_ranks(tsp_rank, 4, cfg, 3, ids, labels, 1))
+    _assert_parity(ref, RUNS.result(4, "gqa"))
 
 
 def test_tsp_tied_embeddings_and_meta_init():
     """Shards initialised on the meta device from the seed equal slices of the plain init; tied
     embedding/head share one vocab shard and get both gradients."""
-    cfg = model_config("tiny", tie_embeddings=True)
-    ids, labels = make_batch(cfg, 2, 16)
+    cfg, ids, labels = _tied()
     ref = reference(cfg, 11, ids, labels)
-    outs = run_on_ranks(tsp_rank, 2, cfg, 11, ids, labels, 1, 0, 1e-2, True)
+    outs = RUNS.result(2, "tied_meta")
     _assert_parity(ref, outs)
+
+
+def _steps_batch():
+    cfg = model_config("tiny")
+    return (cfg, *make_batch(cfg, 2, 16))
+
+
+_cfg, _ids, _labels = _steps_batch()
+for _o in ("sgd", "adamw"):
+    RUNS.add(2, ("steps", _o), tsp_rank, _cfg, 5, _ids, _labels, 1, 3, 1e-2, False, _o)
 
 
 @pytest.mark.parametrize("optim,atol", [
@@ -146,20 +197,24 @@ def test_tsp_tied_embeddings_and_meta_init():
     ("adamw", 3e-6),
 ])
 def test_three_optimizer_steps_match(optim, atol):
-    cfg = model_config("tiny")
-    ids, labels = make_batch(cfg, 2, 16)
+    cfg, ids, labels = _steps_batch()
     ref = reference(cfg, 5, ids, labels, steps=3, optim=optim)
-    outs = run_on_ranks(tsp_rank, 2, cfg, 5, ids, labels, 1, 3, 1e-2, False, optim)
+    outs = RUNS.result(2, ("steps", optim))
     for name, w in ref["weights"].items():
         for o in outs:
             torch.testing.assert_close(o["weights"][name], w, rtol=RTOL, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("degree,buckets", [(2, 1), (2, 2), (4, 1)])
+LEDGER_CASES = [(2, 1), (2, 2), (4, 1)]
+_cfg, _ids, _labels = _plain(4, 32)
+for _d, _b in LEDGER_CASES:
+    RUNS.add(_d, ("ledger", _b), tsp_rank, _cfg, 1, _ids, _labels, _b)
+
+
+@pytest.mark.parametrize("degree,buckets", LEDGER_CASES)
 def test_ledger_equals_closed_form(degree, buckets):
     cfg = model_config("tiny", num_heads=8, num_kv_heads=4)
-    ids, labels = make_batch(cfg, 2, 32)
-    outs = run_on_ranks(tsp_rank, degree, cfg, 1, ids, labels, buckets)
+    outs = RUNS.result(degree, ("ledger", buckets))
     expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=32, head_buckets=buckets)
     for o in outs:
         assert ledger_totals(o["ledger"]) == expected
@@ -168,12 +223,22 @@ def test_ledger_equals_closed_form(degree, buckets):
                for r in outs[0]["ledger"])
 
 
-@pytest.mark.parametrize("degree,biases", [(2, False), (4, False), (2, True)])
-def test_per_rank_parameter_bytes(degree, biases):
+def _bytes_case(biases):
     cfg = model_config("tiny", num_heads=8, num_kv_heads=4, qkv_bias=biases, o_bias=biases,
                        mlp_bias=biases)
-    ids, labels = make_batch(cfg, 1, 16)
-    outs = run_on_ranks(tsp_rank, degree, cfg, 1, ids, labels, 1)
+    return (cfg, *make_batch(cfg, 1, 16))
+
+
+BYTES_CASES = [(2, False), (4, False), (2, True)]
+for _d, _bias in BYTES_CASES:
+    _cfg, _ids, _labels = _bytes_case(_bias)
+    RUNS.add(_d, ("bytes", _bias), tsp_rank, _cfg, 1, _ids, _labels, 1)
+
+
+@pytest.mark.parametrize("degree,biases", BYTES_CASES)
+def test_per_rank_parameter_bytes(degree, biases):
+    cfg = _bytes_case(biases)[0]
+    outs = RUNS.result(degree, ("bytes", biases))
     replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size + cfg.num_layers * cfg.replicated_biases
     expected = ((cfg.num_params() - replicated) // degree + replicated) * 4
     assert all(o["param_bytes"] == expected for o in outs)
@@ -185,6 +250,17 @@ TILED_CASES = [(1, False, False, 5), (2, False, True, 5), (2, True, False, 5), (
                (4, True, True, 5), (2, False, False, 1)]
 
 
+def _tiled(**extra):
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, **extra)
+    return (cfg, *make_batch(cfg, 2, 24))
+
+
+for _d, _tied_head, _ac, _c in TILED_CASES:
+    _cfg, _ids, _labels = _tiled(tie_embeddings=_tied_head)
+    RUNS.add(_d, ("tiled_loss", _tied_head, _ac, _c), tsp_rank, _cfg, 7, _ids, _labels, 1, 0, 1e-2, False,
+             "adamw", "full", _c, _ac)
+
+
 @pytest.mark.parametrize("degree,tied,checkpointing,chunk", TILED_CASES,
                          ids=[f"d{d}{'-tied' if t else ''}{'-ac' if ac else ''}-chunk{c}"
                               for d, t, ac, c in TILED_CASES])
@@ -194,11 +270,9 @@ def test_tiled_loss_matches_single_process(degree, tied, checkpointing, chunk):
     chunk before it travels on): D - 1 head weight hops forward, D - 1 weight and D accumulator
     hops backward. (Activation checkpointing re-runs the blocks' forward, and their traffic, in
     backward: the head's and embedding's are still exactly the closed form.)"""
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, tie_embeddings=tied)
-    ids, labels = make_batch(cfg, 2, 24)
+    cfg, ids, labels = _tiled(tie_embeddings=tied)
     ref = reference(cfg, 7, ids, labels)
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, 1, 0, 1e-2, False, "adamw", "full",
-                        chunk, checkpointing)
+    outs = RUNS.result(degree, ("tiled_loss", tied, checkpointing, chunk))
     _assert_parity(ref, outs)
     expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=24, head_buckets=1)
     for o in outs:
@@ -228,6 +302,10 @@ TILED_MLP_CASES = [(1, "llama_bias_llama3", "full", False, False, 5),
                    (2, "llama_bias_llama3", "full", True, True, 5),
                    (4, "llama_bias_llama3", "full", False, True, 5),
                    (4, None, "none", True, False, 5), (4, "qwen2_yarn", "selective", False, False, 7)]
+for _d, _f, _m, _ac, _off, _c in TILED_MLP_CASES:
+    _cfg, _ids, _labels = _tiled(**FAMILY_CFGS.get(_f, {}))
+    RUNS.add(_d, ("tiled_mlp", _f, _m, _ac, _off, _c), tsp_rank, _cfg, 7, _ids, _labels, 1, 0, 1e-2,
+             False, "adamw", _m, "auto", _ac, _c, _off)
 
 
 @pytest.mark.parametrize("degree,family,mode,checkpointing,offload,chunk", TILED_MLP_CASES,
@@ -238,11 +316,9 @@ def test_tiled_mlp_matches_single_process(degree, family, mode, checkpointing, o
     accumulators in the activation dtype, fp32 here): the same logits, loss and gradients as one
     process, and every ring moves exactly the closed form's bytes, the MLP ring's D - 1 weight and
     D accumulator hops included (each shard serves every chunk before it travels on)."""
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, **FAMILY_CFGS.get(family, {}))
-    ids, labels = make_batch(cfg, 2, 24)
+    cfg, ids, labels = _tiled(**FAMILY_CFGS.get(family, {}))
     ref = reference(cfg, 7, ids, labels)
-    outs = run_on_ranks(tsp_rank, degree, cfg, 7, ids, labels, 1, 0, 1e-2, False, "adamw", mode,
-                        "auto", checkpointing, chunk, offload)
+    outs = RUNS.result(degree, ("tiled_mlp", family, mode, checkpointing, offload, chunk))
     _assert_parity(ref, outs)
     expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=24, head_buckets=1)
     for o in outs:
@@ -280,6 +356,18 @@ def _bf16_rank(rank, world, cfg, ids, labels, chunk, dtype=torch.bfloat16):
             "grads": {k: v.float() for k, v in par.gather_full_grads().items()}}
 
 
+def _bf16_batch():
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, mlp_bias=True)
+    return (cfg, *make_batch(cfg, 2, 24))
+
+
+for _d in (2, 4):
+    _cfg, _ids, _labels = _bf16_batch()
+    RUNS.add(_d, ("bf16", "exact"), _bf16_rank, _cfg, _ids, _labels, 10_000, torch.float32)
+    RUNS.add(_d, ("bf16", "untiled"), _bf16_rank, _cfg, _ids, _labels, 10_000)
+    RUNS.add(_d, ("bf16", "tiled"), _bf16_rank, _cfg, _ids, _labels, 5)
+
+
 @pytest.mark.parametrize("degree", [2, 4])
 def test_tiled_mlp_in_bf16_stays_close_to_the_untiled_path(degree):
     """In bf16 a tiled layer accumulates its output and dX in bf16 (each GEMM adds into the bf16
@@ -289,11 +377,7 @@ def test_tiled_mlp_in_bf16_stays_close_to_the_untiled_path(degree):
     largest element) above the untiled bf16 path's own. Measured: loss 0 (2 ranks) and 1e-5 (4
     ranks); the untiled path's worst error 9.2e-2 and 1.3e-1, the tiled one's 5.0e-2 and 8.7e-2,
     at most 4e-3 and 2.9e-2 above the untiled one's (layer 1's k_proj, a gradient of ~1e-5)."""
-    cfg = model_config("tiny", num_heads=8, num_kv_heads=4, mlp_bias=True)
-    ids, labels = make_batch(cfg, 2, 24)
-    exact = run_on_ranks(_bf16_rank, degree, cfg, ids, labels, 10_000, torch.float32)
-    untiled = run_on_ranks(_bf16_rank, degree, cfg, ids, labels, 10_000)
-    tiled = run_on_ranks(_bf16_rank, degree, cfg, ids, labels, 5)
+    exact, untiled, tiled = (RUNS.result(degree, ("bf16", run)) for run in ("exact", "untiled", "tiled"))
     for f, u, t in zip(exact, untiled, tiled):
         assert t["loss"] == pytest.approx(u["loss"], rel=1e-3)
         for name, g in f["grads"].items():

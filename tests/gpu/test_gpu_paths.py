@@ -183,7 +183,7 @@ def test_activation_offload_on_cuda_matches_no_offload(ac):
 def test_peak_memory_bytes_on_cuda_moves_by_an_allocated_tensor():
     """On CUDA the peak is the allocator's max_memory_allocated since reset_peak_memory: a
     256 MiB tensor raises it by exactly its size. CPU counterpart (max RSS):
-    tests/unit/test_observability.py::test_peak_memory_bytes_cpu_moves_by_a_written_tensor."""
+    tests/integration/test_console_scripts.py::test_peak_memory_bytes_cpu_moves_by_a_written_tensor."""
     torch.cuda.synchronize()
     reset_peak_memory(CUDA)
     before = torch.cuda.memory_allocated()

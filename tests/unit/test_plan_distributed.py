@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.dist import run_on_ranks
+from tests.helpers.dist import ForkedCases
 from tsp_trainer.bench.run import scheme_rank
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.activations import activation_memory
@@ -28,7 +28,7 @@ CFG = ModelConfig(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, nu
 SEQ = 2048
 
 
-@pytest.mark.parametrize("scheme,degree,options,ac", [
+CASES = [
     ("tsp", 2, {"head_buckets": 2}, False),
     ("tsp", 2, {"head_buckets": 1}, True),
     ("tsp", 4, {"head_buckets": 1}, False),
@@ -40,11 +40,24 @@ SEQ = 2048
     ("tp_sp", 2, {}, True),
     ("sp", 2, {}, False),
     ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": True}, False),
-], ids=lambda v: str(v))
+]
+
+
+def _job(scheme, options, ac) -> dict:
+    return {"scheme": scheme, "options": options, "model": CFG, "seq_len": SEQ, "micro_batch": 1,
+            "steps": 0, "warmup": 1, "seed": 0, "backend": "gloo", "activation_checkpointing": ac}
+
+
+# Every case's ranks run in a fork shared with the next cases of its degree (ForkedCases); the
+# live-tensor tracker measures each case's own step.
+RUNS = ForkedCases()
+for _s, _d, _o, _ac in CASES:
+    RUNS.add(_d, (_s, tuple(sorted(_o.items())), _ac), scheme_rank, _job(_s, _o, _ac))
+
+
+@pytest.mark.parametrize("scheme,degree,options,ac", CASES, ids=lambda v: str(v))
 def test_ledger_and_memory_of_the_real_code(scheme, degree, options, ac):
-    job = {"scheme": scheme, "options": options, "model": CFG, "seq_len": SEQ, "micro_batch": 1,
-           "steps": 0, "warmup": 1, "seed": 0, "backend": "gloo", "activation_checkpointing": ac}
-    ranks = run_on_ranks(scheme_rank, degree, job)
+    ranks = RUNS.result(degree, (scheme, tuple(sorted(options.items())), ac))
     axes = ({"tp": options["tp_degree"], "sp": options["sp_degree"],
              "tp_sequence_parallel": options["tp_sequence_parallel"]} if scheme == "tp_x_sp" else {})
     layout = Layout(scheme, degree, zero_stage=0, activation_checkpointing=ac,

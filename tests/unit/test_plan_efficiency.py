@@ -15,7 +15,6 @@ from tsp_trainer.plan.efficiency import (KERNEL_EFFICIENCY, KernelEfficiency, ca
 from tsp_trainer.plan.flops import executed_by_family
 from tsp_trainer.plan.hardware import get_profile
 from tsp_trainer.plan.layout import Layout
-from tsp_trainer.plan.predict import Assumptions, compute_seconds_per_token, predict
 
 
 def test_every_profile_has_a_row_and_rows_are_fractions():
@@ -28,26 +27,6 @@ def test_every_profile_has_a_row_and_rows_are_fractions():
         KernelEfficiency(gemm=1.2, attention_forward=0.5, attention_backward=0.5, elementwise=0.8)
     with pytest.raises(ValueError, match="gpu='a100' has no kernel efficiency row"):
         kernel_efficiency("a100")
-
-
-def test_compute_time_is_each_family_at_its_rate():
-    cfg, hw = model_config("7b"), get_profile("h200")
-    layout = Layout("tsp", 8, activation_checkpointing=True, head_buckets=4)
-    work = executed_by_family(cfg, layout, 131072)
-    eff = kernel_efficiency("h200")
-    expected = (work["gemm"] / (hw.peak_flops * eff.gemm)
-                + work["attention_forward"] / (hw.peak_flops * eff.attention_forward)
-                + work["attention_backward"] / (hw.peak_flops * eff.attention_backward)
-                + work["elementwise_bytes"] / (hw.hbm_bw * eff.elementwise))
-    assert compute_seconds_per_token(cfg, layout, 131072, hw) == pytest.approx(expected)
-    # a single efficiency applies to every FLOP family (elementwise keeps its HBM fraction)
-    single = compute_seconds_per_token(cfg, layout, 131072, hw, Assumptions(compute_efficiency=0.45))
-    flops = work["gemm"] + work["attention_forward"] + work["attention_backward"]
-    assert single == pytest.approx(flops / (hw.peak_flops * 0.45)
-                                   + work["elementwise_bytes"] / (hw.hbm_bw * eff.elementwise))
-    # at 128K attention dominates: the table (attention ~0.6) predicts more than 0.45 everywhere
-    table = predict(cfg, layout, 131072, hw).mfu
-    assert table > predict(cfg, layout, 131072, hw, assumptions=Assumptions(compute_efficiency=0.45)).mfu
 
 
 def _synthetic_report(truth: KernelEfficiency, gpu: str = "h200") -> dict:

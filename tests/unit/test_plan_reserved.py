@@ -3,7 +3,6 @@ on hand-checked shapes, the reserve in a prediction's total, and the pinned host
 
 from __future__ import annotations
 
-import pytest
 
 from tsp_trainer.config import model_config
 from tsp_trainer.plan.hardware import PROFILES
@@ -13,8 +12,7 @@ from tsp_trainer.plan.predict import predict
 from tsp_trainer.plan.report import memory_breakdown
 from tsp_trainer.plan.reserved import (MiB, ReserveAssumptions, communicators, flash_dq_accum_bytes,
                                        flash_gqa_dkv_expanded_bytes, flash_split_kv_bytes,
-                                       flash_split_kv_splits, nccl_buffer_bytes, pinned_host_per_node,
-                                       reserved_memory)
+                                       flash_split_kv_splits, nccl_buffer_bytes, reserved_memory)
 
 
 def test_flash_backward_buffers():
@@ -67,11 +65,3 @@ def test_reserve_of_a_gqa_tsp_layout_and_its_place_in_the_total():
     assert m["total"] == m["params"] + m["grads"] + m["optimizer"] + m["activations_peak"] + r["total"]
     lines = memory_breakdown(p, gpus_per_node=8)
     assert f"    NCCL buffers: {r['nccl_buffers'] / 1e9:.3f} GB" in lines
-
-
-@pytest.mark.parametrize("pinned", [True, False])
-def test_pinned_host_per_node(pinned):
-    got = pinned_host_per_node(offloaded=3 * 10**9, staged=5 * 10**9, gpus_per_node=8,
-                               pinned_staging=pinned)
-    assert got == {"activation_offload": 24 * 10**9, "checkpoint_staging": 40 * 10**9 if pinned else 0,
-                   "total": (64 if pinned else 24) * 10**9}
