@@ -1,8 +1,8 @@
 """Parity of scheme `ulysses` (parallel/ulysses.py: DeepSpeed's DistributedAttention all-to-alls over
 the model-parallel axis) with one process: loss, logits and every gradient, fp32, rtol 1e-5 /
 atol 1e-6, on 1, 2 and 4 gloo ranks; GQA with K/V heads fewer than the degree (repeated), document
-masking on and off. The all-to-all bytes in the ledger equal their closed form. All cases of one
-world size run in one fork (cheap)."""
+masking on and off. The all-to-all bytes in the ledger equal their closed form and the bytes
+DeepSpeed hands to all_to_all_single. All cases of one world size run in one fork (cheap)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.engine.ulysses import distributed_attention
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
@@ -39,8 +40,12 @@ CFGS = {
 }
 # document lengths of the two rows (no multiple of the degree; one document of one token)
 LENGTHS = [[5, 11, 1, 15], [3, 29]]
-# (model, documents: None = off, else reset_positions)
-CASES = [(cfg, docs) for cfg in CFGS for docs in (None, False, True)]
+# (model, documents: None = off, else reset_positions, activation checkpointing, options)
+CASES = [(cfg, docs, False, {}) for cfg in CFGS for docs in (None, False, True)]
+# checkpointed blocks (the all-to-alls run again in the replay); the loss and the MLP in chunks of
+# a few tokens, edges inside documents
+CASES += [("gqa", True, True, {}), ("mha", None, True, {"loss_chunk_tokens": 3}),
+          ("gqa", False, False, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3})]
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -65,10 +70,11 @@ def _reference(cfg_name: str, docs: bool | None):
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
-def _a2a_bytes(cfg: ModelConfig, degree: int) -> dict[str, int]:
+def _a2a_bytes(cfg: ModelConfig, degree: int, checkpointing: bool) -> dict[str, int]:
     """Closed form of the ledger's all-to-all records for one forward + backward: per layer, q, k,
     v and the output go through one all-to-all each way, each moving the local tensor
-    [B, S/D, heads, d] (K/V heads repeated up to D), fp32."""
+    [B, S/D, heads, d] (K/V heads repeated up to D), fp32; the forward ones twice under activation
+    checkpointing (the block's replay)."""
     if degree == 1:
         return {}
     token_bytes = BATCH * SEQ // degree * cfg.head_dim * 4 * cfg.num_layers
@@ -76,49 +82,71 @@ def _a2a_bytes(cfg: ModelConfig, degree: int) -> dict[str, int]:
     heads = {"q": cfg.num_heads, "k": kv, "v": kv, "o": cfg.num_heads}
     out = {}
     for name, h in heads.items():
-        out[f"all_to_all/attn.a2a.{name}"] = out[f"all_to_all/attn.a2a.d{name}"] = token_bytes * h
+        out[f"all_to_all/attn.a2a.{name}"] = token_bytes * h * (2 if checkpointing else 1)
+        out[f"all_to_all/attn.a2a.d{name}"] = token_bytes * h
     return out
+
+
+def _count_all_to_all_bytes() -> list[int]:
+    """Wrap torch.distributed.all_to_all_single in this (forked) rank: the returned list fills with
+    the input bytes of every call DeepSpeed's DistributedAttention makes through deepspeed.comm."""
+    sent: list[int] = []
+    real = torch.distributed.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        sent.append(input.numel() * input.element_size())
+        return real(output, input, *args, **kwargs)
+    torch.distributed.all_to_all_single = counting
+    return sent
 
 
 def _ulysses_rank(rank, world, cases, refs):
     mesh = build_mesh(world)
+    sent = _count_all_to_all_bytes()
     out = []
-    for (cfg_name, docs), ref in zip(cases, refs):
+    for (cfg_name, docs, checkpointing, options), ref in zip(cases, refs):
         cfg = CFGS[cfg_name]
         model = Transformer(cfg)
         init_model(model, SEED)
-        par = parallelize(model, "ulysses", mesh, seq_len=SEQ, distributed_attention=distributed_attention)
+        par = parallelize(model, "ulysses", mesh, seq_len=SEQ, distributed_attention=distributed_attention,
+                          **options)
+        if checkpointing:
+            model.block_wrapper = checkpointed_block
         local_ids, local_labels, pos = par.local_batch(
             ref["ids"], ref["labels"], None if docs is None else _positions(docs).documents)
         mesh.ledger.reset()
+        sent.clear()
         loss_sum, count = par.loss_sum(local_ids, local_labels, pos)
         total = global_count(count, par.token_comms)
         (loss_sum / total).backward()
         ledger = {k: v["bytes"] for k, v in mesh.ledger.summary().items() if "a2a" in k}
+        deepspeed_bytes = sum(sent)
         with torch.no_grad():
             logits = par.model(local_ids, pos)
         expected_logits = par.local_batch(ref["logits"], ref["logits"])[0]
         out.append({"loss": reduce_loss_value(loss_sum, total, par.token_comms),
                     "logits_err": (logits - expected_logits).abs().max().item(),
                     "logits_ok": torch.allclose(logits, expected_logits, **TOL),
-                    "grads": par.gather_full_grads(), "ledger": ledger,
+                    "grads": par.gather_full_grads(), "ledger": ledger, "deepspeed_bytes": deepspeed_bytes,
                     "kv_gathers": mesh.ledger.count(tag="attn.kv")})
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ulysses_matches_one_process(world):
-    refs = [_reference(*case) for case in CASES]
+    refs = [_reference(cfg_name, docs) for cfg_name, docs, *_ in CASES]
     results = run_on_ranks(_ulysses_rank, world, CASES, refs, timeout=600)
     for rank, per_case in enumerate(results):
-        for (cfg_name, docs), ref, out in zip(CASES, refs, per_case):
-            where = f"rank {rank} {cfg_name} documents={docs}"
+        for (cfg_name, docs, checkpointing, options), ref, out in zip(CASES, refs, per_case):
+            where = f"rank {rank} {cfg_name} documents={docs} checkpointing={checkpointing} {options}"
             assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
             assert out["logits_ok"], f"{where}: logits off by {out['logits_err']}"
             assert out["grads"].keys() == ref["grads"].keys()
             for name, grad in ref["grads"].items():
                 torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"{where} {name}: {m}")
-            assert out["ledger"] == _a2a_bytes(CFGS[cfg_name], world), where
+            assert out["ledger"] == _a2a_bytes(CFGS[cfg_name], world, checkpointing), where
+            # the ledger's closed form is what DeepSpeed handed to all_to_all_single
+            assert out["deepspeed_bytes"] == sum(out["ledger"].values()), where
             assert out["kv_gathers"] == 0, where
 
 
