@@ -104,7 +104,7 @@ def _ulysses_rank(rank, world, cases, refs):
     mesh = build_mesh(world)
     sent = _count_all_to_all_bytes()
     out = []
-    for (cfg_name, docs, checkpointing, options), ref in zip(cases, refs):
+    for (cfg_name, docs, checkpointing, options), ref in zip(cases, refs, strict=True):
         cfg = CFGS[cfg_name]
         model = Transformer(cfg)
         init_model(model, SEED)
@@ -137,13 +137,13 @@ def test_ulysses_matches_one_process(world):
     refs = [_reference(cfg_name, docs) for cfg_name, docs, *_ in CASES]
     results = run_on_ranks(_ulysses_rank, world, CASES, refs, timeout=600)
     for rank, per_case in enumerate(results):
-        for (cfg_name, docs, checkpointing, options), ref, out in zip(CASES, refs, per_case):
+        for (cfg_name, docs, checkpointing, options), ref, out in zip(CASES, refs, per_case, strict=True):
             where = f"rank {rank} {cfg_name} documents={docs} checkpointing={checkpointing} {options}"
             assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
             assert out["logits_ok"], f"{where}: logits off by {out['logits_err']}"
             assert out["grads"].keys() == ref["grads"].keys()
             for name, grad in ref["grads"].items():
-                torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m: f"{where} {name}: {m}")
+                torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
             assert out["ledger"] == _a2a_bytes(CFGS[cfg_name], world, checkpointing), where
             # the ledger's closed form is what DeepSpeed handed to all_to_all_single
             assert out["deepspeed_bytes"] == sum(out["ledger"].values()), where
