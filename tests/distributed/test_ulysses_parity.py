@@ -1,7 +1,8 @@
 """Parity of scheme `ulysses` (parallel/ulysses.py: DeepSpeed's DistributedAttention all-to-alls over
 the model-parallel axis) with one process: loss, logits and every gradient, fp32, rtol 1e-5 /
 atol 1e-6, on 1, 2 and 4 gloo ranks; GQA with K/V heads fewer than the degree (repeated), document
-masking on and off. The all-to-all bytes in the ledger equal their closed form and the bytes
+masking on and off; a checkpoint resumed across schemes (tsp -> ulysses and back). The all-to-all
+bytes in the ledger equal their closed form and the bytes
 DeepSpeed hands to all_to_all_single. All cases of one world size run in one fork (cheap)."""
 
 from __future__ import annotations
@@ -182,3 +183,25 @@ def test_bad_shapes_are_refused_with_one_line(heads, degree, seq_len, match):
     with pytest.raises(ValueError, match=match) as err:
         check_parallel_shapes(cfg, scheme="ulysses", degree=degree, seq_len=seq_len)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("first,then", [("tsp", "ulysses"), ("ulysses", "tsp")])
+def test_resume_across_schemes(first, then, tmp_path):
+    """A 5-step run of `first` (DP 2 x D 2, ZeRO-1) saves step 3; resuming it as `then` trains steps
+    4 and 5 like the uninterrupted run: the same losses (rtol 1e-6: fp32 summation order) and
+    final weights (the tolerances of tests/distributed/test_trainer.py)."""
+    common = ["train.steps=5", "checkpoint.keep_last=5", "zero.stage=1"]
+    full = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={first}", "checkpoint.every=3",
+                                                 f"train.output_dir={tmp_path / 'a'}"], timeout=600)
+    step3 = tmp_path / "a" / "checkpoints" / "step_00000003"
+    resumed = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={then}", f"train.resume={step3}",
+                                                    f"train.output_dir={tmp_path / 'b'}"], timeout=600)
+    assert resumed[0]["step"] == 5
+    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][3:], rel=1e-6)
+    close, total = 0, 0
+    for name, w in full[0]["weights"].items():
+        got = resumed[0]["weights"][name]
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-4, msg=name)
+        close += int(((got - w).abs() <= 1e-6 + 1e-5 * w.abs()).sum())
+        total += w.numel()
+    assert close / total > 0.999
