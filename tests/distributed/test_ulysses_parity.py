@@ -2,8 +2,7 @@
 the model-parallel axis) with one process: loss, logits and every gradient, fp32, rtol 1e-5 /
 atol 1e-6, on 1, 2 and 4 gloo ranks; GQA with K/V heads fewer than the degree (repeated), document
 masking on and off; a checkpoint resumed across schemes (tsp -> ulysses and back). The all-to-all
-bytes in the ledger equal their closed form and the bytes
-DeepSpeed hands to all_to_all_single. All cases of one world size run in one fork (cheap)."""
+bytes in the ledger equal their closed form and the bytes DeepSpeed hands to all_to_all_single. All cases of one world size run in one fork (cheap)."""
 
 from __future__ import annotations
 
@@ -152,11 +151,12 @@ def test_ulysses_matches_one_process(world):
 
 
 
-def test_trainer_runs_ulysses_like_one_process():
-    """parallel.scheme=ulysses through the whole Trainer (DP 2 x D 2 on 4 ranks, ZeRO-1 over dp,
-    the tiny recipe, 4 steps) equals one process on the same global batches, with the tolerances
-    argued in tests/distributed/test_trainer.py; the loss goes down."""
-    overrides = ["train.steps=4", "checkpoint.enabled=false", "zero.stage=1", "parallel.scheme=ulysses"]
+@pytest.mark.parametrize("stage", [1, 2])
+def test_trainer_runs_ulysses_like_one_process(stage):
+    """parallel.scheme=ulysses through the whole Trainer (DP 2 x D 2 on 4 ranks, ZeRO-1 and ZeRO-2
+    over dp, the tiny recipe, 4 steps) equals one process on the same global batches, with the
+    tolerances argued in tests/distributed/test_trainer.py; the loss goes down."""
+    overrides = ["train.steps=4", "checkpoint.enabled=false", f"zero.stage={stage}", "parallel.scheme=ulysses"]
     reference = reference_run(overrides, dp_degree=2)
     outs = run_on_ranks(train_rank, 4, overrides, timeout=600)
     assert outs[0]["dp_world_size"] == 2
