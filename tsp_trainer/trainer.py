@@ -25,7 +25,7 @@ from tsp_trainer.config import TrainConfig, hang_dump_after_s, run_facts, save_r
 from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.data.prefetch import batch_to_device, pins_batches
-from tsp_trainer.engine import deepspeed as ds_engine
+from tsp_trainer.engine import deepspeed as ds_engine, ulysses as ulysses_engine
 from tsp_trainer.engine.device_support import check_device_support, device_refusal
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
@@ -170,7 +170,7 @@ class Trainer:
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
                      "checkpoint_replay_keeps": c.parallel.checkpoint_replay_keeps}
-                    if c.parallel.scheme == "tsp" else {})
+                    if c.parallel.scheme == "tsp" else ulysses_engine.scheme_options(c.parallel.scheme))
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
                           tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree,

@@ -181,7 +181,7 @@ def test_tiled_mlp_parity_and_ledger(scheme, world, cfg_name, options, chunk):
 
 def test_the_table_of_schemes_is_the_configs_scheme_type():
     # parallel/schemes.py SCHEMES builds exactly the values parallel.scheme may take, in its order.
-    assert tuple(SCHEMES) == typing.get_args(Scheme) == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
+    assert tuple(SCHEMES) == typing.get_args(Scheme) == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "ulysses")
 
 
 def _fake_mesh(degree: int) -> Mesh:

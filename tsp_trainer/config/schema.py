@@ -17,7 +17,7 @@ from tsp_trainer.config.model import MODEL_SIZES, ModelConfig
 from tsp_trainer.config.model_source import resolve_model, resolve_tokenizer
 from tsp_trainer.config.settings import setting
 
-Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp"]
+Scheme = Literal["tsp", "tp", "tp_sp", "sp", "tp_x_sp", "ulysses"]
 TspRecompute = Literal["full", "selective", "none"]
 # "auto": the planner's memory model chooses the value at start-up (plan/auto.py)
 Auto = Literal["auto"]
@@ -111,7 +111,9 @@ class ParallelSection:
     """The model-parallel axis (size D = tsp_degree for every scheme) and the DP axis around it."""
 
     scheme: Scheme = setting("tsp", doc="TSP, or one of the baselines it is compared with (Megatron "
-                                        "TP, TP + SP, context parallelism, T x S on two sub-axes)")
+                                        "TP, TP + SP, context parallelism, T x S on two sub-axes, "
+                                        "DeepSpeed-Ulysses all-to-all sequence parallelism with "
+                                        "replicated weights)")
     tsp_degree: int = setting(1, min=1, doc="D: ranks of one model-parallel group, inner mesh axis")
     head_buckets: int | Auto = setting("auto", min=1, doc="TSP: K/V all-gathers per weight shard (bounds the "
                                                      "K/V buffer); auto = chosen at start-up with "

@@ -33,7 +33,7 @@ _SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size")
 # Zigzag cuts each sequence into 2D chunks (rank p takes p and 2D-1-p) to balance causal work;
 # Megatron TP+SP splits the sequence contiguously around the TP region.
 _SCHEME_AXES = {"tsp": (True, 2), "tp": (True, 0), "tp_sp": (True, 1), "sp": (False, 2),
-                "tp_x_sp": (True, 2)}
+                "tp_x_sp": (True, 2), "ulysses": (False, 1)}
 
 
 def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
@@ -93,6 +93,8 @@ def check_parallel_shapes(model_cfg: ModelConfig, *, scheme: str, degree: int, s
         _check_sequence_split(seq_len, *seq_axis, chunks=chunks, seq_key=seq_key)
     if scheme == "tsp":
         _check_head_buckets(model_cfg, degree, head_buckets)
+    if scheme == "ulysses":
+        _check_ulysses_heads(model_cfg, degree)
 
 
 def check_sliding_window(model_cfg: ModelConfig, seq_len: int, *, key: str = "data.seq_len") -> None:
@@ -356,6 +358,20 @@ def _check_sequence_split(seq_len: int, key: str, degree: int, *, chunks: int,
     nearby = f"{lower} or {lower + parts}" if lower else f"{parts}"
     raise ValueError(f"{seq_key}={seq_len} is not divisible by {why}; use a multiple of {parts}, "
                      f"e.g. {nearby}")
+
+
+def _check_ulysses_heads(model_cfg: ModelConfig, degree: int) -> None:
+    """Ulysses' all-to-all hands each rank n_h / D query heads; K/V heads fewer than D are repeated
+    to D (each the same number of times), more are split evenly."""
+    n_h, n_kv = model_cfg.num_heads, model_cfg.num_kv_heads
+    if n_h % degree:
+        raise ValueError(f"parallel.tsp_degree={degree} does not divide model.num_heads={n_h} "
+                         f"(parallel.scheme='ulysses' gives each rank num_heads / D query heads); "
+                         f"use one of {_fmt_list(_divisors(n_h))}")
+    if n_kv % degree and degree % n_kv:
+        raise ValueError(f"parallel.tsp_degree={degree} and model.num_kv_heads={n_kv} divide neither "
+                         f"way (parallel.scheme='ulysses' splits the K/V heads over D ranks, or repeats "
+                         f"each D / num_kv_heads times when fewer); use a multiple or a divisor of {n_kv}")
 
 
 def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) -> None:

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="CHECKPOINT_OR_HF_FOLDER",
                    help="a step_* folder, a run or checkpoints folder (its latest), or a Hugging Face folder")
-    p.add_argument("--scheme", default="tsp", choices=typing.get_args(Scheme))
+    # ulysses' attention is DeepSpeed's, which only the engine builds (tsp-train evaluates it)
+    p.add_argument("--scheme", default="tsp", choices=[s for s in typing.get_args(Scheme) if s != "ulysses"])
     p.add_argument("--tsp-degree", type=int, default=None,
                    help="model-parallel group size D (default: every launched process)")
     p.add_argument("--tp-degree", type=int, default=None, help="tp_x_sp only: T (T x S = D)")

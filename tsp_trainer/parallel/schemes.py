@@ -3,7 +3,9 @@ plain model in place and returns a `Parallelized` that knows how to lay out a ba
 which groups share a replica's tokens (for the loss count), and how to gather or load full state.
 
 SCHEMES is the one table of schemes: "tsp" (this project's core, built here) and the baselines it
-is compared with, "tp", "tp_sp", "sp", "tp_x_sp" (built in parallel/baselines/). Its keys are the
+is compared with, "tp", "tp_sp", "sp", "tp_x_sp" (built in parallel/baselines/), and "ulysses"
+(parallel/ulysses.py: its all-to-all attention comes from DeepSpeed through the `distributed_attention`
+option, engine/ulysses.py). Its keys are the
 values of the config's `Scheme` type (config/schema.py).
 """
 
@@ -17,6 +19,7 @@ from tsp_trainer.parallel.apply import apply_tsp
 from tsp_trainer.parallel.baselines.apply import build_sp, build_tp, build_tp_sp, build_tp_x_sp
 from tsp_trainer.parallel.mesh import Mesh
 from tsp_trainer.parallel.parallelized import Parallelized
+from tsp_trainer.parallel.ulysses import build_ulysses
 
 __all__ = ["SCHEMES", "Parallelized", "parallelize"]
 
@@ -41,6 +44,7 @@ def _tsp(model: Transformer, mesh: Mesh, *, seq_len: int | None, head_buckets: i
 
 SCHEMES: dict[str, Callable[..., Parallelized]] = {
     "tsp": _tsp, "tp": build_tp, "tp_sp": build_tp_sp, "sp": build_sp, "tp_x_sp": build_tp_x_sp,
+    "ulysses": build_ulysses,
 }
 
 

@@ -35,7 +35,7 @@ from typing import Callable
 from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
-from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout, planned_scheme
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.search import memory_variants, ranking_key
@@ -172,7 +172,7 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     and buckets at Layout's defaults: memory_variants varies them; the loss and MLP chunks as the
     run sets them)."""
     p = cfg.parallel
-    return Layout(p.scheme, p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
+    return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
                   sp=p.sp_degree, zero_stage=cfg.zero.stage, micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)

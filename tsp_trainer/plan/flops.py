@@ -21,7 +21,7 @@ from __future__ import annotations
 from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.observability.flops import (BACKWARD_COST, BLOCK_PIECES, PIECES, flops_per_token,
                                               forward_pieces, piece_flops)
-from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.layout import Layout, planned_scheme
 
 
 def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset()) -> dict[str, int]:
@@ -144,7 +144,7 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
                          "(plan/auto.py resolves it before the run is built)")
     axes = {"tp": p.tp_degree, "sp": p.sp_degree} if p.scheme == "tp_x_sp" else {}
     tsp = p.scheme == "tsp"
-    return Layout(p.scheme, p.tsp_degree, activation_checkpointing=cfg.train.activation_checkpointing,
+    return Layout(planned_scheme(p.scheme), p.tsp_degree, activation_checkpointing=cfg.train.activation_checkpointing,
                   offload_activations=cfg.train.offload_activations,
                   head_buckets=p.head_buckets if tsp else 1,
                   tsp_recompute=p.tsp_recompute if tsp else "full",

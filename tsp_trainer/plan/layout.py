@@ -10,7 +10,17 @@ from dataclasses import asdict, dataclass
 
 from tsp_trainer.config.schema import ReplayKeeps, Scheme, TspRecompute
 
-SCHEMES = typing.get_args(Scheme)                # parallel.scheme
+# parallel.scheme's values the planner models as layouts of its own; ulysses is planned as a peer's
+# stack (plan/peers.py), and a run of it is modelled as sp (`planned_scheme`)
+SCHEMES = tuple(s for s in typing.get_args(Scheme) if s != "ulysses")
+
+
+def planned_scheme(scheme: str) -> str:
+    """The Layout scheme that models a run of parallel.scheme=`scheme` (auto settings, logged
+    FLOPs). ulysses holds what sp holds (whole weights, S/D tokens) and its attention's
+    full-sequence q/k/v/o of D-th of the heads stand in for sp's gathered K/V (the same order);
+    sp's backward also re-runs the attention forward, which ulysses does not."""
+    return "sp" if scheme == "ulysses" else scheme
 TSP_RECOMPUTE = typing.get_args(TspRecompute)   # parallel.tsp_recompute (parallel/tsp/)
 REPLAY_KEEPS = typing.get_args(ReplayKeeps)     # parallel.checkpoint_replay_keeps (tsp/kept.py)
 # the values the planner's searches and `auto` take by default: only all. The dry run at the
@@ -191,4 +201,4 @@ class Layout:
         return asdict(self)
 
 
-__all__ = ["PLANNED_REPLAY_KEEPS", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]
+__all__ = ["PLANNED_REPLAY_KEEPS", "planned_scheme", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]

@@ -10,6 +10,7 @@ holds and moves: docs/parallelism.md, "The baselines, on the same code".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -43,6 +44,9 @@ class Groups:
     # the per-head q/k norm weights (Qwen3): each rank sees other heads (tp) and other tokens (sp)
     # of them, so their grads are summed over the whole model-parallel group (None: D = 1)
     head_norm_grad: Comm | None = None
+    # attention over the sp sub-axis: (q, k, v, q_runs, sp, documents, kernel) -> [B, T, Hq * d]; the
+    # K/V all-gather of context parallelism, or Ulysses' all-to-alls (parallel/ulysses.py)
+    attend: Callable = context_attention
 
     def enter_tp(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Before the column-parallel matmuls: every tp rank needs all tokens of the region."""
@@ -113,7 +117,7 @@ class ParallelAttention(nn.Module):
         q = apply_rope(q, rope.cos, rope.sin)
         k = apply_rope(k, rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
-        out = context_attention(q, k, v, rope.runs, g.sp, rope.documents, rope.attention_kernel)        # [B, T_region, n_h/T * d]
+        out = g.attend(q, k, v, rope.runs, g.sp, rope.documents, rope.attention_kernel)   # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
 
 

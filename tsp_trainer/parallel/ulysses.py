@@ -1,0 +1,138 @@
+"""Scheme `ulysses`: DeepSpeed-Ulysses sequence parallelism over the model-parallel axis (size D =
+parallel.tsp_degree), the attention of the ALST stack.
+
+Rank p holds the contiguous tokens p*S/D .. (p+1)*S/D - 1 of every sequence and the full weights
+(replicated over the axis, as under `sp`: gradients summed over the axis inside autograd, then over
+dp by DeepSpeed ZeRO). Everything but attention is token-wise and runs on the local tokens; the
+embedding, norms, MLP and LM head are the baseline blocks with T = 1 (parallel/baselines/layers.py).
+
+| Step      | Forward op                                          | Backward op                          |
+|-----------|-----------------------------------------------------|--------------------------------------|
+| q, k, v   | all-to-all [B, S/D, H, d] -> [B, S, H/D, d]         | all-to-all of dq, dk, dv back        |
+|           | (sequence gathered, heads scattered)                |                                      |
+| attention | full causal attention of the local heads over the   | autograd through attention_core      |
+|           | whole sequence (document mask of the full rows)     |                                      |
+| output    | all-to-all [B, S, H/D, d] -> [B, S/D, H, d]         | all-to-all of d(output)              |
+
+The all-to-alls are DeepSpeed's own `deepspeed.sequence.layer.DistributedAttention`, built in
+tsp_trainer/engine/ulysses.py (the one package that imports DeepSpeed) and handed to the builder as
+`distributed_attention(local_attention, process_group) -> attend(q, k, v, **kwargs)`. DeepSpeed
+issues them on the axis' process group itself, so they are recorded in the ledger here, around the
+call, by their closed form: each all-to-all moves the tensor it is given ("all_to_all" records, the
+local tensor's bytes, the 1/D that stays on the rank included, as all_gather records its output).
+
+GQA: K/V heads fewer than D are repeated (each K/V head D / n_kv times, as DeepSpeed's Ulysses for
+Hugging Face models does) so that every rank receives one; query head j then still meets its K/V
+head j // (n_h / n_kv). The shape rules (config/validate.py) refuse n_h or the sequence length not
+divisible by D (DistributedAttention returns wrong values there without an error), and n_kv that
+neither divides nor is divided by D.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tsp_trainer.model.documents import Documents
+from tsp_trainer.model.layers import PositionRuns, attention_core
+from tsp_trainer.model.transformer import Transformer
+from tsp_trainer.parallel.baselines.apply import _check, _single, _whole, apply_baseline
+from tsp_trainer.parallel.baselines.layers import Groups
+from tsp_trainer.parallel.comm import Comm
+from tsp_trainer.parallel.mesh import Mesh, axis_view
+from tsp_trainer.parallel.parallelized import Parallelized
+
+# (local_attention, process group) -> attend(q, k, v, **kwargs for local_attention): the engine's
+# adapter around DeepSpeed's DistributedAttention (engine/ulysses.py).
+DistributedAttentionFactory = Callable[[Callable, object], Callable]
+
+
+class _LedgerMark(torch.autograd.Function):
+    """Identity that records the all-to-all its input goes through (forward) and the one its
+    gradient goes through (backward), for the ops DeepSpeed issues where Comm cannot see them."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, tag: str, grad_tag: str):
+        _record(comm, tag, x)
+        ctx.comm, ctx.grad_tag = comm, grad_tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        _record(ctx.comm, ctx.grad_tag, dx)
+        return dx, None, None, None
+
+
+def _record(comm: Comm, tag: str, x: torch.Tensor) -> None:
+    comm.ledger.record("all_to_all", axis=comm.axis, tag=tag, group_size=comm.size,
+                       nbytes=x.numel() * x.element_size(), dtype=str(x.dtype).removeprefix("torch."))
+
+
+class UlyssesAttention:
+    """Callable with the signature of context_attention (parallel/baselines/context.py):
+    (q [B, T, Hq, d], k, v [B, T, Hkv, d] of the local contiguous tokens, q_runs, comm, documents)
+    -> [B, T, Hq * d]. The local attention sees the whole sequence in order, so q_runs is not
+    needed after the all-to-all and the document mask is the full rows' own."""
+
+    def __init__(self, factory: DistributedAttentionFactory, comm: Comm, *, num_kv_heads: int):
+        self.comm = comm
+        # K/V heads fewer than D: each is repeated so that every rank receives one.
+        self.kv_repeat = max(1, comm.size // num_kv_heads)
+        self.attend = factory(self._local, comm.group)
+
+    @staticmethod
+    def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Documents | None = None, kernel: str = "fa2") -> torch.Tensor:
+        """q [B, S, Hq/D, d], k, v [B, S, Hkv', d] of every token -> [B, S, Hq/D, d] (the layout
+        DistributedAttention's second all-to-all takes)."""
+        out = attention_core(q, k, v, None, documents=documents, kernel=kernel)              # [B, S, Hq/D * d]
+        return out.view(q.shape)
+
+    def __call__(self, q, k, v, q_runs, comm: Comm, documents: Documents | None = None,
+                 kernel: str = "fa2") -> torch.Tensor:
+        del q_runs                                     # contiguous slices: the all-to-all orders them
+        if self.kv_repeat > 1:                         # [B, T, Hkv, d] -> [B, T, D, d]
+            k, v = (t.repeat_interleave(self.kv_repeat, dim=2) for t in (k, v))
+        c = self.comm
+        q, k, v = (_LedgerMark.apply(t, c, f"attn.a2a.{n}", f"attn.a2a.d{n}")
+                   for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        with c.foreign_ops("DeepSpeed DistributedAttention all-to-all"):
+            out = self.attend(q, k, v, documents=documents, kernel=kernel)                   # [B, T, Hq, d]
+        out = _LedgerMark.apply(out, c, "attn.a2a.o", "attn.a2a.do")
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def contiguous_layout(rank: int, degree: int):
+    """(input_ids [B, S], labels [B, S]) -> rank's contiguous slice [B, S/D] of each, positions."""
+    def layout(ids: torch.Tensor, labels: torch.Tensor):
+        t = ids.shape[1] // degree
+        part = slice(rank * t, (rank + 1) * t)
+        return ids[:, part], labels[:, part], PositionRuns.contiguous(t, rank * t)
+    return layout
+
+
+def build_ulysses(model: Transformer, mesh: Mesh, *,
+                  distributed_attention: DistributedAttentionFactory | None = None, **kw) -> Parallelized:
+    """Ulysses over the D ranks: contiguous tokens, replicated weights, q/k/v/o all-to-alls by
+    DeepSpeed's DistributedAttention (`distributed_attention`, engine/ulysses.py; not needed
+    when D = 1)."""
+    _check(model, "ulysses", mesh, kw)
+    sp = axis_view(mesh.tsp, "sp")
+    attend = {}
+    if sp.size > 1:
+        if distributed_attention is None:
+            raise ValueError(f"parallel.scheme='ulysses' with parallel.tsp_degree={sp.size} needs "
+                             "DeepSpeed's DistributedAttention, which the trainer builds "
+                             "(tsp_trainer/engine/ulysses.py: parallelize(..., "
+                             "distributed_attention=...)); run it with tsp-train")
+        attend = {"attend": UlyssesAttention(distributed_attention, sp, num_kv_heads=model.cfg.num_kv_heads)}
+    groups = Groups(_single(mesh, "tp"), sp, False, _whole(mesh, sp), _whole(mesh, sp), **attend)
+    specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
+                           loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"),
+                           mlp_chunk_tokens=kw.get("mlp_chunk_tokens", "auto"))
+    axis_comms = {"sp": sp} if sp.size > 1 else {"tp": groups.tp}
+    token_comms = [sp] if sp.size > 1 else []
+    info = {"tp_degree": 1, "sp_degree": sp.size, "sequence_parallel": False}
+    return Parallelized(model, specs, "ulysses", mesh, token_comms, axis_comms,
+                        contiguous_layout(sp.rank, sp.size), info)
