@@ -93,9 +93,9 @@ def _count_all_to_all_bytes() -> list[int]:
     sent: list[int] = []
     real = torch.distributed.all_to_all_single
 
-    def counting(output, tensor, *args, **kwargs):
-        sent.append(tensor.numel() * tensor.element_size())
-        return real(output, tensor, *args, **kwargs)
+    def counting(output, input, *args, **kwargs):  # noqa: A002 (DeepSpeed passes input=)
+        sent.append(input.numel() * input.element_size())
+        return real(output, input, *args, **kwargs)
     torch.distributed.all_to_all_single = counting
     return sent
 
