@@ -38,7 +38,6 @@ EXIT_PREEMPTED = 75      # tsp_trainer.run.EXIT_PREEMPTED
 EXIT_INTERRUPTED = 130   # tsp_trainer.run.EXIT_INTERRUPTED (Ctrl-C)
 _STARTED = time.monotonic()   # ~ the process's start: this module imports nothing heavy
 _LAUNCHER = os.getppid()      # the parent at start, before a launcher's death could reparent us
-_CHECKED_BY_LAUNCHER = "TSP_CHECKED_BY_LAUNCHER"   # set by tsp-launch for its ranks
 
 
 def _launcher_env() -> tuple[int, int, int]:
@@ -174,9 +173,11 @@ def train_main(argv: list[str] | None = None) -> None:
     _stop_with_launcher()
     world, rank, local_rank = _launcher_env()
     _interrupt_stops_at_once(rank)                      # until fit() makes Ctrl-C a stop request
-    # under tsp-launch, whose own check printed the start-up line already
+    from tsp_trainer.run.startup import CHECKED_INPUTS_ENV
+
+    # under tsp-launch (it hands its check over), whose own check printed the start-up line already
     cfg, inputs = _check_inputs_or_exit(args.recipe, args.overrides, world=world, rank=rank,
-                                        report=_CHECKED_BY_LAUNCHER not in os.environ)
+                                        report=CHECKED_INPUTS_ENV not in os.environ)
     cuda = _prepare_runtime(local_rank, world, nccl_blocking_wait=cfg.train.nccl_blocking_wait,
                             say_threads="tsp-train" if rank == 0 else None)
     from tsp_trainer.parallel.comm import CommError
@@ -282,15 +283,14 @@ def launch_main(argv: list[str] | None = None) -> None:
     exit 2 under `srun --kill-on-bad-exit`, stop the other machines), then Accelerate's launcher on
     `-m tsp_trainer train`."""
     _quiet_known_warnings("tsp-launch")
-    from tsp_trainer.engine.launch import (launch_first_rank, launch_machines, launch_ranks_here,
+    from tsp_trainer.engine.launch import (launch_first_rank, launch_ranks_here,
                                            launch_world_size, parse_launch_args, run_launcher)
 
     args = parse_launch_args(argv)
     world = launch_world_size(args)
     from tsp_trainer.run.threads import launcher_thread_env
 
-    os.environ.update(launcher_thread_env(world // launch_machines(args)))   # the ranks inherit it
-    os.environ[_CHECKED_BY_LAUNCHER] = "1"
+    os.environ.update(launcher_thread_env(launch_ranks_here(args, world)))   # the ranks inherit it
     # As the first rank of this machine: on a machine other than the first (--machine_rank > 0)
     # the job's rank 0, elsewhere, verifies the resume checkpoint and takes the folder's lease.
     first = launch_first_rank(args, world)
