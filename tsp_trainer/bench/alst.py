@@ -14,19 +14,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tsp_trainer.bench.run import (LR, _dtype, _now, build_hf_llama, executed_flops, make_batch,
-                                   to_hf_state_dict)
+from tsp_trainer.bench.run import (LR, _device, _dtype, _now, _tracked, build_hf_llama, executed_flops,
+                                   make_batch, to_hf_state_dict)
 from tsp_trainer.engine import alst_reference
 from tsp_trainer.model import Transformer
-from tsp_trainer.tools.memory import LiveTensorMemory
 
 
 def alst_rank(rank: int, world: int, job: dict) -> dict:
     """One rank of the ALST reference: a memory step, warm-ups, then `steps` timed steps."""
-    cfg, b, s = job["model"], job["micro_batch"], job["seq_len"]
+    cfg, b, s, device = job["model"], job["micro_batch"], job["seq_len"], _device(job["backend"], rank)
     ours = Transformer(cfg)
     ours.init_weights(job["seed"])
-    hf = build_hf_llama(cfg, s, to_hf_state_dict(ours.state_dict())).to(dtype=_dtype(job))
+    hf = build_hf_llama(cfg, s, to_hf_state_dict(ours.state_dict())).to(device=device, dtype=_dtype(job))
     del ours
     if job["activation_checkpointing"]:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -36,8 +35,8 @@ def alst_rank(rank: int, world: int, job: dict) -> dict:
     ids, labels = make_batch(cfg, b, s, job["seed"])
     t = s // world
     part = slice(rank * t, (rank + 1) * t)
-    local_ids, local_labels = ids[:, part].contiguous(), labels[:, part].contiguous()
-    positions = torch.arange(rank * t, (rank + 1) * t).expand(b, t).contiguous()
+    local_ids, local_labels = ids[:, part].to(device), labels[:, part].to(device)
+    positions = torch.arange(rank * t, (rank + 1) * t, device=device).expand(b, t).contiguous()
     total = float(b * s)
 
     def fwd_bwd() -> torch.Tensor:
@@ -51,19 +50,17 @@ def alst_rank(rank: int, world: int, job: dict) -> dict:
         engine.step()
 
     # the memory step, as StepRunner's: forward + backward tracked, ZeRO-3's standing state ignored
-    tracker = LiveTensorMemory()
-    tracker.ignore(local_ids, local_labels, positions,
-                   *(t for ts in alst_reference.zero3_state(engine).values() for t in ts))
-    with executed_flops() as flops, tracker:
-        loss_sum = fwd_bwd()
+    standing = [x for xs in alst_reference.zero3_state(engine).values() for x in xs]
+    with executed_flops() as flops:
+        peak, loss_sum = _tracked(fwd_bwd, standing, [local_ids, local_labels, positions], device)
     engine.step()
     for _ in range(job["warmup"] - 1):
         step()
     times = []
     for _ in range(job["steps"]):
-        t0 = _now(torch.device("cpu"))
+        t0 = _now(device)
         step()
-        times.append(_now(torch.device("cpu")) - t0)
-    return {"loss_sum": float(loss_sum), "total": total, "peak_act_bytes": tracker.peak,
+        times.append(_now(device) - t0)
+    return {"loss_sum": float(loss_sum), "total": total, "peak_act_bytes": peak,
             "flops": flops.get_total_flops(),
             "step_times": times, **alst_reference.zero3_state_bytes(engine)}
