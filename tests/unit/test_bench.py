@@ -36,6 +36,8 @@ def _spec(argv: str):
     ("--degree 2 --schemes tsp --head-buckets 2", r"parallel.head_buckets=2"),
     ("--hidden 100 --heads 3", r"model.hidden_size=100 must be divisible by model.num_heads=3"),
     ("--backend nccl", r"GPUs with --backend=nccl" if not torch.cuda.is_available() else r"^$"),
+    ("--degree 1 --schemes tsp --reference alst", r"--reference=alst with --degree=1: .* --degree >= 2"),
+    ("--degree 2 --seq-len 33 --schemes tp --reference alst", r"--reference=alst with --degree=2: data.seq_len=33"),
     ("--tsp-recompute none --activation-checkpointing",
      r"--tsp-recompute=none with --activation-checkpointing: .* drop one of them"),
     ("--tsp-recompute selective --activation-checkpointing", r"--tsp-recompute=selective with"),
@@ -73,7 +75,7 @@ def test_defaults_resolve_tp_x_sp_layout():
     assert (spec.tp_degree, spec.sp_degree) == (1, 2)
     spec = _spec("--degree 4 --kv-heads 4 --seq-len 64 --threads 1")
     assert (spec.tp_degree, spec.sp_degree) == (2, 2)
-    assert spec.schemes == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp")
+    assert spec.schemes == ("tsp", "tp", "tp_sp", "sp", "tp_x_sp", "ulysses")
     assert spec.options("tp_x_sp") == {"tp_degree": 2, "sp_degree": 2, "tp_sequence_parallel": False}
     assert _spec("--degree 4 --kv-heads 4 --seq-len 64 --sp-degree 4 --threads 1").tp_degree == 1
 

@@ -6,6 +6,8 @@ process starts.
 
     tsp-bench --model tiny --seq-len 4096 --degree 4 --schemes tsp,tp,tp_sp,sp,tp_x_sp \\
               --tp-degree 2 --sp-degree 2 --steps 3 --json out.json --plot out.png
+
+    tsp-bench --schemes tsp,ulysses,sp,tp_sp --reference alst    # + DeepSpeed's own ALST stack
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ import typing
 
 import torch
 
-from tsp_trainer.bench.report import (format_table, summarize_scheme, summarize_single, write_json,
-                                      write_plot)
+from tsp_trainer.bench.report import (format_table, summarize_reference, summarize_scheme, summarize_single,
+                                      write_json, write_plot)
 from tsp_trainer.bench.run import scheme_rank, single_process
-from tsp_trainer.bench.spec import ALL_SCHEMES, BenchSpec, parse_schemes, resolve_model, validate
+from tsp_trainer.bench.spec import ALL_SCHEMES, REFERENCES, BenchSpec, parse_schemes, resolve_model, validate
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model_source import MODEL_DIM_FLAGS, add_model_args
 from tsp_trainer.config.schema import DType, TspRecomputeSetting, resolved_dtype
@@ -56,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the trainer's train.dtype=auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores / D)")
     p.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block (all schemes)")
+    p.add_argument("--reference", choices=REFERENCES, default=None,
+                   help="also run a peer's own stack unmodified on the same weights and batch, in "
+                        "processes of its own, and report it beside ours: alst = transformers' "
+                        "CausalLM under DeepSpeed's Ulysses (UlyssesSPAttentionHF) and ZeRO-3 over "
+                        "the D ranks (the ALST stack our `ulysses` scheme reproduces)")
     p.add_argument("--no-hf", action="store_true", help="skip the single-process comparison with transformers")
     p.add_argument("--no-interleave", action="store_true",
                    help="launch each scheme on its own instead of all schemes in one launch with their "
@@ -86,7 +93,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
                      steps=args.steps, warmup=args.warmup, backend=backend,
                      dtype=resolved_dtype(args.dtype, cuda=backend == "nccl"), threads=threads,
                      activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,
-                     seed=args.seed, interleave=not args.no_interleave, profile=args.profile)
+                     seed=args.seed, interleave=not args.no_interleave, profile=args.profile,
+                     reference=args.reference)
     validate(spec, cuda_devices=cuda)
     if args.tsp_recompute == "auto":             # resolved once the rest is known to be valid
         spec = dataclasses.replace(spec, tsp_recompute=_tsp_recompute(args, model, cuda=backend == "nccl"))
@@ -137,6 +145,8 @@ def run(spec: BenchSpec, *, log=print) -> tuple[list[dict], dict | None, dict]:
             rows.append({"scheme": scheme, "error": str(err)})
             continue
         rows.append(summarize_scheme(spec, scheme, ranks))
+    if spec.reference == "alst":
+        rows.append(_run_alst(spec, log))
     single = None
     if spec.compare_hf:
         log(f"[tsp-bench] single process: ours vs transformers {spec.model.family} CausalLM ...")
@@ -174,15 +184,36 @@ def _run_interleaved(spec: BenchSpec, log) -> list[dict]:
     return rows
 
 
+def _run_alst(spec: BenchSpec, log) -> dict:
+    """The ALST stack (bench/alst.py) in a launch of its own: DeepSpeed's registration patches
+    transformers in the processes that run it, and in no other."""
+    from tsp_trainer.bench.alst import alst_rank
+
+    log(f"[tsp-bench] reference alst (transformers + DeepSpeed Ulysses + ZeRO-3): {spec.degree} ranks ...")
+    try:
+        ranks = launch.run_on_ranks(alst_rank, spec.degree, _common(spec), backend=spec.backend,
+                                    threads=spec.threads)
+    except RuntimeError as err:
+        log(f"[tsp-bench] alst_ref failed: {str(err).splitlines()[0]}")
+        return {"scheme": "alst_ref", "error": str(err)}
+    return summarize_reference(spec, "alst", ranks)
+
+
 def _prewarm(spec: BenchSpec) -> None:
     """Import in the parent what every forked rank would import on its own (seconds each):
-    torch._dynamo is pulled in by the first optimizer, transformers by the comparison."""
+    torch._dynamo is pulled in by the first optimizer, transformers by the comparison and the ALST
+    reference, DeepSpeed by `ulysses` and the reference (its CPU shared-memory op, which training
+    never calls, left unbuilt: tens of seconds per rank)."""
     if spec.backend == "nccl":     # spawned ranks start from scratch: nothing to share
         return
     import torch._dynamo  # noqa: F401
 
-    if spec.compare_hf:
+    if spec.compare_hf or spec.reference:
         import transformers.models.llama.modeling_llama  # noqa: F401
+    if "ulysses" in spec.schemes or spec.reference:
+        from tsp_trainer.engine.deepspeed import skip_cpu_shm_build
+
+        skip_cpu_shm_build()
 
 
 def _common(spec: BenchSpec) -> dict:

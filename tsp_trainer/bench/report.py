@@ -25,7 +25,8 @@ def summarize_scheme(spec: BenchSpec, scheme: str, ranks: list[dict]) -> dict:
            "peak_act_bytes": max(r["peak_act_bytes"] for r in ranks),
            "peak_total_bytes": max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] + r["peak_act_bytes"]
                                    for r in ranks),
-           "first_loss": ranks[0]["first_loss"]}
+           "first_loss": ranks[0]["first_loss"],
+           "flops_per_rank": max(r["flops"] for r in ranks), "flops": sum(r["flops"] for r in ranks)}
     row["comm_by_tag"] = _max_over_ranks([{k: v["bytes"] for k, v in r["comm"].items()} for r in ranks])
     row["comm_by_op"] = _by_op(row["comm_by_tag"])
     # Ledger payload with P2P counted once (at the receiver), and the estimated bytes on the wire.
@@ -36,9 +37,33 @@ def summarize_scheme(spec: BenchSpec, scheme: str, ranks: list[dict]) -> dict:
                                  else _formula(spec, scheme) == row["comm_by_tag"])
     steps = list(zip(*(r["step_times"] for r in ranks)))
     row["step_times"] = [max(s) for s in steps]          # the slowest rank's time, step by step
-    row["step_time"] = statistics.median(row["step_times"]) if steps else None
-    row["tokens_per_s"] = (spec.micro_batch * spec.seq_len / row["step_time"]) if row["step_time"] else None
+    _timing(spec, row)
     return row
+
+
+def summarize_reference(spec: BenchSpec, name: str, ranks: list[dict]) -> dict:
+    """One row for a reference stack run unmodified (bench/alst.py): memory read off its own
+    tensors, FLOPs and step times as ours; its communication is DeepSpeed's, outside our ledger."""
+    row = {"scheme": f"{name}_ref", "layout": f"HF+DS D={spec.degree} Z3",
+           **{k: max(r[k] for r in ranks) for k in ("param_bytes", "grad_bytes", "optim_bytes", "peak_act_bytes")},
+           "state_bytes": max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in ranks),
+           "peak_total_bytes": max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] + r["peak_act_bytes"]
+                                   for r in ranks),
+           "first_loss": sum(r["loss_sum"] for r in ranks) / ranks[0]["total"],
+           "flops_per_rank": max(r["flops"] for r in ranks), "flops": sum(r["flops"] for r in ranks),
+           "comm_by_tag": None, "comm_by_op": None, "comm_bytes": None, "wire_bytes": None,
+           "comm_formula_match": None}
+    row["step_times"] = [max(s) for s in zip(*(r["step_times"] for r in ranks))]
+    _timing(spec, row)
+    return row
+
+
+def _timing(spec: BenchSpec, row: dict) -> None:
+    """Median step time (of the slowest rank, step by step), its spread and tokens/s."""
+    times = row["step_times"]
+    row["step_time"] = statistics.median(times) if times else None
+    row["step_time_spread"] = spread(times)
+    row["tokens_per_s"] = (spec.micro_batch * spec.seq_len / row["step_time"]) if row["step_time"] else None
 
 
 def summarize_single(spec: BenchSpec, single: dict) -> dict:
@@ -69,6 +94,8 @@ def _formula(spec: BenchSpec, scheme: str) -> dict[str, int]:
 def _layout(spec: BenchSpec, scheme: str, info: dict) -> str:
     if scheme == "tsp":
         return f"D={spec.degree}" + (f" b={spec.head_buckets}" if spec.head_buckets > 1 else "")
+    if scheme == "ulysses":
+        return f"D={spec.degree} a2a"
     t, s = info.get("tp_degree", 1), info.get("sp_degree", 1)
     return f"T{t}xS{s}" + ("+SP" if info.get("sequence_parallel") else "")
 
@@ -96,14 +123,14 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
             f"{m.num_kv_heads}, I={m.intermediate_size}, V={m.vocab_size}), seq {spec.seq_len} x "
             f"batch {spec.micro_batch}, D={spec.degree}, backend {spec.backend}, {spec.threads} thread(s)/rank"
             + (", activation checkpointing" if spec.activation_checkpointing else ""))
-    cols = ["scheme", "layout", "state MiB", "act+trans MiB", "peak MiB", "ledger MiB",
-            "AR / AG / RS / bc+red / p2p", "wire MiB", "step s", "tok/s", "loss@1"]
+    cols = ["scheme", "layout", "state MiB", "act+trans MiB", "peak MiB", "GFLOP/rank", "ledger MiB",
+            "AR / AG / RS / bc+red / p2p / a2a", "wire MiB", "step s [min-max]", "tok/s", "loss@1"]
     lines = [_row(cols, r) for r in rows]
     if single:
         for name, label in (("ours", "1 proc (ours)"), ("hf", "1 proc (HF)")):
             s = single[name]
             lines.append([label, "D=1", _mib(s["state_bytes"]), _mib(s["peak_act_bytes"]),
-                          _mib(s["peak_total_bytes"]), "-", "-", "-", _num(s["step_time"], 2),
+                          _mib(s["peak_total_bytes"]), "-", "-", "-", "-", _num(s["step_time"], 2),
                           _num(s["tokens_per_s"], 0), f"{s['first_loss']:.6f}"])
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
@@ -118,6 +145,9 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
         how = "steps interleaved in one launch" if spec.interleave else "one launch per scheme"
         out.append(f"step time / TP's, median [min-max] over {spec.steps} timed steps ({how}): "
                    + ", ".join(f"{k} {format_spread(v)}" for k, v in spread.items()))
+    if any(r["comm_by_op"] is None for r in rows):
+        out.append("*_ref: a stack run unmodified in processes of its own (--reference); its "
+                   "communication is its own, outside our ledger")
     bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
     if bad:
         out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")
@@ -164,12 +194,22 @@ def step_ratio_spread(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def _row(cols, r: dict) -> list[str]:
     ops = r["comm_by_op"]
-    split = " / ".join(_mib(ops.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter"))
-    split += f" / {_mib(ops.get('broadcast', 0) + ops.get('reduce', 0))} / {_mib(ops.get('recv', 0))}"
+    if ops is None:                       # a reference stack: no ledger
+        split, ledger, wire = "-", "-", "-"
+    else:
+        split = " / ".join(_mib(ops.get(k, 0)) for k in ("all_reduce", "all_gather", "reduce_scatter"))
+        split += (f" / {_mib(ops.get('broadcast', 0) + ops.get('reduce', 0))} / {_mib(ops.get('recv', 0))}"
+                  f" / {_mib(ops.get('all_to_all', 0))}")
+        ledger, wire = _mib(r["comm_bytes"]), _mib(r["wire_bytes"])
     return [r["scheme"], r["layout"], _mib(r["state_bytes"]), _mib(r["peak_act_bytes"]),
-            _mib(r["peak_total_bytes"]), _mib(r["comm_bytes"]), split, _mib(r["wire_bytes"]),
-            _num(r["step_time"], 2),
-            _num(r["tokens_per_s"], 0), f"{r['first_loss']:.6f}"]
+            _mib(r["peak_total_bytes"]), _num(r["flops_per_rank"] / 1e9, 3), ledger, split, wire,
+            _step(r), _num(r["tokens_per_s"], 0), f"{r['first_loss']:.6f}"]
+
+
+def _step(r: dict) -> str:
+    """'0.12 [0.11-0.15]': the median step time and the range of the repeats."""
+    sp = r.get("step_time_spread")
+    return "-" if not sp else f"{sp['median']:.2f} [{sp['min']:.2f}-{sp['max']:.2f}]"
 
 
 def _mib(nbytes: int) -> str:
@@ -254,12 +294,12 @@ def _memory_panel(ax, names, rows, single) -> None:
 
 def _comm_panel(ax, names, rows) -> None:
     bottom = [0.0] * len(rows)
-    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "recv"):
-        vals = [r["comm_by_op"].get(op, 0) / MIB for r in rows]
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "recv", "all_to_all"):
+        vals = [(r["comm_by_op"] or {}).get(op, 0) / MIB for r in rows]     # None: a reference stack
         if any(vals):
             ax.bar(names, vals, bottom=bottom, label=op)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    wire = [r["wire_bytes"] / MIB for r in rows]
+    wire = [(r["wire_bytes"] or 0) / MIB for r in rows]
     ax.plot(names, wire, "k_", markersize=28, mew=2, label="received (ring estimate)")
     _headroom(ax, max(bottom + wire))
     ax.set_ylabel("MiB per rank per step (ledger; P2P = recv)")

@@ -4,12 +4,14 @@ model against transformers' CausalLM of its family (`single_process`). Both retu
 One training step = forward + backward of the summed token loss over the global token count
 (parallel/loss.py) + AdamW. The first warm-up step doubles as the memory step: gradients are
 preallocated (zeros), so the tracked forward + backward sees only activations and transients;
-AdamW then creates its moments. The ledger is reset before every step and the last step's records
-are kept; timed steps run without the memory tracker.
+AdamW then creates its moments. The memory step also counts the FLOPs the rank executes
+(`executed_flops`). The ledger is reset before every step and the last step's records are kept;
+timed steps run without the memory tracker.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.engine.ulysses import scheme_options
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
@@ -75,8 +78,8 @@ def build_scheme(rank: int, world: int, job: dict):
     mesh = build_mesh(world, device=device)
     with torch.device("meta"):
         model = Transformer(cfg)
-    par = parallelize(model, job["scheme"], mesh, seq_len=job["seq_len"],
-                      init_seed=job["seed"], **job["options"])
+    par = parallelize(model, job["scheme"], mesh, seq_len=job["seq_len"], init_seed=job["seed"],
+                      **job["options"], **scheme_options(job["scheme"]))
     model.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
         model.block_wrapper = checkpointed_block
@@ -161,7 +164,10 @@ class StepRunner:
     def memory_step(self) -> None:
         if self.ledger is not None:
             self.ledger.reset()
-        self.peak, (self.loss_sum, self.total) = _tracked(self.fwd_bwd, self.params, self.batch, self.device)
+        with executed_flops() as flops:
+            self.peak, (self.loss_sum, self.total) = _tracked(self.fwd_bwd, self.params, self.batch,
+                                                              self.device)
+        self.flops = flops.get_total_flops()
         self._update()
 
     def step(self) -> float:
@@ -178,6 +184,7 @@ class StepRunner:
 
     def result(self) -> dict:
         out = {"peak_act_bytes": self.peak, **state_bytes(self.model, self.opt), "step_times": self.times,
+               "flops": self.flops,
                "loss_sum": self.loss_sum.detach().double(), "total": self.total,
                "step_time": statistics.median(self.times) if self.times else None}
         out["comm"] = self.ledger.summary() if self.ledger is not None else {}
@@ -186,15 +193,44 @@ class StepRunner:
 
 
 # Bytes a rank receives per op, as a fraction of the ledger payload, for ring algorithms on a
-# group of g ranks (averaged over the ranks for the rooted ops; P2P counted once, at the receiver).
+# group of g ranks (averaged over the ranks for the rooted ops; P2P counted once, at the receiver;
+# an all-to-all keeps 1/g of its tensor and receives the rest).
 _WIRE_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
                 "reduce_scatter": lambda g: (g - 1) / g, "broadcast": lambda g: (g - 1) / g,
-                "reduce": lambda g: (g - 1) / g, "recv": lambda g: 1.0, "send": lambda g: 0.0}
+                "reduce": lambda g: (g - 1) / g, "recv": lambda g: 1.0, "send": lambda g: 0.0,
+                "all_to_all": lambda g: (g - 1) / g}
 
 
 def wire_bytes(records) -> int:
     """Estimated bytes received per rank for the ledger records (see _WIRE_FACTOR)."""
     return int(sum(r.nbytes * _WIRE_FACTOR[r.op](r.group_size) for r in records))
+
+
+def executed_flops():
+    """torch's FlopCounterMode (matmuls and attention of forward and backward, 2 per
+    multiply-add; attention counted as the full S x S product, causal or not), taught the ops it
+    does not know: the in-place accumulating GEMMs and the CPU flash attention kernels (SDPA on CPU
+    runs them). Use as `with executed_flops() as c:`,
+    then c.get_total_flops()."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    def heads_of_q(q, k):            # GQA: count every query head against its K/V (as expanded)
+        return (*k[:1], q[1], *k[2:])
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(q, heads_of_q(q, k), heads_of_q(q, v))
+
+    def backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out, q, heads_of_q(q, k), heads_of_q(q, v))
+
+    def accumulate(acc, a, b, *args, out_shape=None, **kwargs) -> int:    # acc += a @ b, 2D or batched
+        return 2 * math.prod(a[:-1]) * a[-1] * b[-1]
+
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten.addmm_: accumulate, aten.baddbmm_: accumulate,     # in-place GEMMs (parallel/gated_mlp.py)
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward})
 
 
 def _tracked(fwd_bwd, params, batch, device):

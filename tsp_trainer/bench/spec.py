@@ -14,9 +14,10 @@ from tsp_trainer.config.model_source import model_from_name_or_path
 from tsp_trainer.config.validate import check_parallel_shapes, check_sliding_window
 from tsp_trainer.parallel.schemes import SCHEMES
 
-# the order tables and plots use: the registry's, less ulysses (parallel/ulysses.py), for which the
-# bench's report has no closed-form ledger
-ALL_SCHEMES = tuple(s for s in SCHEMES if s != "ulysses")
+# the order tables and plots use: the registry's
+ALL_SCHEMES = tuple(SCHEMES)
+# --reference: stacks run unmodified beside ours, in launches of their own (tsp_trainer/bench/alst.py)
+REFERENCES = ("alst",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class BenchSpec:
     interleave: bool = True       # all schemes in one launch, timed steps alternating between them
     profile: bool = False         # one more step per scheme under torch.profiler (tsp_trainer/bench/profile.py)
     tsp_recompute: str = "full"   # tsp: full | selective | none (parallel.tsp_recompute)
+    reference: str | None = None  # "alst": DeepSpeed's Ulysses for HF models + ZeRO-3 (bench/alst.py)
 
     def options(self, scheme: str) -> dict:
         """Keyword options of parallelize() for `scheme`."""
@@ -101,6 +103,21 @@ def validate(spec: BenchSpec, *, cuda_devices: int, cpu_count: int | None = None
                          "block's items (the trainer refuses the pair); drop one of them")
     for scheme in spec.schemes:
         _check_scheme(spec, scheme)
+    if spec.reference is not None:
+        _check_reference(spec)
+
+
+def _check_reference(spec: BenchSpec) -> None:
+    """--reference alst: DeepSpeed's Ulysses over D ranks, the shapes our `ulysses` accepts."""
+    if spec.reference not in REFERENCES:
+        raise ValueError(f"--reference={spec.reference!r} is not a reference stack; use one of {','.join(REFERENCES)}")
+    if spec.degree < 2:
+        raise ValueError(f"--reference=alst with --degree={spec.degree}: DeepSpeed's Ulysses needs "
+                         "--degree >= 2 (at 1 it registers nothing)")
+    try:
+        check_parallel_shapes(spec.model, scheme="ulysses", degree=spec.degree, seq_len=spec.seq_len)
+    except ValueError as err:
+        raise ValueError(f"--reference=alst with --degree={spec.degree}: {err}") from None
 
 
 def _check_processes(spec: BenchSpec, cuda_devices: int, cpu_count: int) -> None:

@@ -2,7 +2,10 @@
 backward of `Transformer.loss_sum` plus the global token count (parallel/loss.py), keyed "op/tag"
 like `CommLedger.summary()`, in the ledger's payload conventions (ledger.py). The formulas, per
 scheme and tag, are tabled in docs/parallelism.md, "Baseline communication formulas";
-tests/distributed/test_baselines.py asserts the ledger equals them exactly.
+tests/distributed/test_baselines.py asserts the ledger equals them exactly. `ulysses`
+(parallel/ulysses.py) is `sp`'s layout with the K/V all-gather replaced by the all-to-alls of
+DeepSpeed's DistributedAttention (`ulysses_all_to_all_bytes`); tests/distributed/test_bench.py
+asserts the ledger equals it.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ def scheme_axes(scheme: str, degree: int, tp_degree: int | None = None, sp_degre
         return degree, 1, False
     if scheme == "tp_sp":
         return degree, 1, True
-    if scheme == "sp":
+    if scheme in ("sp", "ulysses"):
         return 1, degree, False
     if scheme == "tp_x_sp":
         assert tp_degree * sp_degree == degree, "tp_degree x sp_degree must equal the degree"
         return tp_degree, sp_degree, bool(tp_sequence_parallel)
-    raise ValueError(f"parallel.scheme={scheme!r} is not a baseline; use tp, tp_sp, sp or tp_x_sp")
+    raise ValueError(f"parallel.scheme={scheme!r} is not a baseline; use tp, tp_sp, sp, tp_x_sp or ulysses")
 
 
 def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: int, seq_len: int,
@@ -50,10 +53,15 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
             out["all_reduce/embed.tp"] += a
             out["all_reduce/head.tp"] += a
         out["all_reduce/head.ce"] += 3 * n * 4
-    if s > 1:
+    if s > 1 and scheme == "ulysses":      # q, k, v, o through all-to-alls instead of K/V gathers
+        for key, nbytes in ulysses_all_to_all_bytes(cfg, degree=s, batch=batch, seq_len=seq_len,
+                                                    dtype_bytes=e).items():
+            out[key] += nbytes
+    elif s > 1:
         kv = batch * seq_len * 2 * (cfg.kv_hidden_size // t) * e
         out["all_gather/attn.kv"] += 2 * layers * kv
         out["reduce_scatter/attn.dkv"] += layers * kv
+    if s > 1:
         per_layer = cfg.attn_sharded_params + cfg.mlp_sharded_params
         vocab = padded_vocab_size(cfg.vocab_size, t)              # padded to a multiple of T
         out["all_reduce/wgrad"] += (layers * per_layer + 2 * vocab * h) // t * GRAD_BYTES
@@ -66,6 +74,25 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
         if cfg.replicated_biases:
             out["all_reduce/bias.grad"] += layers * cfg.replicated_biases * GRAD_BYTES
     return dict(out)
+
+
+def ulysses_all_to_all_bytes(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int,
+                             dtype_bytes: int = 4, forward_replays: int = 1) -> dict[str, int]:
+    """Ledger bytes of Ulysses' all-to-alls on one rank for one forward + backward: per layer, q,
+    k, v and the attention output go through one all-to-all forward ("attn.a2a.q" ...) and their
+    gradients one backward ("attn.a2a.dq" ...), each recorded as the local tensor it is given,
+    [B, S/D, heads, head_dim] (parallel/ulysses.py). K/V heads fewer than D are repeated up to D.
+    `forward_replays` = 2 under activation checkpointing (the block's replay re-runs the forward
+    ones)."""
+    if degree == 1:
+        return {}
+    per_head = batch * (seq_len // degree) * cfg.head_dim * dtype_bytes * cfg.num_layers
+    kv = max(cfg.num_kv_heads, degree)
+    out = {}
+    for name, heads in (("q", cfg.num_heads), ("k", kv), ("v", kv), ("o", cfg.num_heads)):
+        out[f"all_to_all/attn.a2a.{name}"] = per_head * heads * forward_replays
+        out[f"all_to_all/attn.a2a.d{name}"] = per_head * heads
+    return out
 
 
 def bytes_by_op(by_tag: dict[str, int]) -> dict[str, int]:
