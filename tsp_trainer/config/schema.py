@@ -148,7 +148,7 @@ class ParallelSection:
                            "q/k/v/o the only ones alive; backward replays a chunk's forward); "
                            "num_heads / (chunks x D) whole; auto = 1 unless the predicted peak "
                            "needs more to fit train.memory_budget_gib, then the fewest that fit "
-                           "(docs/parallelism.md); other schemes: 1")
+                           "(docs/parallelism.md); other schemes and D = 1: 1")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")

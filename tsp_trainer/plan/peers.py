@@ -90,8 +90,8 @@ class PeerLayout:
     @property
     def liger_kernels(self) -> bool:
         """ALST's model factory loads Liger's RMSNorm, RoPE and (with the MLP untiled) SwiGLU
-        kernels; UPipe (torchtitan) and FSDP + CP run torch's."""
-        return self.scheme == "ulysses"
+        kernels, and upipe is that stack with head chunks; FSDP + CP runs torch's."""
+        return self.scheme in ("ulysses", "upipe")
 
     # the fields the report and the longest-sequence search read from every layout
     zero_stage = 3
@@ -301,6 +301,23 @@ def _proxy(lay: PeerLayout, n: int, cfg: ModelConfig) -> Layout:
                   micro_batch=lay.micro_batch, grad_accum=lay.grad_accum,
                   loss_chunk_tokens=loss_chunk_tokens(cfg, n) * lay.degree if lay.tiled_loss else UNTILED,
                   mlp_chunk_tokens=mlp_chunk_tokens(cfg, n) * lay.degree if lay.tiled_mlp else UNTILED)
+
+
+def head_chunk_saving(cfg: ModelConfig, layout: Layout, seq_len: int, chunks: int, prec: Precision = BF16) -> int:
+    """Bytes per rank that `chunks` head chunks (parallel.ulysses_head_chunks) take off the peak of
+    a ulysses run planned as `layout` (layout.planned_scheme: sp): the peers' model of ulysses less
+    that of upipe with `chunks`, at the run's D, DP, micro-batch, checkpointing, offloads and
+    tiling (0 for one chunk or D = 1)."""
+    if chunks == 1 or layout.degree == 1:
+        return 0
+    kw = dict(dp=layout.dp, activation_checkpointing=layout.activation_checkpointing,
+              offload_optimizer=layout.offload_optimizer,
+              offload_block_inputs=layout.offload_activations and layout.activation_checkpointing,
+              tiled_loss=layout.loss_chunk_tokens != UNTILED, tiled_mlp=layout.mlp_chunk_tokens != UNTILED,
+              micro_batch=layout.micro_batch)
+    whole, _ = peer_memory(cfg, PeerLayout("ulysses", layout.degree, **kw), seq_len, prec)
+    chunked, _ = peer_memory(cfg, PeerLayout("upipe", layout.degree, head_chunks=chunks, **kw), seq_len, prec)
+    return max(0, whole["total"] - chunked["total"])
 
 
 def _link(group: int, hw: HardwareProfile) -> float:
@@ -552,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ALST_TABLE", "PEER_SCHEMES", "AlstRow", "alst_ablation", "format_alst", "format_beside_peers", "PLANNER_ONLY", "PeerLayout", "loss_chunk_tokens", "mlp_chunk_tokens",
+__all__ = ["ALST_TABLE", "PEER_SCHEMES", "AlstRow", "alst_ablation", "format_alst", "format_beside_peers", "PLANNER_ONLY",
+           "head_chunk_saving", "PeerLayout", "loss_chunk_tokens", "mlp_chunk_tokens",
            "peer_layouts", "peer_longest", "peer_memory", "peer_ranking", "peer_shapes_ok", "predict_peer"]
 
 
