@@ -173,7 +173,7 @@ def _attention_peaks(mesh) -> dict[int, int]:
     t = MEM_SEQ // sp.size
     peaks = {}
     for chunks in sorted({1, 2, MEM_HEADS // sp.size}):
-        attn = UlyssesAttention(distributed_attention, sp, num_kv_heads=MEM_KV, head_chunks=chunks)
+        attn = UlyssesAttention(distributed_attention, sp, head_chunks=chunks)
         q = torch.randn(1, t, MEM_HEADS, MEM_DIM, generator=gen, requires_grad=True)
         k, v = (torch.randn(1, t, MEM_KV, MEM_DIM, generator=gen, requires_grad=True) for _ in range(2))
         dout = torch.randn(1, t, MEM_HEADS * MEM_DIM, generator=gen)

@@ -35,10 +35,11 @@ Hugging Face models does) so that every rank receives one; query head j then sti
 head j // (n_h / n_kv). With c head chunks a group of n_h / c query heads takes the n_kv / c K/V
 heads they meet (or the one it shares with other groups when n_kv < c) and repeats them up to D
 inside its own call: the all-to-alls then move c max(n_kv / c, D) K/V heads per layer against
-max(n_kv, D) without chunks, more only when n_kv < c D. The shape rules (config/validate.py) refuse n_h or the sequence length not
-divisible by D (DistributedAttention returns wrong values there without an error), and n_kv that
-neither divides nor is divided by D, and a chunk count c with n_h / (c D) not whole or n_kv and c D
-dividing neither way (validate.check_ulysses_head_chunks).
+max(n_kv, D) without chunks, more only when n_kv < c D.
+
+The shape rules (config/validate.py) refuse n_h or the sequence length not divisible by D
+(DistributedAttention returns wrong values there without an error), n_kv that neither divides nor
+is divided by D, and chunk counts the heads do not split into (check_ulysses_head_chunks).
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ from typing import Callable
 
 import torch
 
+from tsp_trainer.config.validate import check_ulysses_head_chunks
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns, attention_core
 from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel.baselines.apply import _check, _single, _whole, apply_baseline
 from tsp_trainer.parallel.baselines.layers import Groups
-from tsp_trainer.config.validate import check_ulysses_head_chunks
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.mesh import Mesh, axis_view
 from tsp_trainer.parallel.parallelized import Parallelized
@@ -113,9 +114,7 @@ class UlyssesAttention:
     the heads go through the all-to-alls and attention in c groups, one at a time (module
     docstring)."""
 
-    def __init__(self, factory: DistributedAttentionFactory, comm: Comm, *, num_kv_heads: int,
-                 head_chunks: int = 1):
-        del num_kv_heads                               # read off k: each group repeats its own
+    def __init__(self, factory: DistributedAttentionFactory, comm: Comm, *, head_chunks: int = 1):
         self.comm = comm
         self.head_chunks = head_chunks
         self.attend = factory(self._local, comm.group)
@@ -193,8 +192,7 @@ def build_ulysses(model: Transformer, mesh: Mesh, *,
                              "DeepSpeed's DistributedAttention, which the trainer builds "
                              "(tsp_trainer/engine/ulysses.py: parallelize(..., "
                              "distributed_attention=...)); run it with tsp-train")
-        attend = {"attend": UlyssesAttention(distributed_attention, sp, num_kv_heads=model.cfg.num_kv_heads,
-                                             head_chunks=ulysses_head_chunks)}
+        attend = {"attend": UlyssesAttention(distributed_attention, sp, head_chunks=ulysses_head_chunks)}
     groups = Groups(_single(mesh, "tp"), sp, False, _whole(mesh, sp), _whole(mesh, sp), **attend)
     specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
                            loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"),

@@ -170,7 +170,7 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
     head_chunks: the ulysses_head_chunks values to weigh, fewest first (None: not ulysses); each
     layout takes the fewest that fit (`_fewest_head_chunks`)."""
     hw = hw or PROFILES[RANKING_PROFILE]
-    ranked, refusal, chunks_of = [], None, {}
+    ranked, refusal = [], None          # (prediction, head chunks)
     for layout in layouts:
         try:
             if refuses is not None:
@@ -179,25 +179,23 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
         except ValueError as err:          # the device's kernel rules refuse this mode
             refusal = refusal or err
             continue
-        worst, chunks = _fewest_head_chunks(model, staged, head_chunks, budget.bytes, prec)
-        chunks_of[id(worst)] = chunks
-        ranked.append(worst)
+        ranked.append(_fewest_head_chunks(model, staged, head_chunks, budget.bytes, prec))
     if not ranked:
         raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
                                 "parallel.tsp_recompute, train.activation_checkpointing, "
                                 "parallel.head_buckets and parallel.checkpoint_replay_keeps "
                                 "explicitly")
-    ranked.sort(key=lambda p: ranking_key(p, budget.bytes))
-    best = ranked[0]
+    ranked.sort(key=lambda pc: ranking_key(pc[0], budget.bytes))
+    best, chunks = ranked[0]
     if best.memory["total"] > budget.bytes:
-        smallest = min(ranked, key=lambda p: p.memory["total"])
+        smallest, least_chunks = min(ranked, key=lambda pc: pc[0].memory["total"])
         raise AutoSettingsError(
             f"auto settings: nothing fits the memory budget of {gib_text(budget.bytes)} per process "
             f"({budget.source}): the smallest predicted peak is {gib_text(smallest.memory['total'])} "
-            f"({_choice(smallest.layout, 0.0, budget, chunks_of[id(smallest)]).values()}); use more model-parallel ranks "
+            f"({_choice(smallest.layout, 0.0, budget, least_chunks).values()}); use more model-parallel ranks "
             "(parallel.tsp_degree), a shorter data.seq_len, a smaller data.micro_batch_size, or a "
             "larger train.memory_budget_gib if the device has it")
-    return _choice(best.layout, peak=best.memory["total"], budget=budget, chunks=chunks_of[id(best)])
+    return _choice(best.layout, peak=best.memory["total"], budget=budget, chunks=chunks)
 
 
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
