@@ -25,6 +25,7 @@ from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns
+from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
@@ -51,9 +52,13 @@ CASES = [(cfg, docs, False, {}) for cfg in CFGS for docs in (None, False, True)]
 CASES += [("gqa", True, True, {}), ("mha", None, True, {"loss_chunk_tokens": 3}),
           ("gqa", False, False, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3})]
 # head chunks ("per_rank": as many as the query heads per rank, one head per rank and chunk): GQA
-# with K/V heads fewer than c D (repeated inside each chunk), documents, checkpointed blocks
+# with K/V heads fewer than c D (repeated inside each chunk), documents, checkpointed blocks; the
+# ALST stack's tools together: checkpointed block inputs offloaded to host memory, tiled MLP and
+# loss, head chunks
 CHUNKED = [("gqa", None, False, {"ulysses_head_chunks": 2}), ("gqa", True, False, {"ulysses_head_chunks": "per_rank"}),
-           ("qwen3", False, True, {"ulysses_head_chunks": 2}), ("mha", None, False, {"ulysses_head_chunks": "per_rank"})]
+           ("qwen3", False, True, {"ulysses_head_chunks": 2}), ("mha", None, False, {"ulysses_head_chunks": "per_rank"}),
+           ("gqa", False, True, {"ulysses_head_chunks": 2, "offload_activations": True, "loss_chunk_tokens": 5,
+                                 "mlp_chunk_tokens": 3})]
 CASES += CHUNKED
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -125,6 +130,8 @@ def _ulysses_rank(rank, world, cases, refs):
     out = []
     for (cfg_name, docs, checkpointing, options), ref in zip(cases, refs, strict=True):
         cfg = CFGS[cfg_name]
+        offload = options.get("offload_activations", False)
+        options = {k: v for k, v in options.items() if k != "offload_activations"}
         options = {**options, **({"ulysses_head_chunks": _chunks(cfg, options, world)} if options.get(
             "ulysses_head_chunks") else {})}
         model = Transformer(cfg)
@@ -133,6 +140,8 @@ def _ulysses_rank(rank, world, cases, refs):
                           **options)
         if checkpointing:
             model.block_wrapper = checkpointed_block
+        if offload:                                    # around the checkpoint, as the Trainer does
+            model.block_wrapper = ActivationOffload(model.block_wrapper)
         local_ids, local_labels, pos = par.local_batch(
             ref["ids"], ref["labels"], None if docs is None else _positions(docs).documents)
         mesh.ledger.reset()
