@@ -1,8 +1,12 @@
 """Parity of scheme `ulysses` (parallel/ulysses.py: DeepSpeed's DistributedAttention all-to-alls over
 the model-parallel axis) with one process: loss, logits and every gradient, fp32, rtol 1e-5 /
 atol 1e-6, on 1, 2 and 4 gloo ranks; GQA with K/V heads fewer than the degree (repeated), document
-masking on and off; a checkpoint resumed across schemes (tsp -> ulysses and back). The all-to-all
-bytes in the ledger equal their closed form and the bytes DeepSpeed hands to all_to_all_single. All cases of one world size run in one fork (cheap)."""
+masking on and off, with and without head chunks (parallel.ulysses_head_chunks: 2, and one query
+head per rank and chunk); a checkpoint resumed across schemes (tsp -> ulysses and back). The
+all-to-all bytes in the ledger equal their closed form and the bytes DeepSpeed hands to
+all_to_all_single; a forward without autograd moves the same bytes in chunks as whole. Head chunks
+lower the attention step's peak memory (LiveTensorMemory). All cases of one world size run in one
+fork (cheap)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns
+from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
@@ -46,6 +51,15 @@ CASES = [(cfg, docs, False, {}) for cfg in CFGS for docs in (None, False, True)]
 # a few tokens, edges inside documents
 CASES += [("gqa", True, True, {}), ("mha", None, True, {"loss_chunk_tokens": 3}),
           ("gqa", False, False, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3})]
+# head chunks ("per_rank": as many as the query heads per rank, one head per rank and chunk): GQA
+# with K/V heads fewer than c D (repeated inside each chunk), documents, checkpointed blocks; the
+# ALST stack's tools together: checkpointed block inputs offloaded to host memory, tiled MLP and
+# loss, head chunks
+CHUNKED = [("gqa", None, False, {"ulysses_head_chunks": 2}), ("gqa", True, False, {"ulysses_head_chunks": "per_rank"}),
+           ("qwen3", False, True, {"ulysses_head_chunks": 2}), ("mha", None, False, {"ulysses_head_chunks": "per_rank"}),
+           ("gqa", False, True, {"ulysses_head_chunks": 2, "offload_activations": True, "loss_chunk_tokens": 5,
+                                 "mlp_chunk_tokens": 3})]
+CASES += CHUNKED
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -70,20 +84,30 @@ def _reference(cfg_name: str, docs: bool | None):
             "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
-def _a2a_bytes(cfg: ModelConfig, degree: int, checkpointing: bool) -> dict[str, int]:
-    """Closed form of the ledger's all-to-all records for one forward + backward: per layer, q, k,
-    v and the output go through one all-to-all each way, each moving the local tensor
-    [B, S/D, heads, d] (K/V heads repeated up to D), fp32; the forward ones twice under activation
-    checkpointing (the block's replay)."""
+def _chunks(cfg: ModelConfig, options: dict, degree: int) -> int:
+    c = options.get("ulysses_head_chunks", 1)
+    return cfg.num_heads // degree if c == "per_rank" else c
+
+
+def _a2a_bytes(cfg: ModelConfig, degree: int, checkpointing: bool, chunks: int = 1,
+               grad: bool = True) -> dict[str, int]:
+    """Closed form of the ledger's all-to-all records for one forward + backward (`grad`; else one
+    forward without autograd): per layer, q, k, v and the output go through one all-to-all each
+    way, each moving the local tensor [B, S/D, heads, d], fp32. With c head chunks each chunk
+    moves its own heads, its K/V heads (Hkv / c, or one shared) repeated up to D: c max(Hkv / c, D)
+    in all (c = 1: max(Hkv, D)). The forward ones again under activation checkpointing (the
+    block's replay) and with chunks (each chunk's replay in backward)."""
     if degree == 1:
         return {}
     token_bytes = BATCH * SEQ // degree * cfg.head_dim * 4 * cfg.num_layers
-    kv = max(cfg.num_kv_heads, degree)
+    kv = chunks * max(cfg.num_kv_heads // chunks, 1, degree)
     heads = {"q": cfg.num_heads, "k": kv, "v": kv, "o": cfg.num_heads}
+    forward_runs = 1 + (checkpointing + (chunks > 1) if grad else 0)
     out = {}
     for name, h in heads.items():
-        out[f"all_to_all/attn.a2a.{name}"] = token_bytes * h * (2 if checkpointing else 1)
-        out[f"all_to_all/attn.a2a.d{name}"] = token_bytes * h
+        out[f"all_to_all/attn.a2a.{name}"] = token_bytes * h * forward_runs
+        if grad:
+            out[f"all_to_all/attn.a2a.d{name}"] = token_bytes * h
     return out
 
 
@@ -106,12 +130,18 @@ def _ulysses_rank(rank, world, cases, refs):
     out = []
     for (cfg_name, docs, checkpointing, options), ref in zip(cases, refs, strict=True):
         cfg = CFGS[cfg_name]
+        offload = options.get("offload_activations", False)
+        options = {k: v for k, v in options.items() if k != "offload_activations"}
+        options = {**options, **({"ulysses_head_chunks": _chunks(cfg, options, world)} if options.get(
+            "ulysses_head_chunks") else {})}
         model = Transformer(cfg)
         init_model(model, SEED)
         par = parallelize(model, "ulysses", mesh, seq_len=SEQ, distributed_attention=distributed_attention,
                           **options)
         if checkpointing:
             model.block_wrapper = checkpointed_block
+        if offload:                                    # around the checkpoint, as the Trainer does
+            model.block_wrapper = ActivationOffload(model.block_wrapper)
         local_ids, local_labels, pos = par.local_batch(
             ref["ids"], ref["labels"], None if docs is None else _positions(docs).documents)
         mesh.ledger.reset()
@@ -121,22 +151,56 @@ def _ulysses_rank(rank, world, cases, refs):
         (loss_sum / total).backward()
         ledger = {k: v["bytes"] for k, v in mesh.ledger.summary().items() if "a2a" in k}
         deepspeed_bytes = sum(sent)
+        mesh.ledger.reset()
         with torch.no_grad():
             logits = par.model(local_ids, pos)
+        forward_ledger = {k: v["bytes"] for k, v in mesh.ledger.summary().items() if "a2a" in k}
         expected_logits = par.local_batch(ref["logits"], ref["logits"])[0]
         out.append({"loss": reduce_loss_value(loss_sum, total, par.token_comms),
                     "logits_err": (logits - expected_logits).abs().max().item(),
                     "logits_ok": torch.allclose(logits, expected_logits, **TOL),
                     "grads": par.gather_full_grads(), "ledger": ledger, "deepspeed_bytes": deepspeed_bytes,
-                    "kv_gathers": mesh.ledger.count(tag="attn.kv")})
-    return out
+                    "forward_ledger": forward_ledger, "kv_gathers": mesh.ledger.count(tag="attn.kv")})
+    return out, _attention_peaks(mesh) if world > 1 else {}
+
+
+# the attention step measured for its peak memory: one rank's local q, k, v [1, S/D, 8, 16] (GQA's
+# repeated K/V heads would add their own bytes to each chunk; the parity cases above cover it)
+MEM_SEQ, MEM_HEADS, MEM_KV, MEM_DIM = 128, 8, 8, 16
+
+
+def _attention_peaks(mesh) -> dict[int, int]:
+    """chunks -> the high-water mark of bytes allocated during one UlyssesAttention forward +
+    backward on this rank (LiveTensorMemory: the inputs, output gradient and their gradients'
+    accumulation excluded), for 1, 2 and one query head per rank and chunk."""
+    from tsp_trainer.parallel.mesh import axis_view
+    from tsp_trainer.parallel.ulysses import UlyssesAttention
+    from tsp_trainer.tools.memory import LiveTensorMemory
+
+    sp = axis_view(mesh.tsp, "sp")
+    gen = torch.Generator().manual_seed(sp.rank)
+    t = MEM_SEQ // sp.size
+    peaks = {}
+    for chunks in sorted({1, 2, MEM_HEADS // sp.size}):
+        attn = UlyssesAttention(distributed_attention, sp, head_chunks=chunks)
+        q = torch.randn(1, t, MEM_HEADS, MEM_DIM, generator=gen, requires_grad=True)
+        k, v = (torch.randn(1, t, MEM_KV, MEM_DIM, generator=gen, requires_grad=True) for _ in range(2))
+        dout = torch.randn(1, t, MEM_HEADS * MEM_DIM, generator=gen)
+        with LiveTensorMemory() as mem:
+            mem.ignore(q, k, v, dout)
+            attn(q, k, v, None, sp).backward(dout)
+        peaks[chunks] = mem.peak
+    return peaks
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ulysses_matches_one_process(world):
     refs = [_reference(cfg_name, docs) for cfg_name, docs, *_ in CASES]
     results = run_on_ranks(_ulysses_rank, world, CASES, refs, timeout=600)
-    for rank, per_case in enumerate(results):
+    for rank, (per_case, peaks) in enumerate(results):
+        _check_attention_peaks(peaks, world)
+        whole = {cfg_name: out["forward_ledger"] for (cfg_name, docs, ac, options), out in zip(CASES, per_case)
+                 if (docs, ac, options) == (None, False, {})}
         for (cfg_name, docs, checkpointing, options), ref, out in zip(CASES, refs, per_case, strict=True):
             where = f"rank {rank} {cfg_name} documents={docs} checkpointing={checkpointing} {options}"
             assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
@@ -144,10 +208,27 @@ def test_ulysses_matches_one_process(world):
             assert out["grads"].keys() == ref["grads"].keys()
             for name, grad in ref["grads"].items():
                 torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
-            assert out["ledger"] == _a2a_bytes(CFGS[cfg_name], world, checkpointing), where
+            cfg, chunks = CFGS[cfg_name], _chunks(CFGS[cfg_name], options, world)
+            assert out["ledger"] == _a2a_bytes(cfg, world, checkpointing, chunks), where
             # the ledger's closed form is what DeepSpeed handed to all_to_all_single
             assert out["deepspeed_bytes"] == sum(out["ledger"].values()), where
+            assert out["forward_ledger"] == _a2a_bytes(cfg, world, False, chunks, grad=False), where
+            if chunks * max(cfg.num_kv_heads // chunks, 1, world) == max(cfg.num_kv_heads, world):
+                # no K/V head repeated beyond c = 1's: a forward moves the same bytes in chunks
+                assert out["forward_ledger"] == whole[cfg_name], where
             assert out["kv_gathers"] == 0, where
+
+
+def _check_attention_peaks(peaks: dict[int, int], world: int) -> None:
+    """With c chunks the attention step's peak is lower than whole by at least (1 - 1/c) of one
+    full-sequence tensor of all local heads, [1, S, H/D, d] fp32 (measured at S = 128, D = 2:
+    296,960 bytes whole, 263,168 in 2 chunks, 204,800 in 4; the bound takes 16,384 and 24,576 off)."""
+    if world == 1:
+        return
+    full_sequence = MEM_SEQ * (MEM_HEADS // world) * MEM_DIM * 4
+    assert set(peaks) == {1, 2, MEM_HEADS // world}
+    for chunks, peak in peaks.items():
+        assert peak <= peaks[1] - (1 - 1 / chunks) * full_sequence, (world, peaks)
 
 
 

@@ -70,20 +70,27 @@ def test_offloaded_block_inputs_live_in_host_memory():
     assert p.memory["host_per_node"] >= 8 * act_off.host
 
 
-def test_head_chunks_divide_attention_memory_not_the_bytes_moved():
+def test_head_chunks_divide_attention_memory_and_replay_one_forward():
+    """upipe (parallel.ulysses_head_chunks > 1): the post-all-to-all tensors alive in backward are
+    one chunk's, a chunk keeps only its local q, k, v, and backward replays each chunk's forward
+    all-to-alls (the checkpointed layout: 4 passes of bytes against 3)."""
     seq = 1 << 20
     _, whole = peer_memory(LLAMA, PeerLayout("ulysses", 8, tiled_mlp=True), seq)
-    e, n, hq = 2, seq // 8, LLAMA.q_hidden_size
+    e, n, hq, hkv = 2, seq // 8, LLAMA.q_hidden_size, LLAMA.kv_hidden_size
+    b = peer_comm_seconds(LLAMA, PeerLayout("ulysses", 8), seq, H100, Assumptions())
     for chunks in (2, 4):
         lay = PeerLayout("upipe", 8, head_chunks=chunks)
         _, act = peer_memory(LLAMA, lay, seq)
         # everything after the all-to-all is per chunk; the o_proj input [n, hq] stays whole
         assert act.terms["flash_backward"] < whole.terms["flash_backward"]
-        assert act.terms["attention_saved"] - e * n * hq < whole.terms["attention_saved"] - e * n * hq
+        assert act.terms["attention_saved"] == e * n * (2 * hq + 2 * hkv)
+        assert act.terms["attention_backward"] < whole.terms["attention_backward"]
         assert act.terms["block_input"] == whole.terms["block_input"]
         a = peer_comm_seconds(LLAMA, lay, seq, H100, Assumptions())
-        b = peer_comm_seconds(LLAMA, PeerLayout("ulysses", 8), seq, H100, Assumptions())
-        assert a["sp_bytes"] == b["sp_bytes"]
+        assert a["sp_bytes"] == pytest.approx(b["sp_bytes"] * 4 / 3)
+    slow = predict_peer(LLAMA.replace(max_seq_len=seq), PeerLayout("upipe", 8, head_chunks=4), seq, H100)
+    fast = predict_peer(LLAMA.replace(max_seq_len=seq), PeerLayout("ulysses", 8), seq, H100)
+    assert slow.times["compute_per_micro"] > fast.times["compute_per_micro"]
 
 
 def test_ulysses_all_to_all_bytes():

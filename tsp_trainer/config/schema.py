@@ -142,6 +142,13 @@ class ParallelSection:
                            "the ~6 alive [tokens, I/D] intermediates exceed 1 GiB, else the fewest "
                            "equal chunks under it; once tiled, a TSP layer's [N/D, h] accumulators "
                            "are kept in the activation dtype (docs/long_context/tiled_mlp.md)")
+    ulysses_head_chunks: int | Auto = setting(
+        "auto", min=1, doc="ulysses: groups of heads the attention runs one at a time after the "
+                           "all-to-all (UPipe; each chunk's own all-to-alls, its full-sequence "
+                           "q/k/v/o the only ones alive; backward replays a chunk's forward); "
+                           "num_heads / (chunks x D) whole; auto = 1 unless the predicted peak "
+                           "needs more to fit train.memory_budget_gib, then the fewest that fit "
+                           "(docs/parallelism.md); other schemes and D = 1: 1")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")

@@ -56,6 +56,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     p = cfg.parallel
     check_parallel_shapes(model, scheme=p.scheme, degree=p.tsp_degree, seq_len=cfg.data.seq_len,
                           head_buckets=shape_buckets(p), tp_degree=p.tp_degree, sp_degree=p.sp_degree)
+    check_ulysses_head_chunks(model, scheme=p.scheme, degree=p.tsp_degree, head_chunks=p.ulysses_head_chunks)
     _check_tsp_recompute(cfg)
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
@@ -372,6 +373,52 @@ def _check_ulysses_heads(model_cfg: ModelConfig, degree: int) -> None:
         raise ValueError(f"parallel.tsp_degree={degree} and model.num_kv_heads={n_kv} divide neither "
                          f"way (parallel.scheme='ulysses' splits the K/V heads over D ranks, or repeats "
                          f"each D / num_kv_heads times when fewer); use a multiple or a divisor of {n_kv}")
+
+
+def ulysses_head_chunk_counts(model_cfg: ModelConfig, degree: int) -> list[int]:
+    """The values of parallel.ulysses_head_chunks scheme ulysses runs at degree D: c divides the
+    num_heads / D local query heads per rank (each group of num_heads / c query heads goes through
+    one all-to-all, so it is a multiple of D); num_kv_heads and c divide one way or the other (a
+    group takes the num_kv_heads / c K/V heads its query heads meet, or one it shares), and so do
+    num_kv_heads and c D (its all-to-all hands every rank an equal share of them, repeated up to D
+    when fewer)."""
+    n_h, n_kv = model_cfg.num_heads, model_cfg.num_kv_heads
+    if n_h % degree:
+        return [1]
+    return [c for c in _divisors(n_h // degree)
+            if _either_divides(n_kv, c) and _either_divides(n_kv, c * degree)]
+
+
+def _either_divides(a: int, b: int) -> bool:
+    return a % b == 0 or b % a == 0
+
+
+def check_ulysses_head_chunks(model_cfg: ModelConfig, *, scheme: str, degree: int, head_chunks: Any) -> None:
+    """parallel.ulysses_head_chunks: `auto`, or a count ulysses_head_chunk_counts allows (any other
+    scheme: 1); the head rules of ulysses itself (_check_ulysses_heads) come first."""
+    if head_chunks == "auto":
+        return
+    _require_setting("parallel.ulysses_head_chunks", head_chunks)
+    if scheme != "ulysses":
+        if head_chunks != 1:
+            raise ValueError(f"parallel.ulysses_head_chunks={head_chunks} is only used by "
+                             f"parallel.scheme='ulysses' (got {scheme!r}); set it to 1 or auto")
+        return
+    n_h, n_kv = model_cfg.num_heads, model_cfg.num_kv_heads
+    if n_h % degree or head_chunks in ulysses_head_chunk_counts(model_cfg, degree):
+        return
+    counts = _fmt_list(ulysses_head_chunk_counts(model_cfg, degree))
+    if (n_h // degree) % head_chunks:
+        raise ValueError(f"parallel.ulysses_head_chunks={head_chunks} does not divide the "
+                         f"model.num_heads / parallel.tsp_degree = {n_h} / {degree} = {n_h // degree} "
+                         f"query heads per rank (each chunk's num_heads / chunks query heads go "
+                         f"through one all-to-all, a multiple of D); use one of {counts}")
+    raise ValueError(f"parallel.ulysses_head_chunks={head_chunks} with model.num_kv_heads={n_kv} and "
+                     f"parallel.tsp_degree={degree}: num_kv_heads and chunks, or num_kv_heads and "
+                     f"chunks x D = {head_chunks * degree}, divide neither way (each chunk takes the "
+                     f"num_kv_heads / chunks K/V heads its query heads meet, or one it shares, and "
+                     f"its all-to-all hands every rank an equal share, repeated up to D when fewer); "
+                     f"use one of {counts}")
 
 
 def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) -> None:

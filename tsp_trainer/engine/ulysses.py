@@ -36,6 +36,10 @@ def distributed_attention(local_attention: Callable, group) -> Callable:
     return attend
 
 
-def scheme_options(scheme: str) -> dict:
-    """The engine's part of parallelize()'s options for `scheme` (only `ulysses` has one)."""
-    return {"distributed_attention": distributed_attention} if scheme == "ulysses" else {}
+def scheme_options(scheme: str, head_chunks: int = 1) -> dict:
+    """The engine's part of parallelize()'s options for `scheme` (only `ulysses` has any):
+    DeepSpeed's attention layer and the head chunks it is called in (parallel.ulysses_head_chunks,
+    resolved)."""
+    if scheme != "ulysses":
+        return {}
+    return {"distributed_attention": distributed_attention, "ulysses_head_chunks": head_chunks}

@@ -21,11 +21,25 @@ issues them on the axis' process group itself, so they are recorded in the ledge
 call, by their closed form: each all-to-all moves the tensor it is given ("all_to_all" records, the
 local tensor's bytes, the 1/D that stays on the rank included, as all_gather records its output).
 
+Head chunks (parallel.ulysses_head_chunks = c, "UPipe"): the local q [B, S/D, Hq, d] and k, v are
+split by heads into c groups (Hq / c query heads each, a multiple of D) and each group goes through
+its own DistributedAttention call (q/k/v all-to-all, attention, output all-to-all) before the next
+starts, so the full-sequence tensors [B, S, Hq / (c D), d] of one group are the only ones alive.
+Under autograd a group keeps only its local inputs (`_HeadChunk`): its backward runs the group's
+all-to-alls and attention forward again, then their backward, and frees them before the next
+group's. Cost: that replay, one more forward's all-to-all bytes per step; without autograd
+(checkpointed blocks' first forward, evaluation) the bytes are those of c = 1.
+
 GQA: K/V heads fewer than D are repeated (each K/V head D / n_kv times, as DeepSpeed's Ulysses for
 Hugging Face models does) so that every rank receives one; query head j then still meets its K/V
-head j // (n_h / n_kv). The shape rules (config/validate.py) refuse n_h or the sequence length not
-divisible by D (DistributedAttention returns wrong values there without an error), and n_kv that
-neither divides nor is divided by D.
+head j // (n_h / n_kv). With c head chunks a group of n_h / c query heads takes the n_kv / c K/V
+heads they meet (or the one it shares with other groups when n_kv < c) and repeats them up to D
+inside its own call: the all-to-alls then move c max(n_kv / c, D) K/V heads per layer against
+max(n_kv, D) without chunks, more only when n_kv < c D.
+
+The shape rules (config/validate.py) refuse n_h or the sequence length not divisible by D
+(DistributedAttention returns wrong values there without an error), n_kv that neither divides nor
+is divided by D, and chunk counts the heads do not split into (check_ulysses_head_chunks).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from typing import Callable
 
 import torch
 
+from tsp_trainer.config.validate import check_ulysses_head_chunks
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns, attention_core
 from tsp_trainer.model.transformer import Transformer
@@ -69,16 +84,39 @@ def _record(comm: Comm, tag: str, x: torch.Tensor) -> None:
                        nbytes=x.numel() * x.element_size(), dtype=str(x.dtype).removeprefix("torch."))
 
 
+class _HeadChunk(torch.autograd.Function):
+    """One head group's attention, `run(q, k, v)` (its all-to-alls and attention), keeping for
+    backward only its local inputs q [B, S/D, Hq/c, d], k, v [B, S/D, Hkv'/c, d]: forward runs the
+    group without autograd (its full-sequence tensors are freed on return); backward runs it again
+    with autograd, then its backward, and the group's tensors are freed before the next group's
+    backward starts."""
+
+    @staticmethod
+    def forward(ctx, run: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        ctx.save_for_backward(q, k, v)
+        return run(q, k, v)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.run(*inputs)
+        dq, dk, dv = torch.autograd.grad(out, inputs, dout)
+        return None, dq, dk, dv
+
+
 class UlyssesAttention:
     """Callable with the signature of context_attention (parallel/baselines/context.py):
     (q [B, T, Hq, d], k, v [B, T, Hkv, d] of the local contiguous tokens, q_runs, comm, documents)
     -> [B, T, Hq * d]. The local attention sees the whole sequence in order, so q_runs is not
-    needed after the all-to-all and the document mask is the full rows' own."""
+    needed after the all-to-all and the document mask is the full rows' own. `head_chunks` c:
+    the heads go through the all-to-alls and attention in c groups, one at a time (module
+    docstring)."""
 
-    def __init__(self, factory: DistributedAttentionFactory, comm: Comm, *, num_kv_heads: int):
+    def __init__(self, factory: DistributedAttentionFactory, comm: Comm, *, head_chunks: int = 1):
         self.comm = comm
-        # K/V heads fewer than D: each is repeated so that every rank receives one.
-        self.kv_repeat = max(1, comm.size // num_kv_heads)
+        self.head_chunks = head_chunks
         self.attend = factory(self._local, comm.group)
 
     @staticmethod
@@ -89,17 +127,43 @@ class UlyssesAttention:
         out = attention_core(q, k, v, None, documents=documents, kernel=kernel)              # [B, S, Hq/D * d]
         return out.view(q.shape)
 
+    def _group(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Documents | None, kernel: str) -> torch.Tensor:
+        """One group's all-to-alls and attention: local q [B, T, hq, d], k, v [B, T, hkv, d] ->
+        local output [B, T, hq, d], the all-to-alls recorded in the ledger. K/V heads fewer than D
+        are repeated (each D / hkv times) so that every rank receives one."""
+        c = self.comm
+        repeat = max(1, c.size // k.shape[2])
+        if repeat > 1:                                 # [B, T, hkv, d] -> [B, T, D, d]
+            k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+        q, k, v = (_LedgerMark.apply(t.contiguous(), c, f"attn.a2a.{n}", f"attn.a2a.d{n}")
+                   for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        with c.foreign_ops("DeepSpeed DistributedAttention all-to-all"):
+            out = self.attend(q, k, v, documents=documents, kernel=kernel)                   # [B, T, hq, d]
+        return _LedgerMark.apply(out, c, "attn.a2a.o", "attn.a2a.do")
+
+    def _groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """(q, k, v) of each head group: group i's Hq/c query heads i Hq/c .. and the K/V heads they
+        meet (query head j meets K/V head j // (Hq / Hkv)): Hkv/c of them, or, with Hkv fewer than
+        c, the one K/V head it shares with c / Hkv - 1 other groups (views of q, k, v)."""
+        chunks, n_kv = self.head_chunks, k.shape[2]
+        per_group = max(n_kv // chunks, 1)
+        for i, qc in enumerate(q.split(q.shape[2] // chunks, dim=2)):
+            first = i * n_kv // chunks
+            yield qc, k.narrow(2, first, per_group), v.narrow(2, first, per_group)
+
     def __call__(self, q, k, v, q_runs, comm: Comm, documents: Documents | None = None,
                  kernel: str = "fa2") -> torch.Tensor:
         del q_runs                                     # contiguous slices: the all-to-all orders them
-        if self.kv_repeat > 1:                         # [B, T, Hkv, d] -> [B, T, D, d]
-            k, v = (t.repeat_interleave(self.kv_repeat, dim=2) for t in (k, v))
-        c = self.comm
-        q, k, v = (_LedgerMark.apply(t, c, f"attn.a2a.{n}", f"attn.a2a.d{n}")
-                   for t, n in ((q, "q"), (k, "k"), (v, "v")))
-        with c.foreign_ops("DeepSpeed DistributedAttention all-to-all"):
-            out = self.attend(q, k, v, documents=documents, kernel=kernel)                   # [B, T, Hq, d]
-        out = _LedgerMark.apply(out, c, "attn.a2a.o", "attn.a2a.do")
+        if self.head_chunks == 1:
+            out = self._group(q, k, v, documents, kernel)                                    # [B, T, Hq, d]
+        else:
+            def run(qc, kc, vc):
+                return self._group(qc, kc, vc, documents, kernel)
+            # under autograd each group keeps its local inputs only (_HeadChunk)
+            keep_local = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            out = torch.cat([_HeadChunk.apply(run, *g) if keep_local else run(*g) for g in self._groups(q, k, v)],
+                            dim=2)                                                           # [B, T, Hq, d]
         return out.reshape(out.shape[0], out.shape[1], -1)
 
 
@@ -113,11 +177,13 @@ def contiguous_layout(rank: int, degree: int):
 
 
 def build_ulysses(model: Transformer, mesh: Mesh, *,
-                  distributed_attention: DistributedAttentionFactory | None = None, **kw) -> Parallelized:
+                  distributed_attention: DistributedAttentionFactory | None = None,
+                  ulysses_head_chunks: int = 1, **kw) -> Parallelized:
     """Ulysses over the D ranks: contiguous tokens, replicated weights, q/k/v/o all-to-alls by
     DeepSpeed's DistributedAttention (`distributed_attention`, engine/ulysses.py; not needed
-    when D = 1)."""
+    when D = 1), the heads in `ulysses_head_chunks` groups (parallel.ulysses_head_chunks)."""
     _check(model, "ulysses", mesh, kw)
+    check_ulysses_head_chunks(model.cfg, scheme="ulysses", degree=mesh.tsp.size, head_chunks=ulysses_head_chunks)
     sp = axis_view(mesh.tsp, "sp")
     attend = {}
     if sp.size > 1:
@@ -126,7 +192,7 @@ def build_ulysses(model: Transformer, mesh: Mesh, *,
                              "DeepSpeed's DistributedAttention, which the trainer builds "
                              "(tsp_trainer/engine/ulysses.py: parallelize(..., "
                              "distributed_attention=...)); run it with tsp-train")
-        attend = {"attend": UlyssesAttention(distributed_attention, sp, num_kv_heads=model.cfg.num_kv_heads)}
+        attend = {"attend": UlyssesAttention(distributed_attention, sp, head_chunks=ulysses_head_chunks)}
     groups = Groups(_single(mesh, "tp"), sp, False, _whole(mesh, sp), _whole(mesh, sp), **attend)
     specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
                            loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"),

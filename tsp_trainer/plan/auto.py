@@ -1,5 +1,5 @@
-"""`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets and
-parallel.checkpoint_replay_keeps: the fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
+"""`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets,
+parallel.checkpoint_replay_keeps and parallel.ulysses_head_chunks: the fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
 process (model state + the activation peak of activations.py and transients.py) fits the memory
 budget. An explicit value stays as written; `auto` chooses the others around it.
 
@@ -10,6 +10,12 @@ budget. An explicit value stays as written; `auto` chooses the others around it.
 Under checkpointing the replay keeping all is the fastest (no forward runs a third time), and
 checkpoint_replay_keeps `auto` resolves to all: attention and nothing are explicit choices while
 the planner's model of them is not confirmed by the dry run (layout.PLANNED_REPLAY_KEEPS).
+
+Head chunks (scheme ulysses, D > 1): a run of ulysses is planned as sp (layout.planned_scheme); c
+chunks take `head_chunk_saving` off each candidate's predicted peak (the peers' model of ulysses
+against upipe with c chunks, plan/peers.py). A candidate takes the fewest chunks whose peak fits
+(1 when it fits whole: chunks replay each group's all-to-alls and attention in backward, so they
+are never faster), the most when none does.
 
 One ranking with tsp-plan: the candidates are `search.memory_variants` of the run's layout and
 `search.ranking_key` orders them, so for the same scheme, D, batch split and budget tsp-plan's top
@@ -34,9 +40,11 @@ from typing import Callable
 
 from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype
+from tsp_trainer.config.validate import ulysses_head_chunk_counts
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
 from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout, planned_scheme
 from tsp_trainer.plan.precision import PRECISIONS
+from tsp_trainer.plan.peers import head_chunk_saving
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.search import memory_variants, ranking_key
 
@@ -70,12 +78,14 @@ class MemoryChoice:
     peak: float
     budget: Budget
     checkpoint_replay_keeps: str = "all"
+    ulysses_head_chunks: int | None = None      # scheme ulysses only
 
     def values(self) -> str:
         ac = str(self.activation_checkpointing).lower()
+        chunks = "" if self.ulysses_head_chunks is None else f", ulysses_head_chunks={self.ulysses_head_chunks}"
         return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
                 f"head_buckets={self.head_buckets}, "
-                f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}")
+                f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}{chunks}")
 
     def line(self) -> str:
         """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`."""
@@ -83,11 +93,12 @@ class MemoryChoice:
                 f"{gib_text(self.budget.bytes)} budget: {self.budget.source})")
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
-        """`cfg` with the four keys set to this choice (what the run saves and logs)."""
+        """`cfg` with the keys set to this choice (what the run saves and logs)."""
+        chunks = {} if self.ulysses_head_chunks is None else {"ulysses_head_chunks": self.ulysses_head_chunks}
         return dataclasses.replace(
             cfg, parallel=dataclasses.replace(cfg.parallel, tsp_recompute=self.tsp_recompute,
                                               head_buckets=self.head_buckets,
-                                              checkpoint_replay_keeps=self.checkpoint_replay_keeps),
+                                              checkpoint_replay_keeps=self.checkpoint_replay_keeps, **chunks),
             train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing))
 
     def facts(self) -> dict:
@@ -105,8 +116,25 @@ def uses_auto(cfg: TrainConfig) -> bool:
     """Whether any key `auto` resolves is auto (checkpoint_replay_keeps only where checkpointing
     may be on: without it there is no replay, and plan/resolve.py writes all)."""
     replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
+    chunks = cfg.parallel.ulysses_head_chunks if _chunked_scheme(cfg) else None
     return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
-                    cfg.train.activation_checkpointing)
+                    cfg.train.activation_checkpointing, chunks)
+
+
+def _chunked_scheme(cfg: TrainConfig) -> bool:
+    """Whether parallel.ulysses_head_chunks acts: scheme ulysses over D > 1 ranks."""
+    return cfg.parallel.scheme == "ulysses" and cfg.parallel.tsp_degree > 1
+
+
+def head_chunk_candidates(cfg: TrainConfig) -> tuple[int, ...] | None:
+    """The ulysses_head_chunks values `auto` weighs for `cfg` (fewest first), the explicit value
+    alone, or None when the run is no chunked ulysses (the key then resolves to 1)."""
+    if not _chunked_scheme(cfg):
+        return None
+    chunks = cfg.parallel.ulysses_head_chunks
+    if chunks != AUTO:
+        return (chunks,)
+    return tuple(ulysses_head_chunk_counts(cfg.model.to_model_config(), cfg.parallel.tsp_degree))
 
 
 def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
@@ -129,42 +157,45 @@ def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget,
     device_refuses = None if refuses is None else (lambda lay: refuses(_choice(lay, 0.0, budget).apply(cfg)))
     return choose_among(cfg.model.to_model_config(), _candidates(cfg, world_size), length_stages(cfg),
                         budget=budget, hw=hw, prec=PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)],
-                        cuda=cuda, refuses=device_refuses)
+                        cuda=cuda, refuses=device_refuses, head_chunks=head_chunk_candidates(cfg))
 
 
 def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int, int]], *,
                  budget: Budget, hw: HardwareProfile | None, prec, cuda: bool,
-                 refuses: Callable[[Layout], None] | None = None) -> MemoryChoice:
+                 refuses: Callable[[Layout], None] | None = None,
+                 head_chunks: tuple[int, ...] | None = None) -> MemoryChoice:
     """The fastest of `layouts` (ranking_key) whose predicted peak at its worst stage ((seq_len,
     micro-batch) pairs) fits `budget`; AutoSettingsError naming the budget and the smallest
-    predicted peak when none does. refuses: raises ValueError for a layout this device cannot run."""
+    predicted peak when none does. refuses: raises ValueError for a layout this device cannot run.
+    head_chunks: the ulysses_head_chunks values to weigh, fewest first (None: not ulysses); each
+    layout takes the fewest that fit (`_fewest_head_chunks`)."""
     hw = hw or PROFILES[RANKING_PROFILE]
-    ranked, refusal = [], None
+    ranked, refusal = [], None          # (prediction, head chunks)
     for layout in layouts:
         try:
             if refuses is not None:
                 refuses(layout)
-            worst = _worst_stage(model, layout, stages, hw, prec, cuda)
+            staged = _stage_predictions(model, layout, stages, hw, prec, cuda)
         except ValueError as err:          # the device's kernel rules refuse this mode
             refusal = refusal or err
             continue
-        ranked.append(worst)
+        ranked.append(_fewest_head_chunks(model, staged, head_chunks, budget.bytes, prec))
     if not ranked:
         raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
                                 "parallel.tsp_recompute, train.activation_checkpointing, "
                                 "parallel.head_buckets and parallel.checkpoint_replay_keeps "
                                 "explicitly")
-    ranked.sort(key=lambda p: ranking_key(p, budget.bytes))
-    best = ranked[0]
+    ranked.sort(key=lambda pc: ranking_key(pc[0], budget.bytes))
+    best, chunks = ranked[0]
     if best.memory["total"] > budget.bytes:
-        smallest = min(ranked, key=lambda p: p.memory["total"])
+        smallest, least_chunks = min(ranked, key=lambda pc: pc[0].memory["total"])
         raise AutoSettingsError(
             f"auto settings: nothing fits the memory budget of {gib_text(budget.bytes)} per process "
             f"({budget.source}): the smallest predicted peak is {gib_text(smallest.memory['total'])} "
-            f"({_choice(smallest.layout, 0.0, budget).values()}); use more model-parallel ranks "
+            f"({_choice(smallest.layout, 0.0, budget, least_chunks).values()}); use more model-parallel ranks "
             "(parallel.tsp_degree), a shorter data.seq_len, a smaller data.micro_batch_size, or a "
             "larger train.memory_budget_gib if the device has it")
-    return _choice(best.layout, peak=best.memory["total"], budget=budget)
+    return _choice(best.layout, peak=best.memory["total"], budget=budget, chunks=chunks)
 
 
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
@@ -196,20 +227,44 @@ def length_stages(cfg: TrainConfig) -> list[tuple[int, int]]:
             or [(d.seq_len, d.micro_batch_size)])
 
 
-def _worst_stage(model: ModelConfig, layout: Layout, stages: list[tuple[int, int]], hw: HardwareProfile,
-                 prec, cuda: bool) -> Prediction:
-    """The prediction of `layout` at the stage with the largest predicted peak."""
+def _stage_predictions(model: ModelConfig, layout: Layout, stages: list[tuple[int, int]],
+                       hw: HardwareProfile, prec, cuda: bool) -> list[tuple[int, Prediction]]:
+    """(seq_len, prediction of `layout` at that stage) for every stage."""
     preds = []
     for seq_len, micro in stages:
         stage = dataclasses.replace(layout, micro_batch=micro)
-        preds.append(predict(model.replace(max_seq_len=max(seq_len, model.max_seq_len)), stage,
-                             seq_len, hw, prec=prec, device="cuda" if cuda else "cpu"))
-    return max(preds, key=lambda p: p.memory["total"])
+        preds.append((seq_len, predict(model.replace(max_seq_len=max(seq_len, model.max_seq_len)), stage,
+                                       seq_len, hw, prec=prec, device="cuda" if cuda else "cpu")))
+    return preds
 
 
-def _choice(layout: Layout, peak: float, budget: Budget) -> MemoryChoice:
+def _fewest_head_chunks(model: ModelConfig, staged: list[tuple[int, Prediction]],
+                        counts: tuple[int, ...] | None, capacity: float, prec) -> tuple[Prediction, int | None]:
+    """(the prediction at the stage with the largest predicted peak, the head chunks): without
+    `counts` (no ulysses) the stage's own peak; else the fewest counts whose peak, less
+    `head_chunk_saving`, fits `capacity` at every stage (the most when none does), the prediction's
+    total lowered by that saving."""
+    def worst(chunks: int | None) -> Prediction:
+        adjusted = []
+        for seq_len, p in staged:
+            saving = 0 if chunks is None else head_chunk_saving(model, p.layout, seq_len, chunks, prec)
+            adjusted.append(p if not saving else dataclasses.replace(
+                p, memory={**p.memory, "total": p.memory["total"] - saving, "head_chunk_saving": saving}))
+        return max(adjusted, key=lambda p: p.memory["total"])
+
+    if counts is None:
+        return worst(None), None
+    for chunks in counts[:-1]:
+        pred = worst(chunks)
+        if pred.memory["total"] <= capacity:
+            return pred, chunks
+    return worst(counts[-1]), counts[-1]
+
+
+def _choice(layout: Layout, peak: float, budget: Budget, chunks: int | None = None) -> MemoryChoice:
     return MemoryChoice(layout.tsp_recompute, layout.activation_checkpointing, layout.head_buckets,
-                        peak=peak, budget=budget, checkpoint_replay_keeps=layout.replay_keeps)
+                        peak=peak, budget=budget, checkpoint_replay_keeps=layout.replay_keeps,
+                        ulysses_head_chunks=chunks)
 
 
 def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None) -> Budget:

@@ -10,10 +10,13 @@ every label carries PLANNER_ONLY and no `auto` setting ever picks one.
                a reduce-scatter of its gradients), CPU Adam (optimizer offload), tiled MLP,
                tiled logits + loss, activation checkpointing with the checkpointed block inputs
                optionally offloaded to host memory
-    upipe      ulysses with head chunks ("Untied Ulysses"): after the all-to-all, attention runs
-               over one group of local heads at a time, so the full-sequence q/k/v/o of all local
-               heads never exist at once (the attention's post-all-to-all memory divided by the
-               number of chunks; the same bytes move)
+    upipe      ulysses with head chunks ("Untied Ulysses"), the trainer's parallel.scheme=ulysses
+               with parallel.ulysses_head_chunks = c > 1 (parallel/ulysses.py): after the
+               all-to-all, attention runs over one group of local heads at a time, so the
+               full-sequence q/k/v/o of all local heads never exist at once (the attention's
+               post-all-to-all memory divided by c). A chunk keeps only its local inputs for
+               backward, which replays its all-to-alls and attention forward: one more forward's
+               all-to-all bytes and attention forward FLOPs per step
     sp_zero3   FSDP + context parallelism: the `sp` scheme's all-gather attention (K/V gathered over
                the axis, dK/dV reduce-scattered) with ZeRO-3 weights, gradients and optimizer state
 
@@ -41,12 +44,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.validate import ulysses_head_chunk_counts
 from tsp_trainer.plan.activations import ActivationEstimate
 from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.layout import UNTILED, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import (CPU_ADAM_BYTES, Assumptions, Prediction, compute_seconds_per_token,
-                                      exceeded_limits, host_bytes_per_node)
+                                      efficiencies, exceeded_limits, host_bytes_per_node)
 from tsp_trainer.plan.reserved import ReserveAssumptions, flash_gqa_dkv_expanded_bytes, nccl_buffer_bytes
 from tsp_trainer.plan.state import FP32_BYTES, offloaded_optimizer_bytes
 
@@ -86,8 +90,8 @@ class PeerLayout:
     @property
     def liger_kernels(self) -> bool:
         """ALST's model factory loads Liger's RMSNorm, RoPE and (with the MLP untiled) SwiGLU
-        kernels; UPipe (torchtitan) and FSDP + CP run torch's."""
-        return self.scheme == "ulysses"
+        kernels, and upipe is that stack with head chunks; FSDP + CP runs torch's."""
+        return self.scheme in ("ulysses", "upipe")
 
     # the fields the report and the longest-sequence search read from every layout
     zero_stage = 3
@@ -106,8 +110,8 @@ class PeerLayout:
         parts = [f"{self.scheme} ({PLANNER_ONLY})", f"D={self.degree}", f"DP={self.dp}",
                  "Z3" + ("+cpuopt" if self.offload_optimizer else ""),
                  "AC" if self.activation_checkpointing else "noAC"]
-        if self.head_chunks > 1:
-            parts.append(f"chunks={self.head_chunks}")
+        if self.head_chunks > 1:                # parallel.ulysses_head_chunks
+            parts.append(f"head_chunks={self.head_chunks}")
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_block_inputs:
             parts.append("offload")
@@ -188,9 +192,12 @@ def _layer_terms(cfg: ModelConfig, lay: PeerLayout, seq_len: int, prec: Precisio
     a = _attention_bytes(cfg, lay, seq_len, e)
     # flash keeps q, k, v, its output and log-sum-exp; o_proj its input (the output sent back)
     post = a["q"] + a["kv"] + a["q"] + a["lse"]
-    # upipe: one head chunk's post-all-to-all tensors alive (`_attention_bytes` counts a chunk);
-    # each chunk's output lands in the [n, hq] buffer o_proj keeps
-    attn_saved = post + e * n * cfg.q_hidden_size
+    # each chunk's output lands in the [n, hq] buffer o_proj keeps. upipe: a chunk keeps its local
+    # q, k, v (all chunks: [n, hq + 2 hkv]), not its post-all-to-all tensors; its backward replays
+    # them (`_attention_bytes` counts one chunk's)
+    chunked = lay.head_chunks > 1
+    attn_saved = e * n * cfg.q_hidden_size + (e * n * (cfg.q_hidden_size + 2 * cfg.kv_hidden_size) if chunked else post)
+    replayed = post if chunked else 0
     mid = e * n * inter
     # untiled: gate, up and silu(gate) * up (Liger's SiLU-mul recomputes silu in backward), torch's
     # silu(gate) as well; tiled: only the MLP's input (the norm's output, counted)
@@ -204,7 +211,7 @@ def _layer_terms(cfg: ModelConfig, lay: PeerLayout, seq_len: int, prec: Precisio
         if lay.scheme != "sp_zero3" else e * n * (cfg.q_hidden_size + 2 * cfg.kv_hidden_size)
     # all_to_all_single sends from one buffer into another: the post-all-to-all gradients and
     # their local copy are alive together
-    attn_bwd = norm + attn_saved + 2 * u + flash_bwd + (local_grads if lay.degree > 1 else 0)
+    attn_bwd = norm + attn_saved + replayed + 2 * u + flash_bwd + (local_grads if lay.degree > 1 else 0)
     # backward of the MLP: dy and dX; untiled d(product), d(silu), d(up) then d(gate) ([n, I] each,
     # two alive with the saved ones), tiled one shard's gate/up re-run and its gradients (8 [m, I])
     if lay.tiled_mlp:
@@ -296,6 +303,23 @@ def _proxy(lay: PeerLayout, n: int, cfg: ModelConfig) -> Layout:
                   mlp_chunk_tokens=mlp_chunk_tokens(cfg, n) * lay.degree if lay.tiled_mlp else UNTILED)
 
 
+def head_chunk_saving(cfg: ModelConfig, layout: Layout, seq_len: int, chunks: int, prec: Precision = BF16) -> int:
+    """Bytes per rank that `chunks` head chunks (parallel.ulysses_head_chunks) take off the peak of
+    a ulysses run planned as `layout` (layout.planned_scheme: sp): the peers' model of ulysses less
+    that of upipe with `chunks`, at the run's D, DP, micro-batch, checkpointing, offloads and
+    tiling (0 for one chunk or D = 1)."""
+    if chunks == 1 or layout.degree == 1:
+        return 0
+    kw = dict(dp=layout.dp, activation_checkpointing=layout.activation_checkpointing,
+              offload_optimizer=layout.offload_optimizer,
+              offload_block_inputs=layout.offload_activations and layout.activation_checkpointing,
+              tiled_loss=layout.loss_chunk_tokens != UNTILED, tiled_mlp=layout.mlp_chunk_tokens != UNTILED,
+              micro_batch=layout.micro_batch)
+    whole, _ = peer_memory(cfg, PeerLayout("ulysses", layout.degree, **kw), seq_len, prec)
+    chunked, _ = peer_memory(cfg, PeerLayout("upipe", layout.degree, head_chunks=chunks, **kw), seq_len, prec)
+    return max(0, whole["total"] - chunked["total"])
+
+
 def _link(group: int, hw: HardwareProfile) -> float:
     return hw.intra_node_bw if group <= hw.gpus_per_node else hw.inter_node_bw
 
@@ -307,7 +331,8 @@ def peer_comm_seconds(cfg: ModelConfig, lay: PeerLayout, seq_len: int, hw: Hardw
     weight gathers and gradient reduce-scatters (prefetched and bucketed: overlappable)."""
     e, L, d, eff = prec.act, cfg.num_layers, lay.degree, assumptions.comm_efficiency
     n = lay.micro_batch * seq_len // d
-    passes = 2 + int(lay.activation_checkpointing)             # forward, backward, replay
+    # forward, backward, the checkpoint replay, upipe's replay of each chunk in backward
+    passes = 2 + int(lay.activation_checkpointing) + int(lay.head_chunks > 1)
     sp_bytes, sp_ops = 0.0, 0
     if d > 1 and lay.scheme in ("ulysses", "upipe"):
         kv = 2 * _kv_heads_local(cfg, lay) * d * cfg.head_dim  # K/V heads replicated up to D
@@ -330,7 +355,7 @@ def predict_peer(cfg: ModelConfig, lay: PeerLayout, seq_len: int, hw: HardwarePr
                  global_batch: int | None = None, prec: Precision = BF16,
                  assumptions: Assumptions = Assumptions()) -> Prediction:
     """Memory and step time of one optimizer step of a peer layout (planner only)."""
-    from tsp_trainer.plan.flops import hardware_flops_per_token
+    from tsp_trainer.plan.flops import forward_pieces, hardware_flops_per_token
 
     memory, act = peer_memory(cfg, lay, seq_len, prec)
     gpus_on_node = min(lay.world, hw.gpus_per_node)
@@ -343,6 +368,12 @@ def predict_peer(cfg: ModelConfig, lay: PeerLayout, seq_len: int, hw: HardwarePr
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
     t_compute = compute_seconds_per_token(model, proxy, seq_len, hw, assumptions, prec) * lay.micro_batch \
         * seq_len / lay.degree
+    flops = hardware_flops_per_token(model, proxy, seq_len, prec.act, chunks=proxy.chunks)
+    if lay.head_chunks > 1:             # upipe: each chunk's attention forward again in backward
+        core = forward_pieces(model, seq_len)["core"]
+        flops = {**flops, "hardware": flops["hardware"] + core}
+        t_compute += core / (hw.peak_flops * efficiencies(hw, assumptions).attention_forward) \
+            * lay.micro_batch * seq_len / lay.degree
     comm = peer_comm_seconds(cfg, lay, seq_len, hw, assumptions, prec)
     # ALST copies the block inputs to and from the host synchronously: exposed
     t_offload = 2 * act.host / (hw.host_bw * assumptions.comm_efficiency)
@@ -357,7 +388,6 @@ def predict_peer(cfg: ModelConfig, lay: PeerLayout, seq_len: int, hw: HardwarePr
     step = lay.grad_accum * t_micro + t_opt
     batch = global_batch if global_batch is not None else lay.micro_batch * lay.grad_accum * lay.dp
     tps = batch * seq_len / step
-    flops = hardware_flops_per_token(model, proxy, seq_len, prec.act, chunks=proxy.chunks)
     peak = hw.peak_flops * lay.world
     times = {"compute_per_micro": t_compute, "overlappable_comm_per_micro": comm["zero3"],
              "exposed_comm_per_micro": comm["exposed_sp"], "offload_per_micro": t_offload,
@@ -377,7 +407,7 @@ def peer_layouts(cfg: ModelConfig, scheme: str, *, seq_len: int, world: int, glo
     """Every layout of a peer `scheme` on `world` GPUs for one global batch: D a divisor of the
     world (at most max_degree) the shapes allow, DP = world / D dividing the batch (grad
     accumulation the rest, micro-batch 1; global_batch None: one sequence per replica), with and without checkpointing, each offload, each head
-    chunk count (upipe: every divisor >= 2 of the local heads). `fields`: PeerLayout fields set on
+    chunk count (upipe: every count >= 2 that parallel.ulysses_head_chunks takes at D). `fields`: PeerLayout fields set on
     every layout (the ALST table's switches)."""
     out = []
     for d in (x for x in range(1, min(world, max_degree) + 1) if world % x == 0):
@@ -386,9 +416,8 @@ def peer_layouts(cfg: ModelConfig, scheme: str, *, seq_len: int, world: int, glo
         if batch % dp or peer_shapes_ok(cfg, scheme, d, seq_len):
             continue
         chunks = [1]
-        if scheme == "upipe":
-            local = cfg.num_heads // d
-            chunks = [c for c in range(2, local + 1) if local % c == 0]
+        if scheme == "upipe":           # the counts the trainer's parallel.ulysses_head_chunks takes
+            chunks = [c for c in ulysses_head_chunk_counts(cfg, d) if c > 1]
         for c in chunks:
             for ac in checkpointing:
                 for off_opt in offload_optimizer:
@@ -540,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ALST_TABLE", "PEER_SCHEMES", "AlstRow", "alst_ablation", "format_alst", "format_beside_peers", "PLANNER_ONLY", "PeerLayout", "loss_chunk_tokens", "mlp_chunk_tokens",
+__all__ = ["ALST_TABLE", "PEER_SCHEMES", "AlstRow", "alst_ablation", "format_alst", "format_beside_peers", "PLANNER_ONLY",
+           "head_chunk_saving", "PeerLayout", "loss_chunk_tokens", "mlp_chunk_tokens",
            "peer_layouts", "peer_longest", "peer_memory", "peer_ranking", "peer_shapes_ok", "predict_peer"]
 
 
