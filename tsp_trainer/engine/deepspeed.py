@@ -38,6 +38,15 @@ from tsp_trainer.optim import adamw_hyperparameters, param_groups
 from tsp_trainer.parallel.mpu import TSPMpu
 
 
+# ZeRO-3 (schemes sp and ulysses, weights sharded over the axis x dp: parallel/mpu.py
+# ShardedWeightsMpu). Every parameter is partitioned (none kept whole for being small) and released
+# after each use (reuse distance 0), so each step gathers each weight once per forward use and once
+# for its backward, the traffic parallel/sharded_weights.py writes in the ledger; torch's own
+# F.linear stays (DeepSpeed's memory-efficient linear replaces it process-wide otherwise).
+ZERO3_SETTINGS = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                  "memory_efficient_linear": False}
+
+
 def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: int,
               max_grad_norm: float, bf16: bool, offload_optimizer: bool = False) -> dict:
     """Gradients are accumulated over micro-steps and reduced over dp in fp32 in every dtype:
@@ -52,6 +61,8 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
     moments live on the host; under bf16 the reduced gradients still accumulate in an fp32
     partition on the device (n / dp elements) before each step copies them to the host."""
     zero = {"stage": zero_stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    if zero_stage == 3:
+        zero.update(ZERO3_SETTINGS)
     offload = {}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
