@@ -35,7 +35,8 @@ import torch
 
 from tsp_trainer.config import OptimSection
 from tsp_trainer.optim import adamw_hyperparameters, param_groups
-from tsp_trainer.parallel.mpu import TSPMpu
+from tsp_trainer.parallel.mpu import ShardedWeightsMpu, TSPMpu
+from tsp_trainer.parallel.sharded_weights import GATHER_UNITS
 
 
 # ZeRO-3 (schemes sp and ulysses, weights sharded over the axis x dp: parallel/mpu.py
@@ -152,8 +153,20 @@ def bound_to_initialize(mpu: TSPMpu, device_index: int | None):
         deepspeed.initialize = original
 
 
-def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mpu: TSPMpu):
+def mark_gather_units(model: torch.nn.Module) -> None:
+    """ZeRO-3: the attention and MLP modules read their holders' weights without calling them, so
+    DeepSpeed gathers all parameters under each of them at its call (its "leaf" modules,
+    parallel/sharded_weights.py GATHER_UNITS). Before deepspeed.initialize."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(model, list(GATHER_UNITS), raise_if_not_found=False)
+
+
+def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            mpu: TSPMpu | ShardedWeightsMpu):
     """accelerator.prepare(model, optimizer) with our mpu -> (DeepSpeedEngine, optimizer)."""
+    if isinstance(mpu, ShardedWeightsMpu):
+        mark_gather_units(model)
     device_index = torch.cuda.current_device() if accelerator.device.type == "cuda" else None
     with bound_to_initialize(mpu, device_index):
         engine, opt = accelerator.prepare(model, optimizer)

@@ -1,0 +1,139 @@
+"""Schemes `sp` and `ulysses` with their weights sharded by DeepSpeed ZeRO-3 over every rank of the
+axis x dp (parallel/sharded_weights.py): parity with one process on loss, logits and every gradient
+(the ZeRO-3 partitions gathered with DeepSpeed's safe_get_full_grad), fp32, rtol 1e-5 / atol 1e-6,
+on 1, 2 and 4 gloo ranks; GQA with K/V heads fewer than the degree, tied embeddings and per-head
+norms (qwen3), document masking on and off, checkpointed blocks, loss and MLP in chunks. The
+ledger's ZeRO-3 records (Zero3Traffic's closed form) equal the bytes DeepSpeed hands to
+torch.distributed's all_gather_into_tensor and reduce_scatter_tensor. All cases of one world size
+run in one fork."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from tests.distributed.test_ulysses_parity import CFGS, SEQ, SEED, TOL, _positions, _reference
+from tests.distributed.tsp_cases import init_model
+from tests.helpers.dist import run_on_ranks
+from tsp_trainer.engine.deepspeed import ds_config, mark_gather_units, skip_cpu_shm_build
+from tsp_trainer.engine.ulysses import distributed_attention
+from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.parallel.loss import global_count, reduce_loss_value
+from tsp_trainer.parallel.mesh import build_mesh
+from tsp_trainer.parallel.mpu import ShardedWeightsMpu
+from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.parallel.sharded_weights import Zero3Traffic
+
+pytestmark = pytest.mark.distributed
+
+# (scheme, model, documents: None = off, else reset_positions, activation checkpointing, options)
+CASES = [("ulysses", "mha", None, False, {}), ("ulysses", "gqa", True, False, {}),
+         ("ulysses", "qwen3", False, False, {}),
+         ("ulysses", "gqa", False, True, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3}),
+         ("sp", "mha", None, False, {}), ("sp", "gqa", True, False, {}), ("sp", "qwen3", False, True, {}),
+         ("sp", "gqa", None, False, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3})]
+# the default suite's share (one fork per world size, a DeepSpeed engine per case): GQA with K/V
+# heads fewer than D, documents, checkpointed blocks, chunks, tied embeddings, both schemes
+QUICK = [("ulysses", "gqa", True, True, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3}),
+         ("ulysses", "qwen3", None, False, {}), ("sp", "gqa", False, True, {})]
+COUNTED = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 1}   # op -> the full tensor's argument
+
+
+def _count_zero3_bytes() -> collections.Counter:
+    """Wrap torch.distributed's all_gather_into_tensor (its output counted) and reduce_scatter_tensor
+    (its input) in this forked rank, before DeepSpeed's comm backend binds them: the counter fills
+    with the bytes of every call ZeRO-3 makes."""
+    counted: collections.Counter = collections.Counter()
+    for name, index in COUNTED.items():
+        real = getattr(torch.distributed, name)
+
+        def counting(*args, _real=real, _name=name, _index=index, **kwargs):
+            full = (list(args) + list(kwargs.values()))[_index]
+            counted[_name] += full.numel() * full.element_size()
+            return _real(*args, **kwargs)
+        setattr(torch.distributed, name, counting)
+    return counted
+
+
+def _engine(model, mesh):
+    import deepspeed
+
+    mark_gather_units(model)
+    cfg = ds_config(micro_batch=2, grad_accum=1, dp_degree=mesh.world.size, zero_stage=3,
+                    max_grad_norm=0.0, bf16=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                      mpu=ShardedWeightsMpu(mesh), dist_init_required=False)
+    return engine
+
+
+def _sharded_rank(rank, world, cases, refs):
+    from deepspeed.utils import safe_get_full_grad
+
+    skip_cpu_shm_build()
+    counted = _count_zero3_bytes()
+    mesh = build_mesh(world)
+    out = []
+    for (scheme, cfg_name, docs, checkpointing, options), ref in zip(cases, refs, strict=True):
+        model = Transformer(CFGS[cfg_name])
+        init_model(model, SEED)
+        extra = {"distributed_attention": distributed_attention} if scheme == "ulysses" else {}
+        par = parallelize(model, scheme, mesh, seq_len=SEQ, sharded_weights=True, **options, **extra)
+        if checkpointing:
+            model.block_wrapper = checkpointed_block
+        traffic = Zero3Traffic(model, mesh.world)            # from the whole parameters
+        engine = _engine(model, mesh)
+        ids, labels, pos = par.local_batch(ref["ids"], ref["labels"],
+                                           None if docs is None else _positions(docs).documents)
+        counted.clear()
+        loss_sum, count = engine.module.loss_sum(ids, labels, pos)
+        total = global_count(count, par.token_comms)
+        # DeepSpeed averages the gradients over its W data-parallel ranks
+        engine.backward(loss_sum * world / total)
+        measured = dict(counted)
+        mesh.ledger.reset()
+        traffic.record(checkpointed=checkpointing)
+        ledger = mesh.ledger.summary()
+        grads = {n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            logits = engine.module(ids, pos)
+        expected = par.local_batch(ref["logits"], ref["logits"])[0]
+        out.append({"loss": reduce_loss_value(loss_sum, total, par.token_comms), "grads": grads,
+                    "logits_err": (logits - expected).abs().max().item(),
+                    "logits_ok": torch.allclose(logits, expected, **TOL),
+                    "measured": measured, "ledger": ledger})
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_weights_match_one_process(world):
+    _check_parity(world, QUICK)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_sharded_weights_match_one_process_all_cases(world):
+    _check_parity(world, CASES)
+
+
+def _check_parity(world: int, cases: list) -> None:
+    refs = [_reference(cfg_name, docs) for _, cfg_name, docs, *_ in cases]
+    results = run_on_ranks(_sharded_rank, world, cases, refs, timeout=600)
+    for rank, per_case in enumerate(results):
+        for case, ref, out in zip(cases, refs, per_case, strict=True):
+            where = f"rank {rank} {case}"
+            assert out["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
+            assert out["logits_ok"], f"{where}: logits off by {out['logits_err']}"
+            assert out["grads"].keys() == ref["grads"].keys()
+            for name, grad in ref["grads"].items():
+                torch.testing.assert_close(out["grads"][name], grad, **TOL,
+                                           msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
+            ledger = {k: v["bytes"] for k, v in out["ledger"].items()}
+            gathered = ledger["all_gather/zero3.params"] + ledger["all_gather/zero3.params.backward"]
+            assert out["measured"].get("all_gather_into_tensor", 0) == gathered, where
+            assert out["measured"]["reduce_scatter_tensor"] == ledger["reduce_scatter/zero3.grads"], where
+            assert gathered > 0 if world > 1 else gathered == 0, where
