@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.test_ulysses_parity import CFGS, SEQ, SEED, TOL, _positions, _reference
+from tests.distributed.trainer_cases import assert_matches_reference, reference_run, train_rank
 from tests.distributed.tsp_cases import init_model
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.engine.deepspeed import ds_config, mark_gather_units, skip_cpu_shm_build
@@ -137,3 +138,15 @@ def _check_parity(world: int, cases: list) -> None:
             assert out["measured"].get("all_gather_into_tensor", 0) == gathered, where
             assert out["measured"]["reduce_scatter_tensor"] == ledger["reduce_scatter/zero3.grads"], where
             assert gathered > 0 if world > 1 else gathered == 0, where
+
+
+@pytest.mark.parametrize("scheme", ["ulysses", "sp"])
+def test_trainer_runs_zero3_like_one_process(scheme):
+    """parallel.scheme sp / ulysses through the whole Trainer, zero.stage left to auto (ZeRO-3 over
+    all 4 ranks = DP 2 x D 2, the tiny recipe, 4 steps), equals one process on the same global
+    batches with the tolerances of tests/distributed/test_trainer.py; the loss goes down."""
+    overrides = ["train.steps=4", "checkpoint.enabled=false", f"parallel.scheme={scheme}"]
+    reference = reference_run(overrides, dp_degree=2)
+    outs = run_on_ranks(train_rank, 4, overrides, timeout=600)
+    assert outs[0]["dp_world_size"] == 4                   # DeepSpeed's data-parallel group: all ranks
+    assert_matches_reference(outs, reference)

@@ -36,6 +36,9 @@ def distributed_attention(local_attention: Callable, group) -> Callable:
     return attend
 
 
-def scheme_options(scheme: str) -> dict:
-    """The engine's part of parallelize()'s options for `scheme` (only `ulysses` has one)."""
-    return {"distributed_attention": distributed_attention} if scheme == "ulysses" else {}
+def scheme_options(scheme: str, zero_stage: int) -> dict:
+    """The engine's part of parallelize()'s options for a baseline `scheme`: DeepSpeed's
+    DistributedAttention for `ulysses`; under ZeRO-3 (sp and ulysses, config/validate.py) the
+    weights left to DeepSpeed to shard and reduce (sharded_weights)."""
+    options = {"distributed_attention": distributed_attention} if scheme == "ulysses" else {}
+    return options | ({"sharded_weights": True} if zero_stage == 3 else {})

@@ -53,10 +53,11 @@ def gather_units(module: nn.Module) -> list[list[nn.Parameter]]:
 
 class Zero3Traffic:
     """The closed form above for one model on `world` ranks (the Comm ZeRO-3 partitions over).
-    Built before DeepSpeed partitions the parameters (their shapes are read here)."""
+    Built before DeepSpeed partitions the parameters (their shapes are read here); records nothing
+    unless `enabled` (the run is under ZeRO-3)."""
 
-    def __init__(self, model: nn.Module, world: Comm):
-        self.world = world
+    def __init__(self, model: nn.Module, world: Comm, *, enabled: bool = True):
+        self.world, self.enabled = world, enabled
         w = world.size
 
         def padded_bytes(p: nn.Parameter, element: int) -> int:
@@ -81,6 +82,8 @@ class Zero3Traffic:
         """One micro-batch: the forward's gathers and, with `backward`, the backward's gathers and
         the gradients' reduce-scatter. `checkpointed`: the blocks run under activation
         checkpointing, replayed once in the backward."""
+        if not self.enabled:
+            return
         c = self.world
         replay = checkpointed and backward
         c.ledger.record("all_gather", axis=c.axis, tag="zero3.params", group_size=c.size,

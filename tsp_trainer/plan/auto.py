@@ -170,10 +170,11 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """The planner's Layout of a run of `cfg` on `world_size` processes (recompute, checkpointing
     and buckets at Layout's defaults: memory_variants varies them; the loss and MLP chunks as the
-    run sets them)."""
+    run sets them). Layout models ZeRO 0-2: a ZeRO-3 run (sp, ulysses) is planned as ZeRO-2, its
+    weights whole on every rank, which bounds its memory from above."""
     p = cfg.parallel
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
-                  sp=p.sp_degree, zero_stage=cfg.zero.stage, micro_batch=cfg.data.micro_batch_size,
+                  sp=p.sp_degree, zero_stage=min(cfg.zero.stage, 2), micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
 
