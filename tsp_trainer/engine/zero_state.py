@@ -125,6 +125,11 @@ def is_zero3(p: torch.nn.Parameter) -> bool:
     return hasattr(p, "ds_id")
 
 
+def local_weight(p: torch.nn.Parameter) -> torch.Tensor:
+    """The values of p this rank holds: its ZeRO-3 partition, or p itself."""
+    return p.ds_tensor if is_zero3(p) else p
+
+
 def _zero3_local(p, key: str | None, *, weight: bool) -> torch.Tensor:
     """This rank's flat partition: the model weight (`weight`), the fp32 master (key None) or an
     optimizer state."""

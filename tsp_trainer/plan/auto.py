@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tsp_trainer.config import ModelConfig, TrainConfig
-from tsp_trainer.config.schema import resolved_dtype
+from tsp_trainer.config.schema import resolved_dtype, resolved_zero_stage
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
 from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout, planned_scheme
 from tsp_trainer.plan.precision import PRECISIONS
@@ -174,7 +174,7 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     weights whole on every rank, which bounds its memory from above."""
     p = cfg.parallel
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
-                  sp=p.sp_degree, zero_stage=min(cfg.zero.stage, 2), micro_batch=cfg.data.micro_batch_size,
+                  sp=p.sp_degree, zero_stage=min(resolved_zero_stage(cfg.zero.stage, p.scheme), 2), micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
 
