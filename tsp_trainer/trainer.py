@@ -25,7 +25,7 @@ from tsp_trainer.config import TrainConfig, hang_dump_after_s, run_facts, save_r
 from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.data.prefetch import batch_to_device, pins_batches
-from tsp_trainer.engine import deepspeed as ds_engine, ulysses as ulysses_engine
+from tsp_trainer.engine import deepspeed as ds_engine, ulysses as ulysses_engine, zero_state
 from tsp_trainer.engine.device_support import check_device_support, device_refusal
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
@@ -104,15 +104,15 @@ class Trainer:
                                                (ShardedWeightsMpu if cfg.zero.stage == 3 else TSPMpu)(self.mesh))
         with self._startup("data: training loader" + (" and eval batches" if cfg.train.eval_every else "")):
             self.loader, self.eval_batches = self._build_loaders()
-            self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device,
-                                       eval_batches=self.eval_batches, passkey=passkey, log=self.log)
+            self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device, log=self.log,
+                                       eval_batches=self.eval_batches, passkey=passkey,
+                                       whole_weights=lambda: zero_state.whole_parameters(self.par.model))
         self.checkpoints = TrainingCheckpoints(cfg, mesh=self.mesh, par=self.par, optimizer=self.optimizer,
                                                scheduler=self.scheduler, loader=self.loader,
                                                device=self.device, log=self.log)
         self.nonfinite = NonFiniteFlags(self.mesh.world)     # device flag, agreed once per step
         self.nonfinite.watch(self.par.model.parameters())
-        self._poisoned = False
-        self._consecutive_skips = 0
+        self._poisoned, self._consecutive_skips = False, 0
         self.state = self.checkpoints.load(inputs.resume_path)
         self._open_run(inputs, world_size=world_size, global_rank=global_rank)
 

@@ -192,8 +192,11 @@ def _check_parity(world: int, cases: list) -> None:
 def test_trainer_runs_zero3_like_one_process(scheme):
     """parallel.scheme sp / ulysses through the whole Trainer, zero.stage left to auto (ZeRO-3 over
     all 4 ranks = DP 2 x D 2, the tiny recipe, 4 steps), equals one process on the same global
-    batches with the tolerances of tests/distributed/test_trainer.py; the loss goes down."""
-    overrides = ["train.steps=4", "checkpoint.enabled=false", f"parallel.scheme={scheme}"]
+    batches with the tolerances of tests/distributed/test_trainer.py; the loss goes down. An
+    evaluation at step 2 (3 held-out batches: the dp replicas run 2 and 1 forward passes, on the
+    weights gathered once) leaves the training as it was."""
+    overrides = ["train.steps=4", "checkpoint.enabled=false", f"parallel.scheme={scheme}",
+                 "train.eval_every=2", "train.eval_batches=3"]
     reference = reference_run(overrides, dp_degree=2)
     outs = run_on_ranks(train_rank, 4, overrides, timeout=600)
     assert outs[0]["dp_world_size"] == 4                   # DeepSpeed's data-parallel group: all ranks

@@ -204,11 +204,19 @@ def zero3_init_adam_state(optimizer, params, steps: list[int], moments) -> None:
                                  **{k: torch.zeros_like(flat) for k in moments}}
 
 
+# A ds_active_sub_modules entry no module has: while it is there, DeepSpeed 0.19.8 releases no
+# gathered parameter after a module call (partitioned_param_coordinator.py __release_param) and
+# fetches none it finds available.
+_HELD = -1
+
+
 @contextlib.contextmanager
 def whole_parameters(model: torch.nn.Module):
-    """Inside the block every ZeRO-3 parameter of `model` is whole on every rank (collective: one
-    gather over its partition group; read-only, released unchanged at the end). Without ZeRO-3
-    nothing happens."""
+    """Inside the block every ZeRO-3 parameter of `model` is whole on every rank and stays so through
+    module calls (collective: one gather over its partition group when the block starts; read-only,
+    released unchanged at the end). The forward passes inside then communicate nothing for the
+    weights, so the ranks may run different numbers of them (evaluation: each dp replica its own
+    share of the batches). Without ZeRO-3 nothing happens."""
     params = [p for p in model.parameters() if is_zero3(p)]
     if not params:
         yield
@@ -216,4 +224,10 @@ def whole_parameters(model: torch.nn.Module):
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     with GatheredParameters(params, modifier_rank=None):
-        yield
+        for p in params:
+            p.ds_active_sub_modules.add(_HELD)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.ds_active_sub_modules.discard(_HELD)
