@@ -261,7 +261,7 @@ def check_optimizer_offload(zero: ZeroSection, scheme: str) -> None:
     if zero.offload_optimizer == "cpu" and stage in (0, 3):
         raise ValueError(f"zero.offload_optimizer='cpu' with zero.stage={zero.stage}"
                          + (f" (parallel.scheme={scheme})" if zero.stage == "auto" else "")
-                         + f": the optimizer is offloaded only under ZeRO 1 or 2"
+                         + ": the optimizer is offloaded only under ZeRO 1 or 2"
                          + (" (stage 0 keeps no fp32 partition to move to the host)" if stage == 0 else "")
                          + "; use zero.stage 1 or 2, or zero.offload_optimizer='none'")
 
