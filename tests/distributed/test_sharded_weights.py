@@ -188,7 +188,10 @@ def _check_parity(world: int, cases: list) -> None:
             assert out["round_trip_bad"] == [], where
 
 
-@pytest.mark.parametrize("scheme", ["ulysses", pytest.param("sp", marks=pytest.mark.slow)])
+# slow: in the default suite the Trainer runs ZeRO-3 in test_ulysses_parity.py's resume across
+# schemes (tsp <-> ulysses, against the uninterrupted run)
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["ulysses", "sp"])
 def test_trainer_runs_zero3_like_one_process(scheme):
     """parallel.scheme sp / ulysses through the whole Trainer, zero.stage left to auto (ZeRO-3 over
     all 4 ranks = DP 2 x D 2, the tiny recipe, 4 steps), equals one process on the same global
