@@ -1,7 +1,8 @@
 """DeepSpeed's view of the mesh: a Megatron-style `mpu` (plain getters, imports no deepspeed).
 
-Model-parallel getters return the tsp group, data-parallel getters the dp group, so ZeRO shards
-and reduces over dp only. Deliberately absent: `initialize_sequence_parallel` and the
+TSPMpu (ZeRO 0-2, every scheme): model-parallel getters return the tsp group, data-parallel getters
+the dp group, so ZeRO shards and reduces over dp only. ShardedWeightsMpu (ZeRO-3, sp and ulysses):
+one data-parallel group of every rank. Deliberately absent: `initialize_sequence_parallel` and the
 sequence(-data)-parallel getters, whose presence switches DeepSpeed to Ulysses semantics (ZeRO
 would then reduce over dp x tsp and sum gradients of different weight shards;
 docs/design.md, "DeepSpeed and Accelerate").
@@ -59,8 +60,8 @@ class ShardedWeightsMpu:
     and `ulysses`, whose ranks of one axis hold the same weights and see different tokens): no
     model parallelism, and one data-parallel group spanning the axis x dp (the whole mesh). ZeRO
     partitions each parameter over that group, gathers it for each use and reduce-scatters its
-    gradient over the same ranks, averaged over their number (the Trainer's loss scale,
-    ZeroLayout.grad_average_ranks, makes that average the global batch's mean).
+    gradient over the same ranks, averaged over their number (the Trainer scales each rank's loss
+    sum by that number over the global token count, so the average is the global batch's mean).
 
     Model-parallel getters return group None, size 1: DeepSpeed reads None as an absent
     dimension (comm/pg_utils.is_parallel), so the gradient norm counts every partition once.
