@@ -85,8 +85,7 @@ class Trainer:
                                  attention_kernel=self.attention.kernel)
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
-            zero_ranks = world_size if cfg.zero.stage == 3 else dp    # DeepSpeed's data-parallel ranks
-            self.accelerator = ds_engine.make_accelerator(self._ds_config(zero_ranks), cpu=not cuda,
+            self.accelerator = ds_engine.make_accelerator(self._ds_config(world_size, dp), cpu=not cuda,
                                                           timeout_s=cfg.train.collective_timeout_s)
             self.mesh = build_mesh(tsp, timeout_s=cfg.train.collective_timeout_s, device=self.device)
             self.placement = place_ranks(self.mesh.world, self.mesh.dims, self.log)
@@ -98,7 +97,8 @@ class Trainer:
             self.optimizer = (ds_engine.build_offload_optimizer if offload else build_optimizer)(
                 self.par.model, cfg.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over {zero_ranks} ranks"
+        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over "
+                           + (f"all {world_size} ranks" if cfg.zero.stage == 3 else f"dp {dp}")
                            + (", optimizer offloaded to the host" if offload else "")):
             self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
                                                (ShardedWeightsMpu if cfg.zero.stage == 3 else TSPMpu)(self.mesh))
@@ -158,10 +158,10 @@ class Trainer:
         self.stop_reason: str | None = None   # set when a signal or max_runtime_min ended fit() early
         self._slowest_step_s = 0.0            # train.max_runtime_min leaves room for one more
 
-    def _ds_config(self, zero_ranks: int) -> dict:
-        c = self.cfg
+    def _ds_config(self, world_size: int, dp: int) -> dict:
+        c = self.cfg                                     # DeepSpeed's data parallelism: ZeRO-3's is every rank
         return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
-                                   dp_degree=zero_ranks, zero_stage=c.zero.stage,
+                                   dp_degree=world_size if c.zero.stage == 3 else dp, zero_stage=c.zero.stage,
                                    max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16,
                                    offload_optimizer=c.zero.offload_optimizer == "cpu")
 
