@@ -229,3 +229,14 @@ def test_resume_under_zero3(first, then, tmp_path):
         close += int(((got - w).abs() <= 1e-6 + 1e-5 * w.abs()).sum())
         total += w.numel()
     assert close / total > 0.999
+
+
+@pytest.mark.slow
+def test_nan_step_is_skipped_under_zero3(tmp_path):
+    """train.nonfinite=skip under ZeRO-3 (ulysses, 4 ranks): step 3's loss is NaN on rank 1 only,
+    every rank skips that update (DeepSpeed's ZeRO-3 finds the gradient norm invalid), and the
+    weights after 3 steps equal those after 2 clean steps."""
+    from tests.distributed.fault_cases import assert_nan_step_is_skipped
+
+    assert_nan_step_is_skipped(4, ["optim.warmup_steps=0", "optim.min_lr=3e-3", "checkpoint.every=2",
+                                   "checkpoint.keep_last=10", "parallel.scheme=ulysses"], tmp_path)
