@@ -6,8 +6,8 @@ agreement at step boundaries and the hang watchdog).
 
 One optimizer step = grad_accum micro-batches per DP rank. Every rank of a TSP group reads the same
 micro-batch (the loader is split by dp rank only) and takes its zigzag slice. The loss backpropagated
-on each rank is local_sum * dp / global_count: DeepSpeed averages gradients over dp and divides by
-grad_accum, so the update follows the mean over all tokens of the global batch.
+on each rank is local_sum * W / global_count: DeepSpeed averages gradients over its W data-parallel
+ranks (dp, or all under ZeRO-3) and divides by grad_accum: the update follows the global batch's mean.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tsp_trainer.config import TrainConfig, hang_dump_after_s, run_facts, save_r
 from tsp_trainer.config.model_source import describe_source
 from tsp_trainer.data import build_eval_batches, build_train_loader
 from tsp_trainer.data.prefetch import batch_to_device, pins_batches
-from tsp_trainer.engine import deepspeed as ds_engine, ulysses as ulysses_engine
+from tsp_trainer.engine import deepspeed as ds_engine, ulysses as ulysses_engine, zero_state
 from tsp_trainer.engine.device_support import check_device_support, device_refusal
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
@@ -40,9 +40,10 @@ from tsp_trainer.observability.wandb_sink import check_wandb_credentials
 from tsp_trainer.optim import build_optimizer, build_scheduler
 from tsp_trainer.parallel.loss import global_count, reduce_loss_sum
 from tsp_trainer.parallel.mesh import build_mesh
-from tsp_trainer.parallel.mpu import TSPMpu
+from tsp_trainer.parallel.mpu import ShardedWeightsMpu, TSPMpu
 from tsp_trainer.parallel.nonfinite import NonFiniteFlags
 from tsp_trainer.parallel.schemes import Parallelized, parallelize
+from tsp_trainer.parallel.sharded_weights import Zero3Traffic
 from tsp_trainer.plan.resolve import Resolved
 from tsp_trainer.run import CheckedInputs, HangWatchdog, StopAgreement
 from tsp_trainer.run.placement import place_ranks
@@ -84,33 +85,34 @@ class Trainer:
                                  attention_kernel=self.attention.kernel)
         tsp, dp = cfg.parallel.tsp_degree, world_size // cfg.parallel.tsp_degree
         with self._startup(f"process groups: {world_size} ranks = dp {dp} x tsp {tsp}"):
-            self.accelerator = ds_engine.make_accelerator(self._ds_config(dp), cpu=not cuda,
+            self.accelerator = ds_engine.make_accelerator(self._ds_config(world_size, dp), cpu=not cuda,
                                                           timeout_s=cfg.train.collective_timeout_s)
             self.mesh = build_mesh(tsp, timeout_s=cfg.train.collective_timeout_s, device=self.device)
             self.placement = place_ranks(self.mesh.world, self.mesh.dims, self.log)
-        scheme = cfg.parallel.scheme
-        with self._startup(f"model: {self.model_cfg.num_layers} layers, parallel.scheme={scheme}"):
+        with self._startup(f"model: {self.model_cfg.num_layers} layers, parallel.scheme={cfg.parallel.scheme}"):
             self.par = self._build_model()
+            self.zero3 = Zero3Traffic(self.par.model, self.mesh.world, enabled=cfg.zero.stage == 3)
             self._loss_comms = self.par.token_comms + [self.mesh.dp]   # groups sharing a global batch
             offload = cfg.zero.offload_optimizer == "cpu"      # DeepSpeed's ZeRO-Offload wants its CPU Adam
             self.optimizer = (ds_engine.build_offload_optimizer if offload else build_optimizer)(
                 self.par.model, cfg.optim)
             self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
-        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over dp {dp}"
+        with self._startup(f"engine: DeepSpeed ZeRO-{cfg.zero.stage} over "
+                           + (f"all {world_size} ranks" if cfg.zero.stage == 3 else f"dp {dp}")
                            + (", optimizer offloaded to the host" if offload else "")):
             self.engine, _ = ds_engine.prepare(self.accelerator, self.par.model, self.optimizer,
-                                               TSPMpu(self.mesh))
+                                               (ShardedWeightsMpu if cfg.zero.stage == 3 else TSPMpu)(self.mesh))
         with self._startup("data: training loader" + (" and eval batches" if cfg.train.eval_every else "")):
             self.loader, self.eval_batches = self._build_loaders()
-            self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device,
-                                       eval_batches=self.eval_batches, passkey=passkey, log=self.log)
+            self.evaluator = Evaluator(cfg, par=self.par, mesh=self.mesh, device=self.device, log=self.log,
+                                       eval_batches=self.eval_batches, passkey=passkey,
+                                       whole_weights=lambda: zero_state.whole_parameters(self.par.model))
         self.checkpoints = TrainingCheckpoints(cfg, mesh=self.mesh, par=self.par, optimizer=self.optimizer,
                                                scheduler=self.scheduler, loader=self.loader,
                                                device=self.device, log=self.log)
         self.nonfinite = NonFiniteFlags(self.mesh.world)     # device flag, agreed once per step
         self.nonfinite.watch(self.par.model.parameters())
-        self._poisoned = False
-        self._consecutive_skips = 0
+        self._poisoned, self._consecutive_skips = False, 0
         self.state = self.checkpoints.load(inputs.resume_path)
         self._open_run(inputs, world_size=world_size, global_rank=global_rank)
 
@@ -156,10 +158,10 @@ class Trainer:
         self.stop_reason: str | None = None   # set when a signal or max_runtime_min ended fit() early
         self._slowest_step_s = 0.0            # train.max_runtime_min leaves room for one more
 
-    def _ds_config(self, dp: int) -> dict:
-        c = self.cfg
+    def _ds_config(self, world_size: int, dp: int) -> dict:
+        c = self.cfg                                     # DeepSpeed's data parallelism: ZeRO-3's is every rank
         return ds_engine.ds_config(micro_batch=c.data.micro_batch_size, grad_accum=c.train.grad_accum,
-                                   dp_degree=dp, zero_stage=c.zero.stage,
+                                   dp_degree=world_size if c.zero.stage == 3 else dp, zero_stage=c.zero.stage,
                                    max_grad_norm=c.optim.max_grad_norm, bf16=self.bf16,
                                    offload_optimizer=c.zero.offload_optimizer == "cpu")
 
@@ -170,7 +172,8 @@ class Trainer:
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
                      "checkpoint_replay_keeps": c.parallel.checkpoint_replay_keeps}
-                    if c.parallel.scheme == "tsp" else ulysses_engine.scheme_options(c.parallel.scheme, c.parallel.ulysses_head_chunks))
+                    if c.parallel.scheme == "tsp" else ulysses_engine.scheme_options(c.parallel.scheme, c.zero.stage,
+                                                            c.parallel.ulysses_head_chunks))
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
                           tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree,
@@ -222,9 +225,10 @@ class Trainer:
             loss_sum, total = self._batch_loss(batch)
             # A non-finite loss poisons every gradient (NaN scale), so DeepSpeed's overflow check,
             # agreed over dp and tsp, skips the update.
-            loss = self.nonfinite.poison_if_nonfinite(loss_sum, loss_sum * mesh.dims.dp / total)
-            with mesh.dp.foreign_ops("DeepSpeed ZeRO gradient reduction (engine.backward)"):
+            loss = self.nonfinite.poison_if_nonfinite(loss_sum, loss_sum * self.engine.dp_world_size / total)
+            with mesh.dp.foreign_ops("DeepSpeed ZeRO gradient reduction (engine.backward)", also=[mesh.world]):
                 self.engine.backward(loss)
+            self.zero3.record(checkpointed=c.train.activation_checkpointing)   # ZeRO-3's ops in the ledger
             if self.engine.is_gradient_accumulation_boundary():
                 self._check_finite()
             self.checkpoints.before_update()               # an async snapshot has been copied

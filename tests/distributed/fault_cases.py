@@ -17,6 +17,7 @@ def _kill_self():
 
 def faulty_train_rank(rank, world, overrides, fault):
     """fault = (kind, at_step, victim_rank); kind in {"ring", "save", "async_write", "nan"}."""
+    from tsp_trainer.engine.zero_state import whole_parameters
     from tsp_trainer.trainer import NonFiniteError, Trainer
 
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
@@ -27,7 +28,8 @@ def faulty_train_rank(rank, world, overrides, fault):
         history = trainer.fit()
     except NonFiniteError as err:
         return {"stopped": str(err), "step": trainer.state.step}
-    weights = trainer.par.gather_full_state_dict()          # a collective: every rank joins
+    with whole_parameters(trainer.par.model):                # ZeRO-3 (sp, ulysses): gathered
+        weights = {k: v.clone() for k, v in trainer.par.gather_full_state_dict().items()}   # collective
     return {"losses": [h["train/loss"] for h in history], "skipped": [h["train/skipped"] for h in history],
             "weights": weights if rank == 0 else None,
             "step": trainer.state.step}

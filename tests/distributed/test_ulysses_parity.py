@@ -268,10 +268,11 @@ def test_bad_shapes_are_refused_with_one_line(heads, degree, seq_len, match):
 
 @pytest.mark.parametrize("first,then", [("tsp", "ulysses"), ("ulysses", "tsp")])
 def test_resume_across_schemes(first, then, tmp_path):
-    """A 5-step run of `first` (DP 2 x D 2, ZeRO-1) saves step 3; resuming it as `then` trains steps
-    4 and 5 like the uninterrupted run: the same losses (rtol 1e-6: fp32 summation order) and
-    final weights (the tolerances of tests/distributed/test_trainer.py)."""
-    common = ["train.steps=5", "checkpoint.keep_last=5", "zero.stage=1"]
+    """A 5-step run of `first` (DP 2 x D 2, zero.stage auto: ZeRO-1 over dp for tsp, ZeRO-3 over all
+    4 ranks for ulysses) saves step 3; resuming it as `then` trains steps 4 and 5 like the
+    uninterrupted run: the same losses (rtol 1e-6: fp32 summation order) and final weights (the
+    tolerances of tests/distributed/test_trainer.py)."""
+    common = ["train.steps=5", "checkpoint.keep_last=5"]
     full = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={first}", "checkpoint.every=3",
                                                  f"train.output_dir={tmp_path / 'a'}"], timeout=600)
     step3 = tmp_path / "a" / "checkpoints" / "step_00000003"

@@ -78,11 +78,15 @@ def record_wandb() -> dict:
 
 
 def train_rank(rank, world, overrides, return_weights=True):
+    from tsp_trainer.engine.zero_state import whole_parameters
     from tsp_trainer.trainer import Trainer
 
     trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
     history = trainer.fit()
-    weights = trainer.par.gather_full_state_dict() if return_weights else None
+    weights = None
+    if return_weights:
+        with whole_parameters(trainer.par.model):           # ZeRO-3 (sp, ulysses): gathered
+            weights = {k: v.clone() for k, v in trainer.par.gather_full_state_dict().items()}
     return {"losses": [h["train/loss"] for h in history], "grad_norms": [h["train/grad_norm"] for h in history],
             "skipped": [h["train/skipped"] for h in history], "weights": weights if rank == 0 else None,
             "dp_world_size": trainer.engine.dp_world_size, "step": trainer.state.step,

@@ -1,7 +1,7 @@
 """docs/parallelism.md's Ulysses commands as a user runs them (subprocesses, the bundled tiny data):
-tsp-launch trains parallel.scheme=ulysses on 4 processes (DP 2 x D 2), and a degree that does not
-divide the query heads, or a head-chunk count that does not divide the query heads per rank, is
-one line and exit 2 before start-up."""
+tsp-launch trains parallel.scheme=ulysses on 4 processes (DP 2 x D 2; zero.stage auto: ZeRO-3 over
+the 4 ranks), and a degree that does not divide the query heads, a head-chunk count that does not
+divide the query heads per rank, or ZeRO-3 under tsp, is one line and exit 2 before start-up."""
 
 from __future__ import annotations
 
@@ -15,4 +15,5 @@ def test_ulysses_doc_commands_run_as_written(tmp_path):
     cwd, env = workspace(tmp_path)
     run_blocks(scenario("docs/parallelism.md", "ulysses-shapes"), cwd, env)
     run_blocks(scenario("docs/parallelism.md", "ulysses-head-chunks"), cwd, env)
+    run_blocks(scenario("docs/parallelism.md", "zero3-scheme"), cwd, env)
     run_blocks(scenario("docs/parallelism.md", "ulysses"), cwd, env)

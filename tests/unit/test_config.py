@@ -206,11 +206,14 @@ def test_choices_when_built_in_python():
 
 
 def test_zero_stage():
-    message = raises("zero.stage=3 is not yet proven with TSP", validate_config, valid(zero__stage=3))
-    assert "0, 1 or 2" in message
-    raises("zero.stage=5 must be 0, 1 or 2", validate_config, valid(zero__stage=5))
-    for stage in (1, 2):
+    message = raises("zero.stage=3 with parallel.scheme='tsp': ZeRO-3 shards the weights over the "
+                     "axis x dp, which only sp and ulysses leave whole", validate_config, valid(zero__stage=3))
+    assert "use zero.stage 0, 1 or 2, or auto" in message and "\n" not in message
+    raises("zero.stage=5 must be auto, 0, 1, 2 or 3", validate_config, valid(zero__stage=5))
+    for stage in (1, 2, "auto"):
         validate_config(valid(zero__stage=stage))
+    for scheme in ("sp", "ulysses"):
+        validate_config(valid(zero__stage=3, parallel__scheme=scheme))
     validate_config(valid(zero__stage=0, train__nonfinite="stop"))
     raises("train.nonfinite='skip' needs zero.stage 1 or 2", validate_config, valid(zero__stage=0))
 
@@ -221,6 +224,11 @@ def test_optimizer_offload_needs_zero_1_or_2():
     assert "use zero.stage 1 or 2, or zero.offload_optimizer='none'" in message
     for stage in (1, 2):
         validate_config(valid(zero__stage=stage, zero__offload_optimizer="cpu"))
+    # ZeRO-3 (sp and ulysses, explicit or auto) with the optimizer offloaded: not run
+    for stage in (3, "auto"):
+        message = raises(f"zero.offload_optimizer='cpu' with zero.stage={stage}", validate_config,
+                         valid(zero__stage=stage, zero__offload_optimizer="cpu", parallel__scheme="ulysses"))
+        assert "offloaded only under ZeRO 1 or 2" in message
     raises("zero.offload_optimizer='nvme' is not one of 'none', 'cpu'", validate_config,
            valid(zero__offload_optimizer="nvme"))
 
@@ -421,7 +429,7 @@ def test_expected_recipes_are_shipped():
 def test_tiny_cpu_recipe_shape():
     cfg = load_config(RECIPES / "tiny_cpu.yaml")
     assert resolve_dp_degree(cfg.parallel, 4) == 2
-    assert (cfg.train.dtype, cfg.zero.stage, cfg.logging.wandb_mode) == ("fp32", 1, "disabled")
+    assert (cfg.train.dtype, cfg.zero.stage, cfg.logging.wandb_mode) == ("fp32", "auto", "disabled")
     assert cfg.optim.beta2 == 0.95   # from base.yaml
 
 
@@ -430,3 +438,13 @@ def test_1024gpu_recipe_refuses_the_wrong_world():
     assert cfg.train.global_batch_size == 128 and cfg.data.seq_len == 131072
     raises("world size 512 is not dp_degree x tsp_degree = 128 x 8", validate_config, cfg, world_size=512)
 
+
+
+def test_zero_stage_auto_resolves_by_scheme():
+    """zero.stage auto: ZeRO-3 over every rank where the axis' ranks hold the same weights (sp,
+    ulysses), ZeRO-1 over dp where the axis shards them; an explicit stage stays."""
+    from tsp_trainer.config import resolve_config
+
+    for scheme, stage in (("tsp", 1), ("tp_sp", 1), ("sp", 3), ("ulysses", 3)):
+        assert resolve_config(valid(parallel__scheme=scheme), world_size=4, cuda=False).zero.stage == stage
+    assert resolve_config(valid(parallel__scheme="sp", zero__stage=1), world_size=4, cuda=False).zero.stage == 1

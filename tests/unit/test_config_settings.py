@@ -108,7 +108,7 @@ def test_help_config_prints_every_key_and_exits_0(capsys):
     assert "  parallel.tsp_degree (int, >= 1; default 1)\n" in out
     assert "  parallel.scheme (str, one of tsp, tp, tp_sp, sp, tp_x_sp, ulysses; default tsp)\n" in out
     assert "  optim.beta2 (float, in [0, 1); default 0.95)\n" in out
-    assert "  zero.stage (int, one of 0, 1, 2; default 1)\n" in out
+    assert "  zero.stage (int or str, auto or one of 0, 1, 2, 3; default auto)\n" in out
     assert "  data.sources[].source (str; required)\n" in out
     assert all(f"  {key} (" in out for key in leaf_keys(TrainConfig))
 

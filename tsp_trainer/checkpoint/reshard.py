@@ -20,6 +20,9 @@ the dp rank that writes it, from the ranks' fragments, with one reduce over dp i
 (engine/zero_state.py::full_state_on_owner; with dp = 1 the live partition is read as it is), and
 loading writes back this rank's fragment with DeepSpeed's `safe_set_full_*` (no communication).
 Under ZeRO stage 0 the torch optimizer holds the moments per parameter and is read directly.
+ZeRO-3 (sp, ulysses) partitions the weights too, over every rank: each tensor, weights included, is
+assembled on its writer by one reduce over all ranks (engine/zero_state.py zero3_full_on_owner),
+every rank taking part for every parameter, and loading writes this rank's partitions.
 Loading copies values (no arithmetic), so a resume under the same layout continues bit for bit.
 
 Must not import trainer; its DeepSpeed calls live in engine/zero_state.py (imported lazily there).
@@ -33,9 +36,10 @@ from typing import Callable
 
 import torch
 
-from tsp_trainer.engine.zero_state import (fresh_adam_step, full_state_on_owner, link_optimizer_state,
-                                           replay_cpu_adam_steps, set_full_fp32,
-                                           set_full_optimizer_state)
+from tsp_trainer.engine.zero_state import (fresh_adam_step, full_state_on_owner, is_zero3,
+                                           link_optimizer_state, replay_cpu_adam_steps, set_full_fp32,
+                                           set_full_optimizer_state, zero3_adam_steps,
+                                           zero3_full_on_owner, zero3_init_adam_state, zero3_load)
 from tsp_trainer.checkpoint.shards import (read_extra, read_local_state_dict, shard_file_name,
                                            shard_layout, write_layout_file)
 from tsp_trainer.parallel.schemes import Parallelized
@@ -82,26 +86,15 @@ def snapshot_layout_free_state(par: Parallelized, optimizer: torch.optim.Optimiz
     mesh, ranks = par.mesh, _axis_ranks(par)
     keep = host_copy or _sync_keep
     owner = write_owners(par)
-    steps = adam_steps(optimizer)
-    if any(steps):
+    zero3 = any(is_zero3(p) for p in par.model.parameters())
+    steps = zero3_adam_steps(optimizer, par.model.parameters()) if zero3 else adam_steps(optimizer)
+    if any(steps) and not zero3:
         link_optimizer_state(optimizer, par.model.parameters())
-    params = [(n, p) for n, p in par.model.named_parameters() if n in owner]   # others: no collective
-    # one flat fp32 buffer on the compute device for the dp gathers, reused parameter by parameter
-    scratch = torch.empty(max((p.numel() for _, p in params), default=0), dtype=torch.float32,
-                          device=next(par.model.parameters()).device) if mesh.dims.dp > 1 else None
     keys = (list(MOMENTS) if any(steps) else []) + [None]        # None: the fp32 master weights
-    optim: dict[str, torch.Tensor] = {}
-    for name, p in params:
-        for key in keys:
-            if key is None and p.dtype == torch.float32:         # the weights are the master
-                continue
-            t, in_scratch = full_state_on_owner(p, optimizer, key, dp=mesh.dp, owner=owner[name],
-                                                scratch=scratch)  # collective over dp under ZeRO
-            if t is not None:
-                label = f"{key or 'fp32'}/{name}"
-                optim[label] = keep(label, t, "scratch" if in_scratch else "live")
-    model = {name: keep(name, t.detach(), "live") for name, t in par.model.state_dict().items()
-             if owner.get(name) == mesh.dp_rank}
+    if zero3:
+        model, optim = _zero3_tensors(par, keys, keep)
+    else:
+        model, optim = _tensors(par, optimizer, owner, keys, keep)
     part = {"part": mesh.dp_rank, "parts": mesh.dims.dp}
     extra = {"adam_steps": steps, "moments": list(MOMENTS) if any(steps) else [],
              "fp32_master": any(p.dtype != torch.float32 for p in par.model.parameters())}
@@ -115,6 +108,62 @@ def snapshot_layout_free_state(par: Parallelized, optimizer: torch.optim.Optimiz
     return files
 
 
+def _tensors(par: Parallelized, optimizer, owner: dict[str, int], keys: list, keep: HostCopy):
+    """(model tensors, optim tensors) this rank writes, ZeRO 0-2: collective over its dp group."""
+    mesh = par.mesh
+    params = [(n, p) for n, p in par.model.named_parameters() if n in owner]   # others: no collective
+    # one flat fp32 buffer on the compute device for the dp gathers, reused parameter by parameter
+    scratch = torch.empty(max((p.numel() for _, p in params), default=0), dtype=torch.float32,
+                          device=next(par.model.parameters()).device) if mesh.dims.dp > 1 else None
+    optim: dict[str, torch.Tensor] = {}
+    for name, p in params:
+        for key in keys:
+            if key is None and p.dtype == torch.float32:         # the weights are the master
+                continue
+            t, in_scratch = full_state_on_owner(p, optimizer, key, dp=mesh.dp, owner=owner[name],
+                                                scratch=scratch)  # collective over dp under ZeRO
+            if t is not None:
+                label = f"{key or 'fp32'}/{name}"
+                optim[label] = keep(label, t, "scratch" if in_scratch else "live")
+    model = {name: keep(name, t.detach(), "live") for name, t in par.model.state_dict().items()
+             if owner.get(name) == mesh.dp_rank}
+    return model, optim
+
+
+def _zero3_tensors(par: Parallelized, keys: list, keep: HostCopy):
+    """(model tensors, optim tensors) this rank writes under ZeRO-3: every rank takes part in one
+    reduce over all ranks per tensor, in parameter order; the writers are those of write_owners
+    as the model-parallel rank 0 of each dp group deals them (every tensor is whole on the axis)."""
+    mesh = par.mesh
+    named = dict(par.model.named_parameters(remove_duplicate=False))   # a tied weight: both names
+    writers = _writers_at_axis_rank_0(named, mesh.dims)
+    w = mesh.world.size
+    scratch = torch.empty(max(w * -(-p.ds_numel // w) for p in named.values()), dtype=torch.float32,
+                          device=mesh.device)
+    model, optim = {}, {}
+    for name, p in named.items():
+        t, _ = zero3_full_on_owner(p, None, world=mesh.world, owner=writers[name], scratch=scratch,
+                                   weight=True)
+        if t is not None:
+            model[name] = keep(name, t.to(p.dtype), "scratch" if p.dtype == torch.float32 else "fresh")
+    for name, p in par.model.named_parameters():
+        for key in keys:
+            if key is None and p.dtype == torch.float32:         # the weights are the master
+                continue
+            t, _ = zero3_full_on_owner(p, key, world=mesh.world, owner=writers[name], scratch=scratch)
+            if t is not None:
+                label = f"{key or 'fp32'}/{name}"
+                optim[label] = keep(label, t, "scratch")
+    return model, optim
+
+
+def _writers_at_axis_rank_0(named: dict[str, torch.nn.Parameter], dims) -> dict[str, int]:
+    """name -> the global rank that writes it when every tensor is whole on the axis (ZeRO-3): the
+    dp rank of model-parallel rank 0 that write_owners' dealing gives it, by whole sizes."""
+    sizes = [(p.ds_numel * p.element_size(), name) for name, p in named.items()]
+    return {name: dims.dp_group_ranks(0)[d] for name, d in _deal(sizes, dims.dp).items()}
+
+
 def write_owners(par: Parallelized) -> dict[str, int]:
     """state-dict name -> the dp rank of this rank's dp group that writes it; names this group does
     not write (another model-parallel rank holds the same values) are absent. Deterministic, the
@@ -126,9 +175,14 @@ def write_owners(par: Parallelized) -> dict[str, int]:
         others = [axis for axis in ranks if axis != spec.axis or spec.dim is None]
         if all(ranks[axis] == 0 for axis in others):
             mine.append((t.numel() * t.element_size(), name))
-    load = [0] * par.mesh.dims.dp
+    return _deal(mine, par.mesh.dims.dp)
+
+
+def _deal(sized: list[tuple[int, str]], dp: int) -> dict[str, int]:
+    """(bytes, name) pairs -> name: dp rank, largest first to the least loaded rank."""
+    load = [0] * dp
     owner = {}
-    for nbytes, name in sorted(mine, key=lambda x: (-x[0], x[1])):
+    for nbytes, name in sorted(sized, key=lambda x: (-x[0], x[1])):
         rank = min(range(len(load)), key=lambda r: (load[r], r))
         owner[name] = rank
         load[rank] += nbytes
@@ -185,6 +239,9 @@ def load_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.opt
     if len(extra["adam_steps"]) != len(optimizer.param_groups):
         raise ValueError(f"checkpoint {folder} has {len(extra['adam_steps'])} optimizer param groups, "
                          f"this optimizer {len(optimizer.param_groups)}")
+    if any(is_zero3(p) for p in params.values()):
+        _load_zero3(par, optimizer, params, weights, state, extra)
+        return
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name])
@@ -194,6 +251,16 @@ def load_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.opt
         for name, p in params.items():
             for key in extra["moments"]:
                 set_full_optimizer_state(p, optimizer, key, state[f"{key}/{name}"])
+
+
+def _load_zero3(par: Parallelized, optimizer, params: dict, weights: dict, state: dict, extra: dict) -> None:
+    """ZeRO-3: this rank's partitions of the weights, fp32 master and moments (no collective)."""
+    if extra["moments"]:
+        zero3_init_adam_state(optimizer, params.values(), extra["adam_steps"], extra["moments"])
+    with torch.no_grad():
+        for name, p in params.items():
+            zero3_load(p, weights[name], state.get(f"fp32/{name}", weights[name]),
+                       {k: state[f"{k}/{name}"] for k in extra["moments"]}, rank=par.mesh.world.rank)
 
 
 def _init_adam_state(optimizer, params, steps: list[int], moments) -> None:

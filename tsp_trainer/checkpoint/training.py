@@ -32,6 +32,7 @@ from tsp_trainer.checkpoint.train_state import (NonFiniteError, TrainState, chec
                                                 restore_rank_state, saved_config)
 from tsp_trainer.checkpoint.writer import CheckpointWriter, Snapshot
 from tsp_trainer.config import TrainConfig
+from tsp_trainer.engine.zero_state import local_weight
 from tsp_trainer.optim import resume_settings_applied
 
 
@@ -98,8 +99,8 @@ class TrainingCheckpoints:
 
     def _refuse_nonfinite_weights(self, step: int) -> None:
         """Collective: a checkpoint is never published with NaN/inf weights (every rank checks its
-        shards; one host sync). The previous checkpoint stays `latest`."""
-        finite = [torch.isfinite(p).all() for p in self.par.model.parameters()]
+        shards, or ZeRO-3 partitions; one host sync). The previous checkpoint stays `latest`."""
+        finite = [torch.isfinite(local_weight(p)).all() for p in self.par.model.parameters()]
         bad = torch.stack(finite).logical_not().any().float().reshape(1).to(self.device)
         self.mesh.world.all_reduce(bad, tag="nonfinite.weights", op=torch.distributed.ReduceOp.MAX)
         if bool(bad.item()):

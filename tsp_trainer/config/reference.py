@@ -120,6 +120,8 @@ def _allowed(f: dataclasses.Field, kind: Any) -> str:
         words = ", ".join(map(str, typing.get_args(literals[0])))
         if bool in others:
             return f"{words}, true or false"
+        if choices_of(f):                    # `int | Literal["auto"]` with the int's choices
+            return f"{words} or one of " + ", ".join(map(str, choices_of(f)))
         return f"{words} or {bound_of(f).text()}" if bound_of(f) is not None else words
     if literals:
         words = ", ".join(map(str, typing.get_args(literals[0])))

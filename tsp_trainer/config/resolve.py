@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from tsp_trainer.config.schema import ModelSection, TrainConfig, resolved_dtype
+from tsp_trainer.config.schema import ModelSection, TrainConfig, resolved_dtype, resolved_zero_stage
 
 
 def resolve_config(cfg: TrainConfig, *, world_size: int, cuda: bool) -> TrainConfig:
-    """`cfg` with every model dim explicit, dtype "auto" resolved (bf16 on GPU, fp32 on CPU) and
+    """`cfg` with every model dim explicit, dtype "auto" resolved (bf16 on GPU, fp32 on CPU),
+    zero.stage "auto" resolved (schema.resolved_zero_stage) and
     dp_degree = world_size / tsp_degree. load_config reads the written YAML back to an equal config."""
     model = cfg.model.to_model_config()
     # Scalar shape keys only: the sources (size, init_from, config_from), the seed and nested
@@ -22,6 +23,7 @@ def resolve_config(cfg: TrainConfig, *, world_size: int, cuda: bool) -> TrainCon
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, **dims),
         train=dataclasses.replace(cfg.train, dtype=dtype),
+        zero=dataclasses.replace(cfg.zero, stage=resolved_zero_stage(cfg.zero.stage, cfg.parallel.scheme)),
         parallel=dataclasses.replace(cfg.parallel, dp_degree=world_size // cfg.parallel.tsp_degree))
 
 

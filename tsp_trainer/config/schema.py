@@ -36,9 +36,19 @@ ResumeChange = Literal["recipe", "checkpoint"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
 Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
+# Schemes whose ranks of one axis hold the same weights: ZeRO-3 shards them over the axis x dp.
+SHARDED_WEIGHT_SCHEMES = ("sp", "ulysses")
 # Signals a preemption may arrive with; SIGKILL and SIGSTOP cannot be caught, SIGINT stays Ctrl-C.
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
+
+
+def resolved_zero_stage(stage: int | str, scheme: str) -> int:
+    """zero.stage, "auto" resolved: 3 where the axis' ranks hold the same weights (sp, ulysses:
+    ZeRO-3 shards them over the axis x dp), 1 elsewhere (the axis shards the weights itself)."""
+    if stage != "auto":
+        return stage
+    return 3 if scheme in SHARDED_WEIGHT_SCHEMES else 1
 
 
 def resolved_dtype(dtype: str, cuda: bool) -> str:
@@ -253,10 +263,12 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class ZeroSection:
-    """DeepSpeed ZeRO over the DP axis only."""
+    """DeepSpeed ZeRO: stages 0-2 over the DP axis; stage 3 (schemes sp and ulysses) over every rank."""
 
-    stage: int = setting(1, choices=ZERO_STAGES, doc="DeepSpeed ZeRO stage; 3 is refused (no parity "
-                                                     "test covers ZeRO-3 with sharded weights)")
+    stage: int | Auto = setting("auto", choices=ZERO_STAGES,
+                                doc="DeepSpeed ZeRO stage; auto = 3 for sp and ulysses (weights, gradients "
+                                    "and optimizer state sharded over the axis x dp), 1 for the others "
+                                    "(optimizer state sharded over dp); 3 only for sp and ulysses")
     offload_optimizer: OffloadOptimizer = setting(
         "none", doc="cpu: DeepSpeed's ZeRO-Offload keeps the fp32 master weights, AdamW moments and "
                     "the fp32 gradient partition in pinned host memory and runs the update with "

@@ -17,7 +17,8 @@ import typing
 from typing import Any, Literal
 
 from tsp_trainer.config.model import FP32_EXACT_POSITIONS, ModelConfig
-from tsp_trainer.config.schema import ModelSection, ParallelSection, Scheme, TrainConfig, ZeroSection
+from tsp_trainer.config.schema import (SHARDED_WEIGHT_SCHEMES, ModelSection, ParallelSection, Scheme, TrainConfig,
+                                       ZeroSection, resolved_zero_stage)
 from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, list_of_sections
 
 SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
@@ -40,8 +41,8 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     """Raise ValueError on the first broken rule. `world_size` adds the mesh rules when known."""
     _check_choices(cfg)
     _check_bounds(cfg, "")
-    _check_zero(cfg.zero.stage)
-    check_optimizer_offload(cfg.zero)
+    _check_zero(cfg.zero.stage, cfg.parallel.scheme)
+    check_optimizer_offload(cfg.zero, cfg.parallel.scheme)
     check_precision(zero_stage=cfg.zero.stage, bf16=cfg.train.dtype == "bf16")
     if cfg.zero.stage == 0 and cfg.train.nonfinite == "skip":
         raise ValueError("train.nonfinite='skip' needs zero.stage 1 or 2 (their overflow check, agreed "
@@ -239,23 +240,31 @@ def _check_lifecycle(cfg: TrainConfig) -> None:
                          "cannot be caught; SIGINT stays Ctrl-C); use [] to disable")
 
 
-def _check_zero(stage: Any) -> None:
+def _check_zero(stage: Any, scheme: str) -> None:
     stages = choices_of(field_of(ZeroSection, "stage"))
-    named = ", ".join(map(str, stages[:-1])) + f" or {stages[-1]}"        # "0, 1 or 2"
-    if stage == 3 and not isinstance(stage, bool):
-        raise ValueError("zero.stage=3 is not yet proven with TSP: no parity test covers ZeRO-3 with "
-                         f"sharded weights; use zero.stage {named}")
+    named = ", ".join(map(str, stages[:-1])) + f" or {stages[-1]}"        # "0, 1, 2 or 3"
+    if stage == "auto":
+        return
     if stage not in stages or isinstance(stage, bool):
-        raise ValueError(f"zero.stage={stage!r} must be {named} (DeepSpeed ZeRO stage over the DP axis)")
+        raise ValueError(f"zero.stage={stage!r} must be auto, {named} (DeepSpeed ZeRO stage)")
+    if stage == 3 and scheme not in SHARDED_WEIGHT_SCHEMES:
+        raise ValueError(f"zero.stage=3 with parallel.scheme={scheme!r}: ZeRO-3 shards the weights over "
+                         f"the axis x dp, which only {' and '.join(SHARDED_WEIGHT_SCHEMES)} leave whole "
+                         f"on the axis ({scheme} shards them over the axis itself); use zero.stage 0, 1 "
+                         "or 2, or auto")
 
 
-def check_optimizer_offload(zero: ZeroSection) -> None:
+def check_optimizer_offload(zero: ZeroSection, scheme: str) -> None:
     """ZeRO-Offload moves the fp32 partition that ZeRO 1/2 build (master weights, AdamW moments,
-    fp32 gradients) to the host; ZeRO-0 builds none, so DeepSpeedCPUAdam would meet device weights."""
-    if zero.offload_optimizer == "cpu" and zero.stage == 0:
-        raise ValueError("zero.offload_optimizer='cpu' with zero.stage=0: DeepSpeed offloads the "
-                         "optimizer only under ZeRO 1 or 2 (stage 0 keeps no fp32 partition to move "
-                         "to the host); use zero.stage 1 or 2, or zero.offload_optimizer='none'")
+    fp32 gradients) to the host; ZeRO-0 builds none, so DeepSpeedCPUAdam would meet device weights.
+    ZeRO-3's offload keeps its partitions elsewhere, which the checkpoints do not read."""
+    stage = resolved_zero_stage(zero.stage, scheme)
+    if zero.offload_optimizer == "cpu" and stage in (0, 3):
+        raise ValueError(f"zero.offload_optimizer='cpu' with zero.stage={zero.stage}"
+                         + (f" (parallel.scheme={scheme})" if zero.stage == "auto" else "")
+                         + ": the optimizer is offloaded only under ZeRO 1 or 2"
+                         + (" (stage 0 keeps no fp32 partition to move to the host)" if stage == 0 else "")
+                         + "; use zero.stage 1 or 2, or zero.offload_optimizer='none'")
 
 
 def check_precision(*, zero_stage: int, bf16: bool) -> None:

@@ -35,7 +35,17 @@ import torch
 
 from tsp_trainer.config import OptimSection
 from tsp_trainer.optim import adamw_hyperparameters, param_groups
-from tsp_trainer.parallel.mpu import TSPMpu
+from tsp_trainer.parallel.mpu import ShardedWeightsMpu, TSPMpu
+from tsp_trainer.parallel.sharded_weights import GATHER_UNITS
+
+
+# ZeRO-3 (schemes sp and ulysses, weights sharded over the axis x dp: parallel/mpu.py
+# ShardedWeightsMpu). Every parameter is partitioned (none kept whole for being small) and released
+# after each use (reuse distance 0), so each step gathers each weight once per forward use and once
+# for its backward, the traffic parallel/sharded_weights.py writes in the ledger; torch's own
+# F.linear stays (DeepSpeed's memory-efficient linear replaces it process-wide otherwise).
+ZERO3_SETTINGS = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                  "memory_efficient_linear": False}
 
 
 def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: int,
@@ -52,6 +62,8 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
     moments live on the host; under bf16 the reduced gradients still accumulate in an fp32
     partition on the device (n / dp elements) before each step copies them to the host."""
     zero = {"stage": zero_stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
+    if zero_stage == 3:
+        zero.update(ZERO3_SETTINGS)
     offload = {}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -141,8 +153,20 @@ def bound_to_initialize(mpu: TSPMpu, device_index: int | None):
         deepspeed.initialize = original
 
 
-def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mpu: TSPMpu):
+def mark_gather_units(model: torch.nn.Module) -> None:
+    """ZeRO-3: the attention and MLP modules read their holders' weights without calling them, so
+    DeepSpeed gathers all parameters under each of them at its call (its "leaf" modules,
+    parallel/sharded_weights.py GATHER_UNITS). Before deepspeed.initialize."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(model, list(GATHER_UNITS), raise_if_not_found=False)
+
+
+def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            mpu: TSPMpu | ShardedWeightsMpu):
     """accelerator.prepare(model, optimizer) with our mpu -> (DeepSpeedEngine, optimizer)."""
+    if isinstance(mpu, ShardedWeightsMpu):
+        mark_gather_units(model)
     device_index = torch.cuda.current_device() if accelerator.device.type == "cuda" else None
     with bound_to_initialize(mpu, device_index):
         engine, opt = accelerator.prepare(model, optimizer)

@@ -36,10 +36,11 @@ def distributed_attention(local_attention: Callable, group) -> Callable:
     return attend
 
 
-def scheme_options(scheme: str, head_chunks: int = 1) -> dict:
-    """The engine's part of parallelize()'s options for `scheme` (only `ulysses` has any):
-    DeepSpeed's attention layer and the head chunks it is called in (parallel.ulysses_head_chunks,
-    resolved)."""
-    if scheme != "ulysses":
-        return {}
-    return {"distributed_attention": distributed_attention, "ulysses_head_chunks": head_chunks}
+def scheme_options(scheme: str, zero_stage: int, head_chunks: int = 1) -> dict:
+    """The engine's part of parallelize()'s options for a baseline `scheme`: DeepSpeed's
+    DistributedAttention for `ulysses` and the head chunks it is called in
+    (parallel.ulysses_head_chunks, resolved); under ZeRO-3 (sp and ulysses, config/validate.py) the
+    weights left to DeepSpeed to shard and reduce (sharded_weights)."""
+    options = ({"distributed_attention": distributed_attention, "ulysses_head_chunks": head_chunks}
+               if scheme == "ulysses" else {})
+    return options | ({"sharded_weights": True} if zero_stage == 3 else {})

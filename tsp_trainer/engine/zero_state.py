@@ -11,6 +11,7 @@ tests/distributed/test_reshard.py fails if any of this changes in a DeepSpeed up
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -108,3 +109,125 @@ def replay_cpu_adam_steps(optimizer, step: int) -> None:
         optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, group["lr"], beta1, beta2, group["eps"],
                                           group["weight_decay"], group["bias_correction"], empty,
                                           empty, empty, empty)
+
+
+# -- ZeRO-3 (schemes sp and ulysses: every parameter partitioned over all ranks) -------------------
+# DeepSpeed 0.19.8 stage3.py: parameter p holds its partition of W x ceil(n / W) elements (padded)
+# in p.ds_tensor, rank r the elements r*ceil(n/W).. of the flattened tensor; the fp32 master and
+# the AdamW moments are the same slices of one flat fp32 tensor per sub-group
+# (fp32_partitioned_groups_flat), whose optimizer state the torch optimizer keeps while its
+# param_groups hold no parameter between steps. The safe_get/set_local_* helpers read and write
+# this rank's slice; the full-tensor setters slice the value without the padding and fail on the
+# last rank when W does not divide n, so the slices are cut here.
+
+
+def is_zero3(p: torch.nn.Parameter) -> bool:
+    return hasattr(p, "ds_id")
+
+
+def local_weight(p: torch.nn.Parameter) -> torch.Tensor:
+    """The values of p this rank holds: its ZeRO-3 partition, or p itself."""
+    return p.ds_tensor if is_zero3(p) else p
+
+
+def _zero3_local(p, key: str | None, *, weight: bool) -> torch.Tensor:
+    """This rank's flat partition: the model weight (`weight`), the fp32 master (key None) or an
+    optimizer state."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    if weight:
+        return p.ds_tensor.reshape(-1)
+    local = safe_get_local_optimizer_state(p, key) if key else safe_get_local_fp32_param(p)
+    return local.reshape(-1)
+
+
+def zero3_full_on_owner(p: torch.nn.Parameter, key: str | None, *, world, owner: int,
+                        scratch: torch.Tensor, weight: bool = False) -> tuple[torch.Tensor | None, bool]:
+    """Collective over `world` (ZeRO-3's partition group, every rank, the same parameter order):
+    p's full tensor, fp32, on world rank `owner`, as (tensor in `scratch`, True); (None, False)
+    elsewhere. Each rank writes its partition at its offset into the zeroed scratch (fp32, >= W x
+    ceil(n / W) elements) and one SUM reduce leaves the whole tensor on the owner (one non-zero
+    contributor per element: exact; a bf16 weight comes back exactly through fp32)."""
+    local = _zero3_local(p, key, weight=weight)
+    n = local.numel()
+    flat = scratch[:world.size * n]
+    flat.zero_()
+    flat.narrow(0, world.rank * n, n).copy_(local)
+    world.reduce(flat, owner, tag="checkpoint.gather")
+    if world.rank != owner:
+        return None, False
+    return flat[:p.ds_numel].view(p.ds_shape), True
+
+
+def zero3_partition_of(p: torch.nn.Parameter, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank `rank`'s slice of `full` (p's whole value) as ZeRO-3 partitions it, padding included."""
+    n = p.ds_tensor.numel()
+    flat = full.reshape(-1)
+    padded = torch.zeros(n * (rank + 1), dtype=full.dtype, device=full.device)
+    stop = min(flat.numel(), n * (rank + 1))
+    padded[:stop].copy_(flat[:stop])
+    return padded[n * rank:]
+
+
+def zero3_load(p: torch.nn.Parameter, weight: torch.Tensor, fp32: torch.Tensor,
+               moments: dict[str, torch.Tensor], *, rank: int) -> None:
+    """Write the partition of rank `rank` (this one, in ZeRO-3's group) of the model weight, the fp32 master and each moment (no
+    communication); the moments' optimizer state must exist (zero3_init_adam_state)."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+    p.ds_tensor.copy_(zero3_partition_of(p, weight.to(p.ds_tensor.dtype), rank))
+    safe_set_local_fp32_param(p, zero3_partition_of(p, fp32.float(), rank))
+    for key, value in moments.items():
+        safe_set_local_optimizer_state(p, zero3_partition_of(p, value.float(), rank), key)
+
+
+def _zero3_subgroups(params) -> list[tuple[int, torch.Tensor]]:
+    """(param group index, flat fp32 partition) of each ZeRO-3 sub-group."""
+    z3 = next(p._z3_optimizer for p in params if is_zero3(p))
+    return [(z3.sub_group_to_group_id[i], flat) for i, flat in enumerate(z3.fp32_partitioned_groups_flat)]
+
+
+def zero3_adam_steps(optimizer, params) -> list[int]:
+    """Adam's step count per param group under ZeRO-3 (0 before the first update)."""
+    steps = [0] * len(optimizer.param_groups)
+    for group, flat in _zero3_subgroups(params):
+        state = optimizer.state.get(flat, {})
+        steps[group] = max(steps[group], int(state["step"]) if "step" in state else 0)
+    return steps
+
+
+def zero3_init_adam_state(optimizer, params, steps: list[int], moments) -> None:
+    """Create the optimizer state of each ZeRO-3 sub-group's flat fp32 partition, as AdamW's first
+    step would."""
+    for group, flat in _zero3_subgroups(params):
+        optimizer.state[flat] = {"step": fresh_adam_step(optimizer, steps[group]),
+                                 **{k: torch.zeros_like(flat) for k in moments}}
+
+
+# A ds_active_sub_modules entry no module has: while it is there, DeepSpeed 0.19.8 releases no
+# gathered parameter after a module call (partitioned_param_coordinator.py __release_param) and
+# fetches none it finds available.
+_HELD = -1
+
+
+@contextlib.contextmanager
+def whole_parameters(model: torch.nn.Module):
+    """Inside the block every ZeRO-3 parameter of `model` is whole on every rank and stays so through
+    module calls (collective: one gather over its partition group when the block starts; read-only,
+    released unchanged at the end). The forward passes inside then communicate nothing for the
+    weights, so the ranks may run different numbers of them (evaluation: each dp replica its own
+    share of the batches). Without ZeRO-3 nothing happens."""
+    params = [p for p in model.parameters() if is_zero3(p)]
+    if not params:
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    with GatheredParameters(params, modifier_rank=None):
+        for p in params:
+            p.ds_active_sub_modules.add(_HELD)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.ds_active_sub_modules.discard(_HELD)

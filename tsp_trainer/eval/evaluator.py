@@ -16,7 +16,8 @@ exists, so a bad filler source or a length too short for the prompt fails at sta
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Callable, ContextManager, Iterable
 
 import torch
 
@@ -115,10 +116,15 @@ class Evaluator:
     """Runs the evaluations due at a step on this rank's part of the sharded model."""
 
     def __init__(self, cfg: TrainConfig, *, par: Parallelized, mesh: Mesh, device: torch.device,
-                 eval_batches: Iterable[dict] | None, passkey: PasskeyTask | None, log=None):
+                 eval_batches: Iterable[dict] | None, passkey: PasskeyTask | None, log=None,
+                 whole_weights: Callable[[], ContextManager] = contextlib.nullcontext):
         """eval_batches: this DP rank's held-out micro-batches, the same at every iteration
-        (data/eval.py's EvalBatches); None when train.eval_every = 0."""
+        (data/eval.py's EvalBatches); None when train.eval_every = 0. whole_weights: a context
+        inside which the model's weights are whole on every rank without further communication
+        (ZeRO-3: the dp replicas run different numbers of forward passes), entered (collectively)
+        around each evaluation that is due."""
         self.cfg, self.par, self.mesh, self.device = cfg, par, mesh, device
+        self.whole_weights = whole_weights
         self.eval_batches, self.passkey, self.log = eval_batches, passkey, log
         self._comms = par.token_comms + [mesh.dp]        # each token of the global batch once
         # held-out batches carry the loader's document_ids; haystacks are cut at the tokenizer's EOS
@@ -127,10 +133,15 @@ class Evaluator:
 
     def run(self, step: int) -> dict:
         metrics = {}
-        if self.eval_batches is not None and _due(self.cfg.train.eval_every, step):
-            metrics.update(self.loss_metrics(step))
-        if self.passkey is not None and _due(self.cfg.eval.passkey_every, step):
-            metrics.update(self.passkey_metrics(step))
+        loss = self.eval_batches is not None and _due(self.cfg.train.eval_every, step)
+        passkey = self.passkey is not None and _due(self.cfg.eval.passkey_every, step)
+        if not (loss or passkey):
+            return metrics
+        with self.whole_weights():
+            if loss:
+                metrics.update(self.loss_metrics(step))
+            if passkey:
+                metrics.update(self.passkey_metrics(step))
         return metrics
 
     @torch.no_grad()

@@ -1,9 +1,11 @@
 """Scheme `ulysses`: DeepSpeed-Ulysses sequence parallelism over the model-parallel axis (size D =
 parallel.tsp_degree), the attention of the ALST stack.
 
-Rank p holds the contiguous tokens p*S/D .. (p+1)*S/D - 1 of every sequence and the full weights
-(replicated over the axis, as under `sp`: gradients summed over the axis inside autograd, then over
-dp by DeepSpeed ZeRO). Everything but attention is token-wise and runs on the local tokens; the
+Rank p holds the contiguous tokens p*S/D .. (p+1)*S/D - 1 of every sequence. Its weights are those
+of `sp`: under DeepSpeed ZeRO-3 (the default, `sharded_weights`) sharded over the axis x dp, each
+layer's gathered for its compute and its gradients reduce-scattered over the same set
+(parallel/sharded_weights.py); under ZeRO 0-2 replicated over the axis, gradients summed over it
+inside autograd, then over dp by ZeRO. Everything but attention is token-wise and runs on the local tokens; the
 embedding, norms, MLP and LM head are the baseline blocks with T = 1 (parallel/baselines/layers.py).
 
 | Step      | Forward op                                          | Backward op                          |
@@ -52,8 +54,7 @@ from tsp_trainer.config.validate import check_ulysses_head_chunks
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns, attention_core
 from tsp_trainer.model.transformer import Transformer
-from tsp_trainer.parallel.baselines.apply import _check, _single, _whole, apply_baseline
-from tsp_trainer.parallel.baselines.layers import Groups
+from tsp_trainer.parallel.baselines.apply import _check, apply_baseline, sp_groups
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.mesh import Mesh, axis_view
 from tsp_trainer.parallel.parallelized import Parallelized
@@ -178,10 +179,14 @@ def contiguous_layout(rank: int, degree: int):
 
 def build_ulysses(model: Transformer, mesh: Mesh, *,
                   distributed_attention: DistributedAttentionFactory | None = None,
-                  ulysses_head_chunks: int = 1, **kw) -> Parallelized:
-    """Ulysses over the D ranks: contiguous tokens, replicated weights, q/k/v/o all-to-alls by
-    DeepSpeed's DistributedAttention (`distributed_attention`, engine/ulysses.py; not needed
-    when D = 1), the heads in `ulysses_head_chunks` groups (parallel.ulysses_head_chunks)."""
+                  ulysses_head_chunks: int = 1, sharded_weights: bool = False,
+                  **kw) -> Parallelized:
+    """Ulysses over the D ranks: contiguous tokens, q/k/v/o all-to-alls by DeepSpeed's
+    DistributedAttention (`distributed_attention`, engine/ulysses.py; not needed when D = 1), the
+    heads in `ulysses_head_chunks` groups (parallel.ulysses_head_chunks).
+    sharded_weights: DeepSpeed ZeRO-3 shards the weights over the axis x dp and reduces their
+    gradients over that set, as ALST runs it; otherwise they are replicated over the axis and their
+    gradients summed over it inside autograd."""
     _check(model, "ulysses", mesh, kw)
     check_ulysses_head_chunks(model.cfg, scheme="ulysses", degree=mesh.tsp.size, head_chunks=ulysses_head_chunks)
     sp = axis_view(mesh.tsp, "sp")
@@ -193,7 +198,7 @@ def build_ulysses(model: Transformer, mesh: Mesh, *,
                              "(tsp_trainer/engine/ulysses.py: parallelize(..., "
                              "distributed_attention=...)); run it with tsp-train")
         attend = {"attend": UlyssesAttention(distributed_attention, sp, head_chunks=ulysses_head_chunks)}
-    groups = Groups(_single(mesh, "tp"), sp, False, _whole(mesh, sp), _whole(mesh, sp), **attend)
+    groups = sp_groups(mesh, sp, sharded_weights=sharded_weights, **attend)
     specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
                            loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"),
                            mlp_chunk_tokens=kw.get("mlp_chunk_tokens", "auto"))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tsp_trainer.config import ModelConfig, TrainConfig
-from tsp_trainer.config.schema import resolved_dtype
+from tsp_trainer.config.schema import resolved_dtype, resolved_zero_stage
 from tsp_trainer.config.validate import ulysses_head_chunk_counts
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
 from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout, planned_scheme
@@ -201,10 +201,11 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """The planner's Layout of a run of `cfg` on `world_size` processes (recompute, checkpointing
     and buckets at Layout's defaults: memory_variants varies them; the loss and MLP chunks as the
-    run sets them)."""
+    run sets them). Layout models ZeRO 0-2: a ZeRO-3 run (sp, ulysses) is planned as ZeRO-2, its
+    weights whole on every rank, which bounds its memory from above."""
     p = cfg.parallel
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
-                  sp=p.sp_degree, zero_stage=cfg.zero.stage, micro_batch=cfg.data.micro_batch_size,
+                  sp=p.sp_degree, zero_stage=min(resolved_zero_stage(cfg.zero.stage, p.scheme), 2), micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
 

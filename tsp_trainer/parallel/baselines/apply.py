@@ -7,7 +7,8 @@ the sub-axes of the model-parallel group (size D = mesh.tsp.size):
 
   tp       T = D, S = 1                         every rank holds the whole sequence
   tp_sp    T = D, S = 1, Megatron SP             norm/residual regions hold S/D contiguous tokens
-  sp       T = 1, S = D                          zigzag tokens, weights replicated
+  sp       T = 1, S = D                          zigzag tokens, weights whole on every rank
+                                                (replicated, or ZeRO-3 shards: sharded_weights)
   tp_x_sp  T x S = D (tp inner, sp outer)        options tp_degree, sp_degree, tp_sequence_parallel
 """
 
@@ -94,11 +95,23 @@ def build_tp_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
     return _wrap(model, mesh, "tp_sp", Groups(tp, _single(mesh, "sp"), True, tp, _whole(mesh, tp)), kw)
 
 
-def build_sp(model: Transformer, mesh: Mesh, **kw) -> Parallelized:
-    """Context parallelism over the D ranks: replicated weights, zigzag tokens, K/V all-gather."""
+def build_sp(model: Transformer, mesh: Mesh, *, sharded_weights: bool = False, **kw) -> Parallelized:
+    """Context parallelism over the D ranks: zigzag tokens, K/V all-gather, each layer's weights
+    whole during its compute. sharded_weights: DeepSpeed ZeRO-3 keeps them sharded over the axis
+    x dp between uses and reduces their gradients over that set (no sum over sp here);
+    otherwise they are replicated and their gradients summed over sp inside autograd."""
     _check(model, "sp", mesh, kw)
     sp = axis_view(mesh.tsp, "sp")
-    return _wrap(model, mesh, "sp", Groups(_single(mesh, "tp"), sp, False, sp, _whole(mesh, sp)), kw)
+    return _wrap(model, mesh, "sp", sp_groups(mesh, sp, sharded_weights=sharded_weights), kw)
+
+
+def sp_groups(mesh: Mesh, sp: Comm, *, sharded_weights: bool, **attend) -> Groups:
+    """The Groups of a scheme whose tokens are split over the whole axis (T = 1): `sp` and
+    `ulysses`. With sharded_weights no gradient is summed over sp in autograd (ZeRO-3 reduces
+    every weight's gradient over the axis x dp)."""
+    if sharded_weights:
+        return Groups(_single(mesh, "tp"), sp, False, None, None, **attend, sums_weight_grads=False)
+    return Groups(_single(mesh, "tp"), sp, False, _whole(mesh, sp), _whole(mesh, sp), **attend)
 
 
 def build_tp_x_sp(model: Transformer, mesh: Mesh, *, tp_degree: int | None = None,

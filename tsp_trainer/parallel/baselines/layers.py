@@ -47,6 +47,10 @@ class Groups:
     # attention over the sp sub-axis: (q, k, v, q_runs, sp, documents, kernel) -> [B, T, Hq * d]; the
     # K/V all-gather of context parallelism, or Ulysses' all-to-alls (parallel/ulysses.py)
     attend: Callable = context_attention
+    # False when DeepSpeed ZeRO-3 shards the weights over every rank of the sp sub-axis and dp
+    # (parallel/sharded_weights.py): it reduce-scatters each weight's gradient over that whole set,
+    # so a sum over sp here as well would count every token's contribution twice
+    sums_weight_grads: bool = True
 
     def enter_tp(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Before the column-parallel matmuls: every tp rank needs all tokens of the region."""
@@ -61,8 +65,11 @@ class Groups:
         return reduce_from_region(y, self.tp, tag)
 
     def weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
-        """A weight replicated over sp: its gradient is summed over sp (fp32) inside autograd."""
-        return None if w is None else copy_weight_to_region(w, self.sp, "wgrad")
+        """A weight replicated over sp: its gradient is summed over sp (fp32) inside autograd, unless
+        ZeRO-3 reduces it (sums_weight_grads False)."""
+        if w is None or not self.sums_weight_grads:
+            return w
+        return copy_weight_to_region(w, self.sp, "wgrad")
 
     def add_replicated_bias(self, y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """y + b for a bias added once per token after leaving the TP region (o_proj, down_proj):
@@ -224,6 +231,22 @@ class ParallelLMHead(nn.Module):
                                          self.loss_budget_bytes)
 
     def loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Through the module call, as token_stats: its hooks run (DeepSpeed ZeRO-3 gathers the
+        weight for the call and again for its backward)."""
+        return self(hidden, labels)
+
+    @torch.no_grad()
+    def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
+        return self(hidden, labels, stats=True)
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, *, stats: bool = False):
+        """hidden alone: full logits (_logits); with labels: (loss sum, valid count) (_loss_sum), or
+        with stats=True the per-token TokenStats (_token_stats)."""
+        if labels is None:
+            return self._logits(hidden)
+        return self._token_stats(hidden, labels) if stats else self._loss_sum(hidden, labels)
+
+    def _loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.groups
         x, w = g.enter_tp(hidden, "head.tp"), g.weight(self.weight)
         chunk = self.chunk_tokens(labels.numel())
@@ -237,7 +260,7 @@ class ParallelLMHead(nn.Module):
         return (losses * valid).sum(), valid.sum()
 
     @torch.no_grad()
-    def token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
+    def _token_stats(self, hidden: torch.Tensor, labels: torch.Tensor) -> TokenStats:
         """Loss and argmax [B, T_region] of the region's tokens (those of this rank's layout:
         all tokens under TP and TP+SP, the zigzag slice under SP), with [chunk, V/T] logits only."""
         g = self.groups
@@ -256,7 +279,7 @@ class ParallelLMHead(nn.Module):
         return TokenStats(losses * (labels != IGNORE_INDEX), best.view(labels.shape))
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full logits [B, T_region, V] of the region's tokens (evaluation, parity tests)."""
         g = self.groups
         x = gather_from_sequence(hidden, g.tp, "head.tp") if g.sequence_parallel else hidden
