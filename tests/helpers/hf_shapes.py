@@ -1,6 +1,6 @@
 """Tiny Hugging Face models of the shapes that go beyond hidden / heads and a degree that divides
 everything: Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral), a prime
-vocabulary (tied and untied), built with transformers' own config classes and
+vocabulary (tied and untied), K/V heads fewer than D (MQA, GQA 8/2), built with transformers' own config classes and
 saved with save_pretrained; and their one-process references (logits, loss, gradients, a 3-step
 AdamW replay, document masking) computed by transformers itself."""
 
@@ -29,7 +29,13 @@ SHAPES = {
                                                    vocab_size=1031, tie_word_embeddings=True)),
     "qwen3_vocab_prime": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                               vocab_size=1031)),
+    # K/V heads fewer than D (copied on the ranks that share one): MQA (one K/V head, q/k/v biases:
+    # the bias copies too) and Qwen3 GQA 8/2 (copies at D = 4, q/k norms)
+    "qwen2_mqa": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "qwen3_kv2": ("Qwen3Config", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
 }
+# the shapes whose K/V heads are fewer than some tested D
+FEW_KV_HEADS = ("qwen2_mqa", "qwen3_kv2")
 LR, EPS, STEPS = 1e-2, 1e-3, 3          # the AdamW replay (eps far above gradient rounding noise)
 DOC_LENGTHS = [[5, 11, 1, 15], [3, 29]]
 
