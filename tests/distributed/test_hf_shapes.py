@@ -6,7 +6,10 @@ forms; the loss and gradients with document masking (each document alone in tran
 weights after 3 AdamW steps; those weights written as TSP's checkpoint shards and read back into a
 fresh model of the same layout (the resume path) and of another (sp at D = 2, tp_x_sp at D = 4);
 exported (save_hf_folder, the original vocabulary) and loaded by transformers. D = 1 is
-tests/unit/test_hf_shapes.py. One fork per degree runs every case, so the test stays cheap.
+tests/unit/test_hf_shapes.py. K/V heads fewer than D (MQA, GQA 8/2): each rank's copy of its K/V
+head, the copies' gradients summed (the gathered gradients and trained weights are the copies'),
+the checkpoint shards holding one copy per head, export writing the original K/V head count. One
+fork per degree runs every case, so the test stays cheap.
 
 Tolerances: rtol 1e-5 / atol 1e-6 for logits and gradients, rel 1e-6 for losses (the same math
 summed in another order over ranks); weights after AdamW atol 3e-6 (eps 1e-3 bounds the
@@ -45,12 +48,16 @@ SCHEMES = {
         ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})],
 }
 
-# K/V heads fewer than D (hf_shapes.FEW_KV_HEADS): one K/V head per shard cannot be bucketed, and
-# sp (whole weights) is the same code as for the others, so it runs at D = 2 only (the reshard)
+# K/V heads fewer than D (hf_shapes.FEW_KV_HEADS), where they are: MQA at D = 2 and 4 (one group of
+# 2 and 4 sharers), GQA 8/2 at D = 4 (two groups of 2). One K/V head per shard cannot be bucketed;
+# TSP's kept items (selective, none) reuse the shared gather. Every Megatron baseline runs with
+# copies at D = 4 (tp, tp_sp and tp_x_sp share the copies' code: each runs on one shape or two);
+# sp (whole weights) is the same code as for the others, at D = 2 only (the reshard).
+_X = ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})
 FEW_KV_SCHEMES = {
-    2: [("tsp", {}), ("tsp", {"tsp_recompute": "selective"}), ("tp", {}), ("tp_sp", {}), ("sp", {})],
-    4: [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp", {}), ("tp_sp", {}),
-        ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})],
+    ("qwen2_mqa", 2): [("tsp", {}), ("tsp", {"tsp_recompute": "selective"}), ("tp", {}), ("sp", {})],
+    ("qwen2_mqa", 4): [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp_sp", {}), _X],
+    ("qwen3_kv2", 4): [("tsp", {}), ("tp", {}), _X],
 }
 
 # TSP's checkpoint shards are read back into this scheme's layout too (another split of the rows)
@@ -58,7 +65,9 @@ RESHARD_TO = {2: "sp", 4: "tp_x_sp"}
 
 
 def _schemes(shape: str, world: int) -> list:
-    return (FEW_KV_SCHEMES if shape in hf_shapes.FEW_KV_HEADS else SCHEMES)[world]
+    if shape not in hf_shapes.FEW_KV_HEADS:
+        return SCHEMES[world]
+    return FEW_KV_SCHEMES.get((shape, world), [])
 
 
 @pytest.fixture(scope="module")
