@@ -50,7 +50,7 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
             out["all_reduce/embed.tp"] += a
             out["all_reduce/head.tp"] += a
         out["all_reduce/head.ce"] += 3 * n * 4
-    h_kv = cfg.kv_hidden_size * cfg.kv_repeat(t) // t     # K/V channels per tp rank (a copy if fewer)
+    h_kv = cfg.kv_shard_hidden(t)                        # K/V channels per tp rank (a copy if fewer)
     if cfg.kv_repeat(t) > 1:          # the K/V head copies: weights and biases summed over the sharers
         out["all_reduce/kv.grad"] += layers * 2 * h_kv * (h + int(cfg.qkv_bias)) * GRAD_BYTES
     if s > 1:

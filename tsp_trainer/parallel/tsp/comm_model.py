@@ -41,7 +41,7 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         out[(op, tag)]["bytes"] += count * nbytes_each
 
     h, L, repeat = cfg.hidden_size, cfg.num_layers, cfg.kv_repeat(d)
-    h_kv = cfg.kv_hidden_size * repeat // d                          # K/V channels of one shard
+    h_kv = cfg.kv_shard_hidden(d)                                     # K/V channels of one shard
     p_attn, p_mlp = cfg.attn_shard_params(d), cfg.mlp_sharded_params
     kv_bucket = batch * seq_len * 2 * (h_kv // nb) * act_bytes   # gathered K and V, one bucket
     kv_items = d * nb // repeat                # once per group of owners sharing a K/V head
