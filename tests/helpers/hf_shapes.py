@@ -40,13 +40,14 @@ LR, EPS, STEPS = 1e-2, 1e-3, 3          # the AdamW replay (eps far above gradie
 DOC_LENGTHS = [[5, 11, 1, 15], [3, 29]]
 
 
-def save_tiny(folder, shape: str):
+def save_tiny(folder, shape: str, **overrides):
     """The transformers model of `shape` (random weights, random biases and norm weights: the
-    defaults zeros / ones would leave their paths untested), saved with save_pretrained."""
+    defaults zeros / ones would leave their paths untested), saved with save_pretrained.
+    `overrides`: config keywords that change the shape (e.g. num_key_value_heads)."""
     import transformers
 
     cls_name, extra = SHAPES[shape]
-    config = getattr(transformers, cls_name)(**{**BASE, **extra})
+    config = getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
