@@ -50,12 +50,12 @@ SCHEMES = {
 
 # K/V heads fewer than D (hf_shapes.FEW_KV_HEADS), where they are: MQA at D = 2 and 4 (one group of
 # 2 and 4 sharers), GQA 8/2 at D = 4 (two groups of 2). One K/V head per shard cannot be bucketed;
-# TSP's kept items (selective, none) reuse the shared gather. Every Megatron baseline runs with
+# TSP's kept items (tsp_recompute=none keeps what selective keeps) reuse the shared gather. Every Megatron baseline runs with
 # copies at D = 4 (tp, tp_sp and tp_x_sp share the copies' code: each runs on one shape or two);
 # sp (whole weights) is the same code as for the others, at D = 2 only (the reshard).
 _X = ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})
 FEW_KV_SCHEMES = {
-    ("qwen2_mqa", 2): [("tsp", {}), ("tsp", {"tsp_recompute": "selective"}), ("tp", {}), ("sp", {})],
+    ("qwen2_mqa", 2): [("tsp", {}), ("tp", {}), ("sp", {})],
     ("qwen2_mqa", 4): [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp_sp", {}), _X],
     ("qwen3_kv2", 4): [("tsp", {}), ("tp", {}), _X],
 }
