@@ -6,7 +6,8 @@ hands the layers views of all of them, whose backward adds their partial gradien
 fp32 buffer; one autograd node that runs after them all sums the buffer over the group in one
 all-reduce (as Megatron's finalize_model_grads does after backward) and hands each parameter its
 slice. So each .grad holds the full gradient when autograd accumulates it, for DeepSpeed's
-reduction hooks and clipping alike.
+reduction hooks and clipping alike. TSP's copies of K/V heads fewer than D are a second instance,
+on the group of ranks sharing a head (tag "kv.grad", parallel/apply.py `kv_copies`).
 
 `SumGradOverGroup` (the baselines): identity forward, all-reduce of one gradient in backward;
 Megatron TP enters a TP region with it (an activation gradient, needed before backward goes on).
