@@ -1,7 +1,7 @@
 """The rules of a TrainConfig: each key's own rule (its choices, bound or allowed values, read from
 the schema's settings) and the cross-field rules. Each failure is a ValueError naming key(s),
 value(s), the rule and a hint, e.g.
-`parallel.tsp_degree=3 does not divide model.num_kv_heads=8; use one of 1, 2, 4, 8`.
+`parallel.tsp_degree=3 does not divide model.num_heads=16; use one of 1, 2, 4, 8, 16`.
 
 `check_parallel_shapes` is the pure shape rule of every scheme; the parallel package calls it before
 any process-group work, so a bad degree fails with this message rather than as a shape error deep
