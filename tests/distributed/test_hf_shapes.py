@@ -30,12 +30,16 @@ from tsp_trainer.checkpoint.hf import load_hf_state_dict, save_hf_folder
 from tsp_trainer.checkpoint.shards import read_local_state_dict, shard_file_name, write_shard
 from tsp_trainer.config.hf_model import model_config_from_hf
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.parallel.baselines.comm_model import expected_ledger_bytes
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
 from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
+from tsp_trainer.plan.communication import model_parallel_comm
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import FP32
 
 pytestmark = pytest.mark.distributed
 
@@ -50,14 +54,15 @@ SCHEMES = {
 
 # K/V heads fewer than D (hf_shapes.FEW_KV_HEADS), where they are: MQA at D = 2 and 4 (one group of
 # 2 and 4 sharers), GQA 8/2 at D = 4 (two groups of 2). One K/V head per shard cannot be bucketed;
-# TSP's kept items (tsp_recompute=none keeps what selective keeps) reuse the shared gather. Every Megatron baseline runs with
+# TSP's kept items (tsp_recompute=none keeps what selective keeps) reuse the shared gather, and so
+# does activation checkpointing's replay ("checkpointing": every block checkpointed). Every Megatron baseline runs with
 # copies at D = 4 (tp, tp_sp and tp_x_sp share the copies' code: each runs on one shape or two);
 # sp (whole weights) is the same code as for the others, at D = 2 only (the reshard).
 _X = ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})
 FEW_KV_SCHEMES = {
     ("qwen2_mqa", 2): [("tsp", {}), ("tp", {}), ("sp", {})],
     ("qwen2_mqa", 4): [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp_sp", {}), _X],
-    ("qwen3_kv2", 4): [("tsp", {}), ("tp", {}), _X],
+    ("qwen3_kv2", 4): [("tsp", {"checkpointing": True}), ("tp", {}), _X],
 }
 
 # TSP's checkpoint shards are read back into this scheme's layout too (another split of the rows)
@@ -88,7 +93,12 @@ def _reference(folder: str):
 def _parallel(cfg, folder, scheme, options, mesh, seq_len):
     model = Transformer(cfg)
     model.load_state_dict(dict(load_hf_state_dict(folder, cfg)))
-    return parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+    options = dict(options)
+    checkpointing = options.pop("checkpointing", False)
+    par = parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+    if checkpointing:
+        model.block_wrapper = checkpointed_block
+    return par
 
 
 def _step(par, ids, labels, documents=None):
@@ -152,6 +162,12 @@ def _ledger(mesh, cfg, scheme, options, world, ids) -> bool:
     """The step's ledger equals the closed form of the scheme (q/k norm all-reduces included)."""
     batch, seq = ids.shape
     records = [r for r in mesh.ledger.records if r.tag != "loss.value"]    # the logged loss value
+    if options.get("checkpointing"):       # the replay's forward traffic too: the planner's model
+        got = {f"{op}/{tag}": v for (op, tag), v in ledger_totals(records).items()}
+        want = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in model_parallel_comm(
+            cfg, Layout(scheme, world, micro_batch=batch, activation_checkpointing=True), seq, FP32).items()}
+        assert got == want, f"{scheme} {options}: ledger {got} != closed form {want}"
+        return True
     if scheme == "tsp":
         got = ledger_totals(records)
         want = tsp_step_comm(cfg, degree=world, batch=batch, seq_len=seq,

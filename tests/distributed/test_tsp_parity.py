@@ -124,8 +124,6 @@ CHECKPOINT_CASES = [
     (4, 8, 2, 48, None, "full", "attention"),
     (1, 4, 1, 16, None, "full", "nothing"), (2, 2, 1, 24, "qwen2_yarn", "full", "nothing"),
     (4, 4, 1, 40, "llama_bias_llama3", "full", "nothing"),
-    # one K/V head copied on every rank (its gather shared, the copies' gradient sum in the replay)
-    (4, 1, 1, 16, None, "full", "all"),
 ]
 for _d, _kv, _b, _t, _f, _m, _k in CHECKPOINT_CASES:
     _cfg, _ids, _labels = _plain(_kv, _t, **FAMILY_CFGS.get(_f, {}))
