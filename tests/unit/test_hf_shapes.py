@@ -83,8 +83,7 @@ def test_qwen3_sliding_window_layers_are_refused_unless_off():
         model_fields_from_hf(on, "config.json")
 
 
-@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.slow) if s in hf_shapes.FEW_KV_HEADS
-                                   else s for s in sorted(hf_shapes.SHAPES)])   # D = 1: no K/V copies
+@pytest.mark.parametrize("shape", sorted(hf_shapes.SHAPES))
 def test_shape_at_d1_equals_transformers(tmp_path, shape):
     """Import: logits, loss and gradients; document masking; 3 AdamW steps; export back to the
     same family (transformers' logits of the exported trained weights are ours)."""
