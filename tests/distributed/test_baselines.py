@@ -192,7 +192,8 @@ def _fake_mesh(degree: int) -> Mesh:
 
 
 @pytest.mark.parametrize("scheme,cfg,degree,options,match", [
-    ("tp", CFGS["gqa"].replace(num_kv_heads=2), 4, {}, r"parallel.tsp_degree=4 does not divide model.num_kv_heads=2"),
+    ("tp", CFGS["gqa"].replace(num_heads=12, num_kv_heads=6, head_dim=8), 4, {},
+     r"parallel.tsp_degree=4 and model.num_kv_heads=6 divide neither way"),
     ("tp", CFGS["mha"].replace(intermediate_size=130), 4, {}, r"model.intermediate_size=130"),
     ("sp", CFGS["mha"], 4, {"seq_len": 36}, r"data.seq_len=36 .* 8"),
     ("tp_sp", CFGS["mha"], 4, {"seq_len": 34}, r"data.seq_len=34"),

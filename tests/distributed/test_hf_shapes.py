@@ -6,7 +6,10 @@ forms; the loss and gradients with document masking (each document alone in tran
 weights after 3 AdamW steps; those weights written as TSP's checkpoint shards and read back into a
 fresh model of the same layout (the resume path) and of another (sp at D = 2, tp_x_sp at D = 4);
 exported (save_hf_folder, the original vocabulary) and loaded by transformers. D = 1 is
-tests/unit/test_hf_shapes.py. One fork per degree runs every case, so the test stays cheap.
+tests/unit/test_hf_shapes.py. K/V heads fewer than D (MQA, GQA 8/2): each rank's copy of its K/V
+head, the copies' gradients summed (the gathered gradients and trained weights are the copies'),
+the checkpoint shards holding one copy per head, export writing the original K/V head count. One
+fork per degree runs every case, so the test stays cheap.
 
 Tolerances: rtol 1e-5 / atol 1e-6 for logits and gradients, rel 1e-6 for losses (the same math
 summed in another order over ranks); weights after AdamW atol 3e-6 (eps 1e-3 bounds the
@@ -27,12 +30,16 @@ from tsp_trainer.checkpoint.hf import load_hf_state_dict, save_hf_folder
 from tsp_trainer.checkpoint.shards import read_local_state_dict, shard_file_name, write_shard
 from tsp_trainer.config.hf_model import model_config_from_hf
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.parallel.baselines.comm_model import expected_ledger_bytes
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
 from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
+from tsp_trainer.plan.communication import model_parallel_comm
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import FP32
 
 pytestmark = pytest.mark.distributed
 
@@ -45,8 +52,27 @@ SCHEMES = {
         ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})],
 }
 
+# K/V heads fewer than D (hf_shapes.FEW_KV_HEADS), where they are: MQA at D = 2 and 4 (one group of
+# 2 and 4 sharers), GQA 8/2 at D = 4 (two groups of 2). One K/V head per shard cannot be bucketed;
+# TSP's kept items (tsp_recompute=none keeps what selective keeps) reuse the shared gather, and so
+# does activation checkpointing's replay ("checkpointing": every block checkpointed). Every Megatron baseline runs with
+# copies at D = 4 (tp, tp_sp and tp_x_sp share the copies' code: each runs on one shape or two);
+# sp (whole weights) is the same code as for the others, at D = 2 only (the reshard).
+_X = ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})
+FEW_KV_SCHEMES = {
+    ("qwen2_mqa", 2): [("tsp", {}), ("tp", {}), ("sp", {})],
+    ("qwen2_mqa", 4): [("tsp", {}), ("tsp", {"tsp_recompute": "none"}), ("tp_sp", {}), _X],
+    ("qwen3_kv2", 4): [("tsp", {"checkpointing": True}), ("tp", {}), _X],
+}
+
 # TSP's checkpoint shards are read back into this scheme's layout too (another split of the rows)
 RESHARD_TO = {2: "sp", 4: "tp_x_sp"}
+
+
+def _schemes(shape: str, world: int) -> list:
+    if shape not in hf_shapes.FEW_KV_HEADS:
+        return SCHEMES[world]
+    return FEW_KV_SCHEMES.get((shape, world), [])
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +93,12 @@ def _reference(folder: str):
 def _parallel(cfg, folder, scheme, options, mesh, seq_len):
     model = Transformer(cfg)
     model.load_state_dict(dict(load_hf_state_dict(folder, cfg)))
-    return parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+    options = dict(options)
+    checkpointing = options.pop("checkpointing", False)
+    par = parallelize(model, scheme, mesh, seq_len=seq_len, **options)
+    if checkpointing:
+        model.block_wrapper = checkpointed_block
+    return par
 
 
 def _step(par, ids, labels, documents=None):
@@ -86,7 +117,7 @@ def _cases_rank(rank, world, root, ckpt_root):
         folder = f"{root}/{shape}"
         cfg = model_config_from_hf(folder)
         ids, labels = hf_shapes.batch(cfg.vocab_size)
-        for i, (scheme, options) in enumerate(SCHEMES[world]):
+        for i, (scheme, options) in enumerate(_schemes(shape, world)):
             par = _parallel(cfg, folder, scheme, options, mesh, ids.shape[1])
             mesh.ledger.reset()
             out = {"loss": _step(par, ids, labels)}
@@ -131,6 +162,12 @@ def _ledger(mesh, cfg, scheme, options, world, ids) -> bool:
     """The step's ledger equals the closed form of the scheme (q/k norm all-reduces included)."""
     batch, seq = ids.shape
     records = [r for r in mesh.ledger.records if r.tag != "loss.value"]    # the logged loss value
+    if options.get("checkpointing"):       # the replay's forward traffic too: the planner's model
+        got = {f"{op}/{tag}": v for (op, tag), v in ledger_totals(records).items()}
+        want = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in model_parallel_comm(
+            cfg, Layout(scheme, world, micro_batch=batch, activation_checkpointing=True), seq, FP32).items()}
+        assert got == want, f"{scheme} {options}: ledger {got} != closed form {want}"
+        return True
     if scheme == "tsp":
         got = ledger_totals(records)
         want = tsp_step_comm(cfg, degree=world, batch=batch, seq_len=seq,
@@ -167,7 +204,7 @@ def test_hf_shapes_match_transformers(folders, tmp_path, world, capsys):
     for (shape, scheme, i), out in results[0].items():
         ref = _reference(str(folders / shape))
         cfg = model_config_from_hf(folders / shape)
-        where = f"D={world} {shape} {scheme} {SCHEMES[world][i][1]}"
+        where = f"D={world} {shape} {scheme} {_schemes(shape, world)[i][1]}"
         for rank in range(world):
             assert results[rank][(shape, scheme, i)]["loss"] == pytest.approx(ref["loss"], rel=1e-6), where
         # logits of this rank's tokens (rank 0's layout)

@@ -43,6 +43,25 @@ def test_dp2_tsp2_matches_single_process(stage, scheme, layout):
     assert_matches_reference(outs, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,scheme,extra", [
+    (2, "tsp", ["model.qkv_bias=true", "model.o_bias=true"]), (1, "tp", [])])
+def test_kv_head_copies_count_once_in_the_clipped_norm(stage, scheme, extra):
+    """One K/V head, copied on both ranks of the model-parallel group (DP 2 x D 2): DeepSpeed's
+    clipped gradient norm counts the copy once (its tensor_model_parallel flag is set on the first
+    holder only) and the losses are one process's. The copies' share of the squared norm is 6.5%
+    (tsp, with biases) and 13% (tp) at step 1: counting them twice, or not at all, moves the norm
+    3-6%; measured within 1.3e-5 over 5 steps (AdamW's noise-floor elements move the weights apart
+    slowly: the weights are compared in tests/distributed/test_hf_shapes.py with eps 1e-3)."""
+    overrides = ["train.steps=5", "checkpoint.enabled=false", f"zero.stage={stage}",
+                 f"parallel.scheme={scheme}", "model.num_kv_heads=1"] + extra
+    ref_losses, _, ref_norms = reference_run(overrides, dp_degree=2)
+    outs = run_on_ranks(train_rank, 4, overrides)
+    assert outs[0]["grad_norms"] == pytest.approx(ref_norms, rel=1e-4)
+    for o in outs:
+        assert o["losses"] == pytest.approx(ref_losses, rel=1e-6)
+
+
 def test_selective_and_no_recompute_train_like_full():
     """parallel.tsp_recompute=selective and =none through the whole Trainer (DP 2 x TSP 2, ZeRO-1,
     4 steps): the same losses and clipped gradient norms as full recompute (rtol 1e-6: only the

@@ -1,6 +1,6 @@
 """Tiny Hugging Face models of the shapes that go beyond hidden / heads and a degree that divides
 everything: Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral), a prime
-vocabulary (tied and untied), built with transformers' own config classes and
+vocabulary (tied and untied), K/V heads fewer than D (MQA, GQA 8/2), built with transformers' own config classes and
 saved with save_pretrained; and their one-process references (logits, loss, gradients, a 3-step
 AdamW replay, document masking) computed by transformers itself."""
 
@@ -29,18 +29,25 @@ SHAPES = {
                                                    vocab_size=1031, tie_word_embeddings=True)),
     "qwen3_vocab_prime": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
                                               vocab_size=1031)),
+    # K/V heads fewer than D (copied on the ranks that share one): MQA (one K/V head, q/k/v biases:
+    # the bias copies too) and Qwen3 GQA 8/2 (copies at D = 4, q/k norms)
+    "qwen2_mqa": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "qwen3_kv2": ("Qwen3Config", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
 }
+# the shapes whose K/V heads are fewer than some tested D
+FEW_KV_HEADS = ("qwen2_mqa", "qwen3_kv2")
 LR, EPS, STEPS = 1e-2, 1e-3, 3          # the AdamW replay (eps far above gradient rounding noise)
 DOC_LENGTHS = [[5, 11, 1, 15], [3, 29]]
 
 
-def save_tiny(folder, shape: str):
+def save_tiny(folder, shape: str, **overrides):
     """The transformers model of `shape` (random weights, random biases and norm weights: the
-    defaults zeros / ones would leave their paths untested), saved with save_pretrained."""
+    defaults zeros / ones would leave their paths untested), saved with save_pretrained.
+    `overrides`: config keywords that change the shape (e.g. num_key_value_heads)."""
     import transformers
 
     cls_name, extra = SHAPES[shape]
-    config = getattr(transformers, cls_name)(**{**BASE, **extra})
+    config = getattr(transformers, cls_name)(**{**BASE, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -27,8 +27,10 @@ def _spec(argv: str):
     ("--degree 0", r"--degree=0 must be >= 1"),
     ("--steps -1", r"--steps=-1 must be >= 0"),
     ("--warmup 0", r"--warmup=0 must be >= 1"),
-    ("--degree 3 --schemes tp", r"scheme tp with --degree=3: parallel.tsp_degree=3 does not divide"),
-    ("--degree 4 --kv-heads 2 --schemes tsp", r"model.num_kv_heads=2"),
+    ("--degree 3 --schemes tp", r"scheme tp with --degree=3: parallel.tsp_degree=3 and model.num_kv_heads=2 "
+                                r"divide neither way"),
+    ("--degree 4 --hidden 96 --heads 12 --kv-heads 6 --schemes tsp",
+     r"parallel.tsp_degree=4 and model.num_kv_heads=6 divide neither way"),
     ("--degree 2 --seq-len 30 --schemes sp", r"data.seq_len=30 is not divisible by 2 x"),
     ("--degree 4 --schemes tp_x_sp --tp-degree 3", r"--tp-degree x --sp-degree = 3 x None is not --degree=4"),
     ("--degree 4 --schemes tp_x_sp --tp-degree 2 --sp-degree 4", r"2 x 4 is not --degree=4"),

@@ -246,7 +246,8 @@ def test_model_errors_name_model_keys():
 def test_tsp_degree_must_divide_kv_heads_with_allowed_list():
     cfg = valid(model__num_heads=16, model__num_kv_heads=8, model__hidden_size=256,
                 model__intermediate_size=512, parallel__tsp_degree=3)
-    raises("parallel.tsp_degree=3 does not divide model.num_kv_heads=8; use one of 1, 2, 4, 8",
+    raises("parallel.tsp_degree=3 and model.num_kv_heads=8 divide neither way (K/V heads are split over "
+           "the D ranks, or each copied on D / num_kv_heads ranks when fewer); use one of 1, 2, 4, 8, 16",
            validate_config, cfg)
 
 
@@ -336,7 +337,7 @@ def test_tp_x_sp_axes():
     raises("needs parallel.tp_degree and parallel.sp_degree", check_parallel_shapes, seven, **kw)
     raises("parallel.tp_degree x parallel.sp_degree = 4 x 4 = 16 is not parallel.tsp_degree=8",
            check_parallel_shapes, seven, **kw, tp_degree=4, sp_degree=4)
-    raises("parallel.tp_degree=3 does not divide model.num_kv_heads=32", check_parallel_shapes, seven,
+    raises("parallel.tp_degree=3 and model.num_kv_heads=32 divide neither way", check_parallel_shapes, seven,
            scheme="tp_x_sp", degree=6, seq_len=131072, tp_degree=3, sp_degree=2)
     raises("data.seq_len=12 is not divisible by 2 x parallel.sp_degree = 8", check_parallel_shapes,
            seven, scheme="tp_x_sp", degree=8, seq_len=12, tp_degree=2, sp_degree=4)

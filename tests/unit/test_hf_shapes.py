@@ -121,8 +121,10 @@ def test_shape_at_d1_equals_transformers(tmp_path, shape):
     out = save_hf_folder(trained, cfg, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     src, dst = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "src", out))
-    for key in ("model_type", "head_dim", "attention_bias", "tie_word_embeddings"):
+    for key in ("model_type", "attention_bias", "tie_word_embeddings", "num_key_value_heads"):
         assert src.get(key) == dst.get(key), key
+    # head_dim: written explicitly, equal to the source's (Qwen2's config leaves it derived)
+    assert dst["head_dim"] == src.get("head_dim", src["hidden_size"] // src["num_attention_heads"])
     assert model_config_from_hf(out) == cfg
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ours(ids), **TOL)

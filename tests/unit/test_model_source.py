@@ -178,10 +178,10 @@ def test_plan_and_bench_take_a_folder_or_config_json(tmp_path, capsys):
                       "16", "--gpu", "h100", "--schemes", "tsp", "--json", str(tmp_path / "p.json")]) == 0
     assert f"{folder / 'config.json'} at 32768 tokens" in capsys.readouterr().out
     layouts = json.loads((tmp_path / "p.json").read_text())["fitting"]
-    # Qwen2.5-7B has 4 KV heads: TSP degrees 2 and 4 fit an H100 (1, plain DP, too), 8 does not divide the heads
+    # Qwen2.5-7B has 28 query heads: TSP degrees 2 and 4 fit an H100 (1, plain DP, too), 8 does not divide them
     degrees = {r["layout"]["degree"] for r in layouts}
     assert {2, 4} <= degrees and 8 not in degrees
-    assert "does not divide model.num_kv_heads=4" in json.loads((tmp_path / "p.json").read_text())["rejected"]["tsp D=8"]
+    assert "does not divide model.num_heads=28" in json.loads((tmp_path / "p.json").read_text())["rejected"]["tsp D=8"]
     args = bench_parser().parse_args(["--model", str(folder), "--layers", "2", "--hidden", "112",
                                       "--vocab", "1024", "--intermediate", "256", "--seq-len", "64",
                                       "--degree", "2", "--schemes", "tsp,sp"])

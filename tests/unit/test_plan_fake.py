@@ -16,6 +16,7 @@ from tsp_trainer.plan.communication import model_parallel_comm
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, FP32
 from tsp_trainer.plan.dry_run import run_step, simulate
+from tsp_trainer.plan.state import param_count
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
                   intermediate_size=128, max_seq_len=4096)
@@ -203,3 +204,32 @@ def test_extrapolation_with_activation_offload_equals_a_full_depth_run():
     per_layer = activation_memory(cfg, Layout("tsp", 4, offload_activations=True), SEQ, BF16,
                                   device="cuda").terms["layer_saved_no_ac"]
     assert full.host_bytes == 4 * per_layer                 # every layer's saved tensors moved
+
+
+# K/V heads fewer than D (MQA): each rank holds a copy of the one K/V head (weights, gradients and
+# optimizer state count it on every rank), TSP gathers it once per sharing group, the copies'
+# gradients are summed over the sharers (kv.grad). Parameters and communication exact, saved
+# activations to 1%, the peak within 10%.
+MQA = CFG.replace(num_kv_heads=1)
+FEW_KV = [("tsp", 4, {"tsp_recompute": "selective"}, False, "fp32"), ("tp", 4, {}, False, "fp32"),
+          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2}, True, "bf16")]
+
+
+@pytest.mark.parametrize("case", FEW_KV, ids=[_ids(c[:3]) for c in FEW_KV])
+def test_the_model_counts_the_copies_of_kv_heads_fewer_than_the_degree(case):
+    scheme, degree, kw, ac, dtype = case
+    prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
+    res = run_step(MQA, scheme, world_size=2 * degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
+                   activation_checkpointing=ac, rank=0, **kw)
+    layout = _layout(scheme, degree, kw, dp=2, activation_checkpointing=ac)
+    assert param_count(MQA, layout) == res.param_count
+    # a copy of one K/V head per rank: what T K/V heads split T ways give each rank
+    t = layout.axes[0]
+    assert param_count(MQA, layout) == param_count(CFG.replace(num_kv_heads=t), layout)
+    comm = {k: {"count": v["count"], "bytes": v["bytes"]}
+            for k, v in model_parallel_comm(MQA, layout, SEQ, prec).items()}
+    assert comm == res.comm
+    assert any(k.endswith("kv.grad") for k in comm)
+    act = activation_memory(MQA, layout, SEQ, prec, device="cpu")
+    assert act.stored == pytest.approx(res.stored_bytes, rel=0.01)
+    assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)

@@ -19,7 +19,7 @@ def _comm(degree):
 
 @pytest.mark.parametrize("overrides,degree,seq_len,pattern", [
     (dict(num_heads=6, num_kv_heads=6, hidden_size=48), 4, 32, r"parallel.tsp_degree=4 .*model.num_(kv_)?heads=6"),
-    (dict(num_heads=8, num_kv_heads=2), 4, 32, r"parallel.tsp_degree=4 .*model.num_kv_heads=2"),
+    (dict(num_heads=12, num_kv_heads=6, hidden_size=48), 4, 32, r"parallel.tsp_degree=4 .*model.num_kv_heads=6"),
     (dict(num_heads=8, num_kv_heads=8, intermediate_size=130), 4, 32, r"parallel.tsp_degree=4 .*model.intermediate_size=130"),
     (dict(num_heads=8, num_kv_heads=8), 4, 36, r"data.seq_len=36"),
 ])

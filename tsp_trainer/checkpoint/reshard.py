@@ -173,7 +173,8 @@ def write_owners(par: Parallelized) -> dict[str, int]:
     for name, t in par.model.state_dict().items():
         spec = par.specs[name]
         others = [axis for axis in ranks if axis != spec.axis or spec.dim is None]
-        if all(ranks[axis] == 0 for axis in others):
+        first_copy = spec.dim is None or ranks.get(spec.axis, 0) % spec.repeat == 0   # K/V head copies
+        if all(ranks[axis] == 0 for axis in others) and first_copy:
             mine.append((t.numel() * t.element_size(), name))
     return _deal(mine, par.mesh.dims.dp)
 

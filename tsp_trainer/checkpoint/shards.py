@@ -52,8 +52,9 @@ def shard_layout(names, specs: dict[str, ShardSpec], axis_ranks: dict[str, int])
     out = {}
     for name in names:
         spec = specs[name.rsplit("/", 1)[-1]] if name not in specs else specs[name]
+        # a block held by several ranks (K/V head copies) is written by each under its block index
         out[name] = {"dim": spec.dim, "degree": spec.degree, "axis": spec.axis,
-                     "index": axis_ranks.get(spec.axis, 0)}
+                     "index": spec.block(axis_ranks.get(spec.axis, 0))}
         if spec.size is not None:
             out[name]["size"] = spec.size
     return out
@@ -150,11 +151,11 @@ def read_local_state_dict(folder: Path, specs: dict[str, ShardSpec], rank_of_axi
             raise ValueError(f"{folder} has no tensor {name!r} in its {prefix}-*.safetensors shards")
         layout, parts = index[name]
         new = specs[name.rsplit("/", 1)[-1]]
-        rank = rank_of_axis.get(new.axis, 0)
+        rank = rank_of_axis.get(new.axis, 0)     # on the axis: local() and blocks take block(rank)
         if layout["dim"] is None:       # replicated: every copy is the same, read one
             out[name] = new.local(_get(parts[min(parts)], name), rank)
         elif new.dim == layout["dim"]:
-            out[name] = _read_overlap(name, layout, parts, new.degree, rank)
+            out[name] = _read_overlap(name, layout, parts, new.degree, new.block(rank))
         else:                           # split along another dim: go through the full tensor
             full = _assemble(name, layout, {i: _get(f, name) for i, f in parts.items()})
             out[name] = new.local(full, rank)

@@ -167,6 +167,23 @@ class ModelConfig:
         h, q, kv = self.hidden_size, self.q_hidden_size, self.kv_hidden_size
         return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0)
 
+    def kv_repeat(self, degree: int) -> int:
+        """How many ranks of a D-way weight split share one K/V head: 1 when D <= num_kv_heads (each
+        rank holds n_kv / D of them), D / n_kv when fewer (each holds a copy of the one its query
+        heads use, as Megatron and DeepSpeed replicate K/V heads)."""
+        return max(1, degree // self.num_kv_heads)
+
+    def kv_shard_hidden(self, degree: int) -> int:
+        """K/V channels one rank of a D-way head split holds: n_kv / D heads, or one (a copy) when
+        they are fewer than D."""
+        return self.kv_hidden_size * self.kv_repeat(degree) // degree
+
+    def attn_shard_params(self, degree: int) -> int:
+        """W_q, W_k, W_v, W_o and the q/k/v biases one rank of a D-way head split holds: n_h / D
+        query heads and max(n_kv / D, 1) K/V heads (a copy when they are fewer than D)."""
+        h, q, kv = self.hidden_size, self.q_hidden_size // degree, self.kv_shard_hidden(degree)
+        return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0)
+
     @property
     def mlp_sharded_params(self) -> int:
         """W_gate, W_up, W_down and the gate/up biases: split along the intermediate dim."""

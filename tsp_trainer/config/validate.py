@@ -1,7 +1,7 @@
 """The rules of a TrainConfig: each key's own rule (its choices, bound or allowed values, read from
 the schema's settings) and the cross-field rules. Each failure is a ValueError naming key(s),
 value(s), the rule and a hint, e.g.
-`parallel.tsp_degree=3 does not divide model.num_kv_heads=8; use one of 1, 2, 4, 8`.
+`parallel.tsp_degree=3 does not divide model.num_heads=16; use one of 1, 2, 4, 8, 16`.
 
 `check_parallel_shapes` is the pure shape rule of every scheme; the parallel package calls it before
 any process-group work, so a bad degree fails with this message rather than as a shape error deep
@@ -24,8 +24,9 @@ from tsp_trainer.config.settings import Bound, bound_of, choices_of, field_of, l
 SCHEMES: tuple[str, ...] = typing.get_args(Scheme)
 
 # Weight matrices are split along these dims by every weight-sharding scheme (heads of W_q/W_k/W_v,
-# the intermediate dim of the gated MLP). KV heads come first: they divide num_heads, so they are
-# the tighter bound and the more useful message. The vocabulary rows of the embedding and LM head
+# the intermediate dim of the gated MLP). K/V heads fewer than the degree are copied instead (each
+# on D / n_kv ranks, ModelConfig.kv_repeat), so they need D to be a divisor or a multiple of n_kv;
+# they come first: the more useful message. The vocabulary rows of the embedding and LM head
 # are split too, but padded to a multiple of the degree (config.model.padded_vocab_size): any
 # vocabulary size runs.
 _SHARDED_DIMS = ("num_kv_heads", "num_heads", "intermediate_size")
@@ -330,19 +331,27 @@ def _check_weight_split(model_cfg: ModelConfig, key: str, degree: int, *,
                         seq_rule: tuple[int, int] | None, other_schemes: bool = False,
                         seq_len: int | None = None) -> None:
     sizes = {name: getattr(model_cfg, name) for name in _SHARDED_DIMS}
+    n_kv = sizes["num_kv_heads"]
     for name, size in sizes.items():
-        if size % degree:
-            bounds = list(sizes.values())
+        copied = name == "num_kv_heads" and degree % size == 0    # fewer K/V heads: each copied
+        if size % degree and not copied:
+            bounds = [sizes["num_heads"], sizes["intermediate_size"]]
             if seq_rule and seq_rule[0] % seq_rule[1] == 0:
                 bounds.append(seq_rule[0] // seq_rule[1])   # d | seq_len/chunks  <=>  chunks*d | seq_len
-            hint = _scheme_hint(math.gcd(*sizes.values()), degree, seq_len) if other_schemes else ""
-            raise ValueError(f"{key}={degree} does not divide model.{name}={size}; use one of "
-                             f"{_fmt_list(_divisors(math.gcd(*bounds)))}{hint}")
+            working = [c for c in _divisors(math.gcd(*bounds)) if n_kv % c == 0 or c % n_kv == 0]
+            hint = _scheme_hint(sizes, degree, seq_len) if other_schemes else ""
+            rule = (f"{key}={degree} and model.num_kv_heads={size} divide neither way (K/V heads are "
+                    f"split over the D ranks, or each copied on D / num_kv_heads ranks when fewer)"
+                    if name == "num_kv_heads" else f"{key}={degree} does not divide model.{name}={size}")
+            raise ValueError(f"{rule}; use one of {_fmt_list(working)}{hint}")
 
 
-def _scheme_hint(weight_gcd: int, degree: int, seq_len: int | None) -> str:
+def _scheme_hint(sizes: dict[str, int], degree: int, seq_len: int | None) -> str:
     """The schemes that run this shape at this degree: sp replicates the weights (no weight rule,
-    only the zigzag one), tp_x_sp splits them T ways only (T | every sharded dim, S = D / T)."""
+    only the zigzag one), tp_x_sp splits them T ways only (T | the query heads and the
+    intermediate dim, T a divisor or a multiple of the K/V heads; S = D / T)."""
+    weight_gcd, n_kv = math.gcd(sizes["num_heads"], sizes["intermediate_size"]), sizes["num_kv_heads"]
+
     def zigzag_ok(s: int) -> bool:
         return seq_len is None or seq_len % (2 * s) == 0
 
@@ -350,7 +359,8 @@ def _scheme_hint(weight_gcd: int, degree: int, seq_len: int | None) -> str:
     if zigzag_ok(degree):
         options.append(f"parallel.scheme=sp (weights replicated) runs parallel.tsp_degree={degree}")
     pairs = [f"{t} x {degree // t}" for t in _divisors(degree)
-             if 1 < t < degree and weight_gcd % t == 0 and zigzag_ok(degree // t)]
+             if 1 < t < degree and weight_gcd % t == 0 and (n_kv % t == 0 or t % n_kv == 0)
+             and zigzag_ok(degree // t)]
     if pairs:
         options.append("parallel.scheme=tp_x_sp with parallel.tp_degree x parallel.sp_degree in "
                        + ", ".join(pairs))
@@ -431,9 +441,14 @@ def check_ulysses_head_chunks(model_cfg: ModelConfig, *, scheme: str, degree: in
 
 
 def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) -> None:
-    # Buckets split the K/V heads of one weight shard; each bucket has its own K/V all-gather.
-    per_shard = model_cfg.num_kv_heads // degree
+    # Buckets split the K/V heads of one weight shard; each bucket has its own K/V all-gather
+    # (a shard holds one K/V head, a copy, when they are fewer than D)
+    per_shard = max(1, model_cfg.num_kv_heads // degree)
     if per_shard % head_buckets:
+        if model_cfg.num_kv_heads < degree:
+            raise ValueError(f"parallel.head_buckets={head_buckets} with model.num_kv_heads="
+                             f"{model_cfg.num_kv_heads} < parallel.tsp_degree={degree}: each TSP weight "
+                             f"shard holds one K/V head (a copy), which cannot be split; use 1")
         raise ValueError(f"parallel.head_buckets={head_buckets} does not divide model.num_kv_heads / "
                          f"parallel.tsp_degree = {model_cfg.num_kv_heads} / {degree} = {per_shard} "
                          f"(K/V heads per TSP weight shard); use one of {_fmt_list(_divisors(per_shard))}")

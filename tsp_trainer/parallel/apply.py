@@ -20,7 +20,7 @@ from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.model.transformer import Transformer, init_parameter
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling
-from tsp_trainer.parallel.grad_sync import ReplicatedGrads
+from tsp_trainer.parallel.grad_sync import KV_GRAD_TAG, ReplicatedGrads
 from tsp_trainer.parallel.tsp.attention import TSPAttention
 from tsp_trainer.parallel.tsp.mlp import TSPGatedMLP
 from tsp_trainer.parallel.tsp.norm import TSPRMSNorm
@@ -33,16 +33,24 @@ class ShardSpec:
     `axis` (block i on the axis's rank i), or replicated when dim is None. `size`: the full length
     along `dim` when it is not a multiple of the degree (the vocabulary rows): the full tensor is
     padded with zero rows to the next multiple before it is split, and the padding is cut off
-    again when the blocks are put back together (`trim`)."""
+    again when the blocks are put back together (`trim`). `repeat`: how many consecutive ranks of
+    the axis hold each block (K/V heads fewer than the degree: degree = n_kv blocks, each a copy
+    on D / n_kv ranks, whose gradients are summed over them); rank i holds block i // repeat."""
 
     dim: int | None
     degree: int = 1
     axis: str = "tsp"
     size: int | None = None
+    repeat: int = 1
+
+    def block(self, rank: int) -> int:
+        """The block a rank of the axis holds."""
+        return rank // self.repeat
 
     def local(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         if self.dim is None:
             return full
+        rank = self.block(rank)
         pad = -full.shape[self.dim] % self.degree
         if pad:
             shape = list(full.shape)
@@ -76,14 +84,23 @@ TSP_PLAN: list[tuple[str, int | None]] = [
 ]
 
 
-def plan_specs(names, plan: list[tuple[str, int | None]], degree: int, axis: str) -> dict[str, ShardSpec]:
+def plan_specs(names, plan: list[tuple[str, int | None]], degree: int, axis: str,
+               kv_repeat: int = 1) -> dict[str, ShardSpec]:
+    """name -> its ShardSpec under `plan` split `degree` ways over `axis`. kv_repeat > 1 (K/V heads
+    fewer than the degree): the K/V projections are split into degree / kv_repeat head blocks, each
+    held by kv_repeat consecutive ranks (ModelConfig.kv_repeat)."""
     specs = {}
     for name in names:
         dims = [dim for pattern, dim in plan if fnmatch.fnmatchcase(name, pattern)]
         if not dims:
             raise KeyError(f"parameter {name!r} matches no entry of the sharding plan")
         specs[name] = ShardSpec(dims[0], degree if dims[0] is not None else 1, axis)
+        if kv_repeat > 1 and fnmatch.fnmatchcase(name, KV_PROJECTIONS):
+            specs[name] = ShardSpec(dims[0], degree // kv_repeat, axis, repeat=kv_repeat)
     return specs
+
+
+KV_PROJECTIONS = "layers.*.self_attn.[kv]_proj.*"     # weights and biases of the K/V heads
 
 
 VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
@@ -91,7 +108,7 @@ VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 
 def tsp_specs(model: Transformer, degree: int) -> dict[str, ShardSpec]:
     specs = plan_specs([n for n, _ in model.named_parameters(remove_duplicate=False)], TSP_PLAN,
-                       degree, "tsp")
+                       degree, "tsp", model.cfg.kv_repeat(degree))
     return with_vocab_padding(specs, model.cfg.vocab_size)
 
 
@@ -110,17 +127,20 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
               init_seed: int | None = None, recompute: str = "full",
               loss_chunk_tokens: int | str = "auto",
               mlp_chunk_tokens: int | str = "auto",
-              checkpoint_replay_keeps: str = "all") -> dict[str, ShardSpec]:
+              checkpoint_replay_keeps: str = "all", kv_comm: Comm | None = None) -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
     with init_parameter, one full parameter at a time: the same values a plain model gets).
     `loss_chunk_tokens`: the LM head's token chunks (parallel/loss_chunks.py);
     `mlp_chunk_tokens`: the layers' token chunks (parallel/gated_mlp.py);
     `checkpoint_replay_keeps`: what each block's replay keeps under activation checkpointing
-    ("all", "attention" or "nothing"; tsp/kept.py)."""
+    ("all", "attention" or "nothing"; tsp/kept.py);
+    `kv_comm`: with K/V heads fewer than D, the ranks sharing this rank's K/V head
+    (mesh.build_kv_comm), over which the copies' gradients are summed."""
     cfg = model.cfg
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
+    kv_replicated = kv_copies(cfg, comm.size, kv_comm)
     specs = tsp_specs(model, comm.size)
     local = LocalShards(model, specs, comm.rank, init_seed)
     tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // comm.size)
@@ -133,7 +153,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute,
                                        tiling=tiling, replay_keeps=replay_attention,
-                                       replicated=replicated, **local.head_norms(attn, cfg), **biases)
+                                       replicated=replicated, kv_replicated=kv_replicated,
+                                       **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
                                 tiling=tiling, replay_keeps=replay_mlp, replicated=replicated, **biases)
@@ -148,10 +169,25 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size)
     # every pass starts with the embedding (Transformer.hidden_states): the replicated views open there
     model.embed_tokens.register_forward_pre_hook(replicated.begin_pass)
+    if kv_replicated is not None:
+        model.embed_tokens.register_forward_pre_hook(kv_replicated.begin_pass)
     model.lm_head = TSPLMHead(head, comm=comm, vocab_size=cfg.vocab_size,
                               loss_chunk_tokens=loss_chunk_tokens)
-    mark_model_parallel(model, specs)
+    mark_model_parallel(model, specs, axis_rank=comm.rank)
     return specs
+
+
+def kv_copies(cfg, degree: int, kv_comm: Comm | None) -> ReplicatedGrads | None:
+    """The K/V head copies' gradient sum over `kv_comm` when D / n_kv ranks share each K/V head
+    (ModelConfig.kv_repeat > 1); None otherwise."""
+    repeat = cfg.kv_repeat(degree)
+    if repeat == 1:
+        return None
+    if kv_comm is None or kv_comm.size != repeat:
+        raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} < D={degree}: each K/V head is copied "
+                         f"on {repeat} ranks, whose gradients need their group (mesh.build_kv_comm), "
+                         f"got {kv_comm}")
+    return ReplicatedGrads(kv_comm, KV_GRAD_TAG)
 
 
 REPLAY_KEEPS = typing.get_args(ReplayKeeps)      # parallel.checkpoint_replay_keeps
@@ -217,14 +253,17 @@ def materialize_norm(norm: nn.Module, local: LocalShards, prefix: str) -> nn.Mod
 
 
 def mark_model_parallel(model: nn.Module, specs: dict[str, ShardSpec], *,
-                        counts_shards: bool = True) -> None:
+                        counts_shards: bool = True, axis_rank: int = 0) -> None:
     """Flag sharded parameters the way DeepSpeed (and Megatron) expect, so gradient-norm clipping
     counts each shard once on every model-parallel rank and replicated weights once (DeepSpeed
     counts unflagged parameters on model-parallel rank 0 only). counts_shards=False on ranks whose
-    shards duplicate another rank's (tp x sp: the sp copies of a tp shard), so each is counted once."""
+    shards duplicate another rank's (tp x sp: the sp copies of a tp shard), so each is counted once;
+    likewise a block held by `repeat` ranks (K/V head copies) counts on the first of them only
+    (`axis_rank`: this rank on the split axis; the first holder of block 0 is model-parallel rank 0)."""
     for name, p in model.named_parameters():
         spec = specs[name]
-        p.tensor_model_parallel = spec.dim is not None and counts_shards
+        first_copy = axis_rank % spec.repeat == 0
+        p.tensor_model_parallel = spec.dim is not None and counts_shards and first_copy
         p.partition_dim = -1 if spec.dim is None else spec.dim
         p.partition_stride = 1
 
@@ -241,7 +280,8 @@ def gather_full(tensors: dict[str, torch.Tensor], specs: dict[str, ShardSpec], c
         parts = tensor.new_empty((comm.size,) + tuple(tensor.shape))
         comm.all_gather(parts.view((-1,) + tuple(tensor.shape[1:])), tensor.contiguous(),
                         tag="state.gather")
-        out[name] = spec.trim(torch.cat(list(parts.unbind(0)), dim=spec.dim))
+        blocks = list(parts.unbind(0))[::spec.repeat]         # one copy of each replicated block
+        out[name] = spec.trim(torch.cat(blocks, dim=spec.dim))
     return out
 
 

@@ -6,7 +6,8 @@ hands the layers views of all of them, whose backward adds their partial gradien
 fp32 buffer; one autograd node that runs after them all sums the buffer over the group in one
 all-reduce (as Megatron's finalize_model_grads does after backward) and hands each parameter its
 slice. So each .grad holds the full gradient when autograd accumulates it, for DeepSpeed's
-reduction hooks and clipping alike.
+reduction hooks and clipping alike. TSP's copies of K/V heads fewer than D are a second instance,
+on the group of ranks sharing a head (tag "kv.grad", parallel/apply.py `kv_copies`).
 
 `SumGradOverGroup` (the baselines): identity forward, all-reduce of one gradient in backward;
 Megatron TP enters a TP region with it (an activation gradient, needed before backward goes on).
@@ -26,6 +27,7 @@ from tsp_trainer.parallel.comm import Comm
 GRAD_BYTES = 4
 
 REPLICATED_GRAD_TAG = "replicated.grad"
+KV_GRAD_TAG = "kv.grad"      # K/V head copies (K/V heads fewer than D): summed over their sharers
 
 
 class SumGradOverGroup(torch.autograd.Function):
@@ -69,18 +71,18 @@ class _SumOnce(torch.autograd.Function):
     its dtype."""
 
     @staticmethod
-    def forward(ctx, comm: Comm, buffer: _Buffer, done, *params):
-        ctx.comm, ctx.buffer, ctx.done = comm, buffer, done
+    def forward(ctx, comm: Comm, tag: str, buffer: _Buffer, done, *params):
+        ctx.comm, ctx.tag, ctx.buffer, ctx.done = comm, tag, buffer, done
         ctx.shapes, ctx.dtypes = [p.shape for p in params], [p.dtype for p in params]
         return torch.zeros((), device=buffer.device)
 
     @staticmethod
     def backward(ctx, _):
         flat = ctx.buffer.full()
-        ctx.comm.all_reduce(flat, tag=REPLICATED_GRAD_TAG)
+        ctx.comm.all_reduce(flat, tag=ctx.tag)
         ctx.done()
         summed = flat.split(ctx.buffer.numels)
-        return (None, None, None, *(g.view(shape).to(dtype)
+        return (None, None, None, None, *(g.view(shape).to(dtype)
                                     for g, shape, dtype in zip(summed, ctx.shapes, ctx.dtypes)))
 
 
@@ -104,10 +106,12 @@ class _View(torch.autograd.Function):
 class ReplicatedGrads:
     """The replicated parameters of one model on one group, and this pass's views of them.
     `begin_pass` (a forward pre-hook on the model's first module) opens the pass: its buffer and
-    the anchor of its one all-reduce; `use` is how a layer reads its replicated weight in it."""
+    the anchor of its one all-reduce; `use` is how a layer reads its replicated weight in it.
+    `tag`: the all-reduce's ledger tag (KV_GRAD_TAG for the K/V head copies, summed over the ranks
+    that share a K/V head)."""
 
-    def __init__(self, comm: Comm):
-        self.comm = comm
+    def __init__(self, comm: Comm, tag: str = REPLICATED_GRAD_TAG):
+        self.comm, self.tag = comm, tag
         self.params: list[nn.Parameter] = []
         self._index: dict[int, int] = {}
         self._buffer: _Buffer | None = None
@@ -129,7 +133,7 @@ class ReplicatedGrads:
         def done() -> None:               # the pass's backward is over: layers read the parameters
             if self._buffer is buffer:
                 self._buffer, self._anchor, self._views = None, None, {}
-        self._anchor = _SumOnce.apply(self.comm, buffer, done, *self.params)
+        self._anchor = _SumOnce.apply(self.comm, self.tag, buffer, done, *self.params)
         self._buffer = buffer
 
     def use(self, param: nn.Parameter) -> torch.Tensor:

@@ -145,6 +145,25 @@ def build_tp_sp_comms(mesh: Mesh, tp_degree: int, sp_degree: int, *,
     return tp, sp
 
 
+def build_kv_comm(mesh: Mesh, kv_repeat: int, *, tp_degree: int | None = None,
+                  timeout_s: float | None = None) -> Comm | None:
+    """The ranks that hold copies of the same K/V head (K/V heads fewer than the weight split's
+    degree): `kv_repeat` consecutive ranks of each weight-splitting group, whose copies' gradients
+    are summed over this group. The weight-splitting group is the tsp group (tsp, tp, tp_sp) or,
+    with `tp_degree` T < D, each tp sub-axis of tp_x_sp (tsp rank t: tp rank t % T, as
+    build_tp_sp_comms). None when kv_repeat is 1 (no copies).
+
+    Collective: every rank must call it at the same point with the same arguments."""
+    if kv_repeat == 1:
+        return None
+    d = mesh.dims.tsp
+    t = d if tp_degree is None else tp_degree
+    base = [mesh.dims.tsp_group_ranks(dp) for dp in range(mesh.dims.dp)]
+    weight_groups = [[ranks[s * t + i] for i in range(t)] for ranks in base for s in range(d // t)]
+    kv_groups = [g[b * kv_repeat:(b + 1) * kv_repeat] for g in weight_groups for b in range(t // kv_repeat)]
+    return _member_comm(kv_groups, mesh, "kv", group_timeout(timeout_s))
+
+
 def _member_comm(groups: list[list[int]], mesh: Mesh, axis: str, timeout) -> Comm:
     """Create every group (same order on all ranks); return the Comm of the one holding this rank."""
     handles = [_new_group(g, axis, timeout) if len(g) > 1 else None for g in groups]

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+from tsp_trainer.config.validate import check_parallel_shapes
 from tsp_trainer.model.transformer import Transformer
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.apply import apply_tsp
 from tsp_trainer.parallel.baselines.apply import build_sp, build_tp, build_tp_sp, build_tp_x_sp
-from tsp_trainer.parallel.mesh import Mesh
+from tsp_trainer.parallel.mesh import Mesh, build_kv_comm
 from tsp_trainer.parallel.parallelized import Parallelized
 from tsp_trainer.parallel.ulysses import build_ulysses
 
@@ -28,10 +29,13 @@ def _tsp(model: Transformer, mesh: Mesh, *, seq_len: int | None, head_buckets: i
          init_seed: int | None = None, tsp_recompute: str = "full",
          loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
          checkpoint_replay_keeps: str = "all", **_) -> Parallelized:
+    check_parallel_shapes(model.cfg, scheme="tsp", degree=mesh.tsp.size, seq_len=seq_len,
+                          head_buckets=head_buckets)      # before any group is made
+    kv_comm = build_kv_comm(mesh, model.cfg.kv_repeat(mesh.tsp.size))
     specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=seq_len, init_seed=init_seed,
                       recompute=tsp_recompute, loss_chunk_tokens=loss_chunk_tokens,
                       mlp_chunk_tokens=mlp_chunk_tokens,
-                      checkpoint_replay_keeps=checkpoint_replay_keeps)
+                      checkpoint_replay_keeps=checkpoint_replay_keeps, kv_comm=kv_comm)
     rank, degree = mesh.tsp.rank, mesh.tsp.size
 
     def layout(ids, labels):

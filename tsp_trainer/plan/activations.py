@@ -151,14 +151,14 @@ def _baseline_saved(cfg: ModelConfig, layout: Layout, prec: Precision,
     tiled: its backward recomputes each chunk's logits)."""
     e = prec.act
     t, s_p, seqpar = layout.axes
-    h, hkv, inter = cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size
+    h, inter = cfg.hidden_size, cfg.intermediate_size
     V = padded_vocab_size(cfg.vocab_size, t)                    # rows padded to a multiple of T
     n_r, n_n = tok["region"], tok["norm"]
     layer = 2 * rms_norm_saved(n_n, h, e, output_kept=not seqpar)
     if seqpar:
         layer += 2 * e * n_r * h                                 # gathered norm output (all tokens)
     q_out = 2 * e * n_r * (cfg.q_hidden_size // t)               # q and the attention output
-    kv = 2 * e * n_r * (hkv // t)
+    kv = 2 * e * n_r * cfg.kv_shard_hidden(t)                    # a copy of one head when n_kv < T
     lse = 4 * (cfg.num_heads // t) * n_r if s_p == 1 else 0      # SDPA logsumexp (not recomputed)
     layer += q_out + kv + lse
     if mlp_chunk >= n_r:
@@ -262,9 +262,10 @@ def _attention_items_bytes(cfg: ModelConfig, layout: Layout, seq_len: int, prec:
     """One TSP layer's kept attention items (`tsp_selective_saved`), whatever the mode."""
     n = layout.micro_batch * seq_len // layout.degree
     nh, d = cfg.num_heads, cfg.head_dim
+    kv = cfg.kv_shard_hidden(layout.degree) * layout.degree   # every item's K/V heads (copies too)
     # Qwen3's q/k norms: each item also keeps its q and k before the norm (their backward's input)
-    norm_inputs = prec.act * n * (nh * d + cfg.kv_hidden_size) if cfg.qk_norm else 0
-    return prec.act * n * (3 * nh * d + 2 * cfg.kv_hidden_size) + 4 * n * nh + norm_inputs
+    norm_inputs = prec.act * n * (nh * d + kv) if cfg.qk_norm else 0
+    return prec.act * n * (3 * nh * d + 2 * kv) + 4 * n * nh + norm_inputs
 
 
 def tsp_mlp_kept(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16) -> int:

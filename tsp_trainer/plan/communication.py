@@ -32,14 +32,16 @@ def model_parallel_comm(cfg: ModelConfig, layout: Layout, seq_len: int,
     if layout.scheme == "tsp":
         base = tsp_step_comm(cfg, degree=layout.degree, batch=b, seq_len=seq_len,
                              head_buckets=layout.head_buckets, weight_bytes=ew, act_bytes=e)
-        for (op, tag), v in base.items():
-            add(f"{op}/{tag}", v["count"], v["bytes"], layout.degree)
+        for (op, tag), v in base.items():     # kv.grad: over the ranks sharing a K/V head
+            add(f"{op}/{tag}", v["count"], v["bytes"],
+                cfg.kv_repeat(layout.degree) if tag == "kv.grad" else layout.degree)
         if layout.activation_checkpointing and layout.degree > 1:
             d, nb = layout.degree, layout.head_buckets
-            p_attn, p_mlp = cfg.attn_sharded_params, cfg.mlp_sharded_params
-            kv_bucket = b * seq_len * 2 * (cfg.kv_hidden_size // (d * nb)) * e
-            add("broadcast/attn.weights", L * d, L * d * (p_attn // d) * ew, d)
-            add("all_gather/attn.kv", L * d * nb, L * d * nb * kv_bucket, d)
+            p_attn, p_mlp = cfg.attn_shard_params(d), cfg.mlp_sharded_params
+            kv_bucket = b * seq_len * 2 * (cfg.kv_shard_hidden(d) // nb) * e
+            kv_items = d * nb // cfg.kv_repeat(d)        # one gather per group sharing a K/V head
+            add("broadcast/attn.weights", L * d, L * d * p_attn * ew, d)
+            add("all_gather/attn.kv", L * kv_items, L * kv_items * kv_bucket, d)
             for op in ("send", "recv"):
                 add(f"{op}/mlp.weights", L * (d - 1), L * (d - 1) * (p_mlp // d) * ew, d)
         return out
@@ -64,6 +66,8 @@ def _baseline_ledger(cfg: ModelConfig, layout: Layout, seq_len: int,
     rows = []
     for key, nbytes in base.items():
         group = s_p if key.endswith((".kv", ".dkv", "wgrad", "loss.count")) else t
+        if key == "all_reduce/kv.grad":                 # the tp ranks sharing a K/V head
+            group = cfg.kv_repeat(t)
         if key in ("all_reduce/norm.grad", "all_reduce/bias.grad"):
             group = layout.degree if (seqpar and s_p > 1) else (s_p if s_p > 1 else t)
         rows.append((key, nbytes, per_op_counts[key], group))
@@ -86,6 +90,8 @@ def _baseline_op_counts(cfg: ModelConfig) -> dict[str, int]:
         # that is split with its weight (q, k, v; gate, up)
         "all_reduce/wgrad": 7 * L + 2 + L * (3 * int(cfg.qkv_bias) + 2 * int(cfg.mlp_bias)),
         "all_reduce/bias.grad": L * (int(cfg.o_bias) + int(cfg.mlp_bias)),
+        # K/V heads fewer than T: one per K/V head copy (weights, and biases with q/k/v biases)
+        "all_reduce/kv.grad": 2 * L * (1 + int(cfg.qkv_bias)),
     }
 
 
@@ -97,7 +103,7 @@ def _baseline_ac_replay(cfg: ModelConfig, layout: Layout, seq_len: int,
     t, s_p, seqpar = layout.axes
     e, L, b, h = prec.act, cfg.num_layers, layout.micro_batch, cfg.hidden_size
     a = b * seq_len // s_p * h * e                          # one region activation [n_r, h]
-    kv = b * seq_len * 2 * (cfg.kv_hidden_size // t) * e
+    kv = b * seq_len * 2 * cfg.kv_shard_hidden(t) * e
     rows = []
     if t > 1 and seqpar:
         rows += [("all_gather/attn.tp", L * a, L, t), ("reduce_scatter/attn.tp", L * a, L, t),

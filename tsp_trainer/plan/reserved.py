@@ -121,7 +121,8 @@ def reserved_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precis
                                                                    cfg.head_dim, e) if flash else 0),
            "flash_split_kv": (flash_split_kv_bytes(b, c["n_q"], c["n_k"], c["heads"], cfg.head_dim,
                                                    SMS.get(gpu, 132)) if flash else 0),
-           "nccl_buffers": nccl_buffer_bytes(communicators(layout), a),
+           # + the group of ranks sharing a K/V head, when K/V heads are fewer than the weight split
+           "nccl_buffers": nccl_buffer_bytes(communicators(layout) + (cfg.kv_repeat(layout.axes[0]) > 1), a),
            "blas_workspaces": 2 * a.blas_workspace * a.gemm_streams,
            "cuda_context": a.cuda_context}
     out["total"] = sum(out.values())

@@ -16,12 +16,14 @@ from tsp_trainer.plan.precision import BF16, Precision
 def param_count(cfg: ModelConfig, layout: Layout) -> int:
     """Parameters held by one rank: the matrices and the q/k/v, gate/up biases split over T (heads,
     intermediate block, vocab rows), norms and the o_proj / down_proj biases replicated
-    (parallel/apply.py TSP_PLAN, baselines/apply.py: the same plan)."""
+    (parallel/apply.py TSP_PLAN, baselines/apply.py: the same plan). K/V heads fewer than T: each
+    rank holds a copy of one (ModelConfig.attn_shard_params), with its gradient and optimizer state."""
     t, _, _ = layout.axes
     h, L = cfg.hidden_size, cfg.num_layers
-    split = (L * (cfg.attn_sharded_params + cfg.mlp_sharded_params)
+    split = (L * cfg.mlp_sharded_params
              + padded_vocab_size(cfg.vocab_size, t) * h * (1 if cfg.tie_embeddings else 2))
-    return split // t + (2 * L + 1) * h + L * (cfg.replicated_biases + cfg.head_norm_params)
+    return (L * cfg.attn_shard_params(t) + split // t + (2 * L + 1) * h
+            + L * (cfg.replicated_biases + cfg.head_norm_params))
 
 
 # DeepSpeed's ZeRO optimizer keeps its master partition and the gradient its step reads in fp32

@@ -130,6 +130,10 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
       kv    = 2 e B S hkv_b          one gathered K/V bucket (the raw gather or its logical copy)
       q_b   = e n hq_b               a query-sized temporary (output a, dA, dq)
 
+    K/V heads fewer than D: hkv_b is one head (a copy); the owners sharing it reuse one gather,
+    and backward holds their summed dK/dV until the group's last owner in place of the
+    reduce-scatter buffers the others skip: the same bucket counts (the fake-tensor check agrees).
+
     forward:  fp32 output 4nh (e n h once the layer is tiled), min(3, D) weight buffers, the current and the next item's qkv, three
               K/V buckets (this item's gather and its logical-order copy, the next item's gather in
               flight), two q_b; selective adds the items already kept (the largest phase is the
@@ -147,12 +151,12 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     d_, nb, b = layout.degree, layout.head_buckets, layout.micro_batch
     h = cfg.hidden_size
     hq_b = cfg.num_heads * cfg.head_dim // (d_ * nb)
-    hkv_b = cfg.kv_hidden_size // (d_ * nb)
+    hkv_b = cfg.kv_shard_hidden(d_) // nb         # one K/V head (a copy) when they are fewer than D
     items = d_ * nb
     qkv, q_b = e * n * (hq_b + 2 * hkv_b), e * n * hq_b
     kv = 2 * e * b * seq_len * hkv_b
     kv_exp = kv * hq_b // hkv_b if expands_kv(e, device, hq_b != hkv_b) else 0
-    w = cfg.attn_sharded_params // d_ * ew
+    w = cfg.attn_shard_params(d_) * ew
     acc32 = (e if tiled else 4) * n * h                 # output / dX: fp32, or e once tiled
     w_fwd = min(3, d_) * w
     w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
@@ -211,24 +215,25 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     e, ew = prec.act, prec.weight
     t, s_p, seqpar = layout.axes
     b = layout.micro_batch
-    h, hkv, inter, V, nh = (cfg.hidden_size, cfg.kv_hidden_size, cfg.intermediate_size,
+    h, inter, V, nh = (cfg.hidden_size, cfg.intermediate_size,
                             cfg.vocab_size, cfg.num_heads)
     n_r, n_n = tok["region"], tok["norm"]
     a_r, a_n = e * n_r * h, e * n_n * h                 # activations of the region / of the norms
     own1 = rms_norm_saved(n_n, h, e, output_kept=not seqpar) + (a_r if seqpar else 0)
     hq = cfg.q_hidden_size
-    attn_saved = e * n_r * (2 * hq + 2 * hkv) // t + (4 * nh // t * n_r if s_p == 1 else 0)
+    hkv_t = cfg.kv_shard_hidden(t)                      # K/V channels per tp rank (a copy if fewer)
+    attn_saved = e * n_r * (2 * hq // t + 2 * hkv_t) + (4 * nh // t * n_r if s_p == 1 else 0)
     mid = e * n_r * inter // t
     leave = a_r + (a_n if seqpar else a_r)              # partial output + reduced copy
     dgrad_in = a_n + (a_r if seqpar else 0)             # incoming gradient (+ its gathered copy)
     if s_p > 1:
-        z = _zigzag_attention(e, b, seq_len, s_p, hq // t, hkv // t, n_r, recomputed_qkv=False,
+        z = _zigzag_attention(e, b, seq_len, s_p, hq // t, hkv_t, n_r, recomputed_qkv=False,
                               scatter_copies=3, device=device)
         core_fwd, core_bwd = z["fwd"], z["bwd"]
         wgrad = 2 * ew * h * inter // t                 # a weight gradient and its all-reduced clone
     else:
         core_fwd = 0
-        core_bwd = e * n_r * (2 * hq + 2 * hkv) // t    # d(out), dq, dk, dv
+        core_bwd = e * n_r * (2 * hq // t + 2 * hkv_t)  # d(out), dq, dk, dv
         wgrad = 0
     # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's
     # saved tensors meet the first gradients (dy, d(intermediate)), or, in attention, the SDPA /

@@ -14,6 +14,8 @@ the sub-axes of the model-parallel group (size D = mesh.tsp.size):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -29,7 +31,7 @@ from tsp_trainer.parallel.baselines.layers import (Groups, ParallelAttention, Pa
                                                    ParallelLMHead, ParallelMLP, ParallelRMSNorm)
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling
-from tsp_trainer.parallel.mesh import Mesh, axis_view, build_tp_sp_comms
+from tsp_trainer.parallel.mesh import Mesh, axis_view, build_kv_comm, build_tp_sp_comms
 from tsp_trainer.parallel.parallelized import Parallelized
 
 # The Megatron 1-D weight split is the one TSP uses for its resting shards (parallel/apply.py).
@@ -46,8 +48,12 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     (parallel/gated_mlp.py)."""
     cfg, t = model.cfg, groups.tp.size
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    specs = (with_vocab_padding(plan_specs(names, BASELINE_PLAN, t, "tp"), cfg.vocab_size) if t > 1
-             else {n: ShardSpec(None, 1, "sp") for n in names})
+    specs = (with_vocab_padding(plan_specs(names, BASELINE_PLAN, t, "tp", cfg.kv_repeat(t)), cfg.vocab_size)
+             if t > 1 else {n: ShardSpec(None, 1, "sp") for n in names})
+    if cfg.kv_repeat(t) > 1 and (groups.kv_grad is None or groups.kv_grad.size != cfg.kv_repeat(t)):
+        raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} < T={t}: each K/V head is copied on "
+                         f"{cfg.kv_repeat(t)} tp ranks, whose gradients need Groups.kv_grad "
+                         f"(mesh.build_kv_comm), got {groups.kv_grad}")
     local = LocalShards(model, specs, groups.tp.rank, init_seed)
     tiling = TokenTiling(mlp_chunk_tokens, cfg.intermediate_size // t)
     for i, block in enumerate(model.layers):
@@ -68,7 +74,7 @@ def apply_baseline(model: Transformer, groups: Groups, *, init_seed: int | None 
     model.lm_head = ParallelLMHead(head, vocab_start=vocab_start, groups=groups,
                                    loss_chunk_tokens=loss_chunk_tokens, vocab_size=cfg.vocab_size)
     # DeepSpeed's model-parallel group is the whole D group: count each tp shard on sp rank 0 only.
-    mark_model_parallel(model, specs, counts_shards=groups.sp.rank == 0)
+    mark_model_parallel(model, specs, counts_shards=groups.sp.rank == 0, axis_rank=groups.tp.rank)
     return specs
 
 
@@ -160,6 +166,8 @@ def _single(mesh: Mesh, axis: str) -> Comm:
 
 
 def _wrap(model: Transformer, mesh: Mesh, scheme: str, groups: Groups, kw: dict) -> Parallelized:
+    t = groups.tp.size            # K/V heads fewer than T: the copies' group (after the shape rules)
+    groups = dataclasses.replace(groups, kv_grad=build_kv_comm(mesh, model.cfg.kv_repeat(t), tp_degree=t))
     specs = apply_baseline(model, groups, init_seed=kw.get("init_seed"),
                            loss_chunk_tokens=kw.get("loss_chunk_tokens", "auto"),
                            mlp_chunk_tokens=kw.get("mlp_chunk_tokens", "auto"))

@@ -53,18 +53,21 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
             out["all_reduce/embed.tp"] += a
             out["all_reduce/head.tp"] += a
         out["all_reduce/head.ce"] += 3 * n * 4
+    h_kv = cfg.kv_shard_hidden(t)                        # K/V channels per tp rank (a copy if fewer)
+    if cfg.kv_repeat(t) > 1:          # the K/V head copies: weights and biases summed over the sharers
+        out["all_reduce/kv.grad"] += layers * 2 * h_kv * (h + int(cfg.qkv_bias)) * GRAD_BYTES
     if s > 1 and scheme == "ulysses":      # q, k, v, o through all-to-alls instead of K/V gathers
         for key, nbytes in ulysses_all_to_all_bytes(cfg, degree=s, batch=batch, seq_len=seq_len,
                                                     dtype_bytes=e).items():
             out[key] += nbytes
     elif s > 1:
-        kv = batch * seq_len * 2 * (cfg.kv_hidden_size // t) * e
+        kv = batch * seq_len * 2 * h_kv * e
         out["all_gather/attn.kv"] += 2 * layers * kv
         out["reduce_scatter/attn.dkv"] += layers * kv
     if s > 1:
-        per_layer = cfg.attn_sharded_params + cfg.mlp_sharded_params
         vocab = padded_vocab_size(cfg.vocab_size, t)              # padded to a multiple of T
-        out["all_reduce/wgrad"] += (layers * per_layer + 2 * vocab * h) // t * GRAD_BYTES
+        out["all_reduce/wgrad"] += (layers * cfg.attn_shard_params(t)
+                                    + (layers * cfg.mlp_sharded_params + 2 * vocab * h) // t) * GRAD_BYTES
         out["all_reduce/loss.count"] += 8
     if t * s > 1 and cfg.qk_norm:     # q_norm, k_norm: other heads or tokens on every rank of the group
         out["all_reduce/norm.grad"] += layers * cfg.head_norm_params * GRAD_BYTES

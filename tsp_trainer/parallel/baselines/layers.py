@@ -51,6 +51,9 @@ class Groups:
     # (parallel/sharded_weights.py): it reduce-scatters each weight's gradient over that whole set,
     # so a sum over sp here as well would count every token's contribution twice
     sums_weight_grads: bool = True
+    # K/V heads fewer than T: the tp ranks holding copies of this rank's K/V head, over which the
+    # copies' gradients are summed (mesh.build_kv_comm; None: no copies)
+    kv_grad: Comm | None = None
 
     def enter_tp(self, x: torch.Tensor, tag: str) -> torch.Tensor:
         """Before the column-parallel matmuls: every tp rank needs all tokens of the region."""
@@ -70,6 +73,13 @@ class Groups:
         if w is None or not self.sums_weight_grads:
             return w
         return copy_weight_to_region(w, self.sp, "wgrad")
+
+    def kv_weight(self, w: torch.Tensor | None) -> torch.Tensor | None:
+        """A K/V projection weight or bias: replicated over sp like every weight, and a copy over
+        kv_grad when K/V heads are fewer than T (each copy's gradient covers its tp rank's query
+        heads only: summed in fp32 over the copies, as Megatron reduces replicated K/V heads)."""
+        w = self.weight(w)
+        return w if w is None or self.kv_grad is None else copy_weight_to_region(w, self.kv_grad, "kv.grad")
 
     def add_replicated_bias(self, y: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """y + b for a bias added once per token after leaving the TP region (o_proj, down_proj):
@@ -92,7 +102,8 @@ def _holder(w: torch.Tensor, b: torch.Tensor | None = None) -> nn.Module:
 class ParallelAttention(nn.Module):
     """q/k/v_proj.weight [n_h/T * d | n_kv/T * d, h] (column parallel), o_proj.weight
     [h, n_h/T * d] (row parallel): the heads of group tp_rank, whole for T = 1. Biases: q/k/v
-    [n_h/T * d | n_kv/T * d] with their heads, o_proj.bias [h] replicated."""
+    [n_h/T * d | n_kv/T * d] with their heads, o_proj.bias [h] replicated. K/V heads fewer than T:
+    k/v_proj hold a copy of the one K/V head [d, h] this rank's query heads use (Groups.kv_grad)."""
 
     def __init__(self, q, k, v, o, *, head_dim: int, groups: Groups, qkv_bias=None, o_bias=None,
                  head_norms=None, norm_eps: float = 1e-6):
@@ -114,8 +125,9 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         g, d = self.groups, self.head_dim
-        wq, wk, wv, wo = (g.weight(m.weight) for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
-        bq, bk, bv = (g.weight(m.bias) for m in (self.q_proj, self.k_proj, self.v_proj))
+        wq, wo = g.weight(self.q_proj.weight), g.weight(self.o_proj.weight)
+        wk, wv = g.kv_weight(self.k_proj.weight), g.kv_weight(self.v_proj.weight)
+        bq, bk, bv = g.weight(self.q_proj.bias), g.kv_weight(self.k_proj.bias), g.kv_weight(self.v_proj.bias)
         x = g.enter_tp(x, "attn.tp")                           # [B, T_region, h]
         b, t, _ = x.shape
         q, k = F.linear(x, wq, bq).view(b, t, -1, d), F.linear(x, wk, bk).view(b, t, -1, d)

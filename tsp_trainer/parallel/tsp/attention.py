@@ -9,6 +9,13 @@ activation checkpointing decide what backward recomputes (tsp/kept.py). The sche
 its transient memory and the recompute modes: docs/parallelism.md, "TSP attention". Qwen3's
 q_norm / k_norm (RMSNorm over each head's d channels, before RoPE) run inside the owner's
 projection; their weights [d] are replicated and summed like the block norms.
+
+K/V heads fewer than D (MQA, GQA above its K/V count): each rank's shard holds a copy of the one
+K/V head its query heads use; the copies' gradients are summed over the D / n_kv ranks that share
+it (`kv_replicated`, a ReplicatedGrads on that group). Owners sharing a head produce the same K/V,
+so it is all-gathered once per sharing group (`_KVShare`), and its dK/dV summed over the group's
+owners before one reduce-scatter, into the last sharer's gradient (the sum over the group makes
+every copy's whole).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class AttentionSettings:
     head_buckets: int
     tiling: TokenTiling
     norm_eps: float = 1e-6           # Qwen3's q/k norms
+    kv_repeat: int = 1               # consecutive owners sharing one K/V head (ModelConfig.kv_repeat)
 
 
 class TSPAttention(nn.Module):
@@ -60,7 +68,8 @@ class TSPAttention(nn.Module):
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
                  replay_keeps: bool = True, replicated: ReplicatedGrads | None = None,
-                 head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6):
+                 head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6,
+                 kv_replicated: ReplicatedGrads | None = None):
         super().__init__()
         # q_norm, k_norm weights [d] (Qwen3), replicated; absent otherwise (names as model.layers)
         if head_norms is not None:
@@ -82,13 +91,21 @@ class TSPAttention(nn.Module):
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"parallel.tsp_recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
         self.recompute = recompute
-        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps)
+        # K/V head copies (fewer K/V heads than D): their gradients summed over the sharing ranks
+        self.kv_replicated = kv_replicated
+        kv_repeat = 1 if kv_replicated is None else kv_replicated.comm.size
+        for m in (self.k_proj, self.v_proj) if kv_repeat > 1 else ():
+            for p in (m.weight, m.bias):
+                if p is not None:
+                    kv_replicated.add(p)
+        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps, kv_repeat)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         # The shard's parameters, in packing order: W_q, W_k, W_v, W_o [, b_q, b_k, b_v]
-        shard = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj)]
+        kv = self.kv_replicated.use if self.kv_replicated is not None else (lambda p: p)
+        shard = [self.q_proj.weight, kv(self.k_proj.weight), kv(self.v_proj.weight), self.o_proj.weight]
         if self.q_proj.bias is not None:
-            shard += [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]
+            shard += [self.q_proj.bias, kv(self.k_proj.bias), kv(self.v_proj.bias)]
         # the items are kept under selective and none, and by a checkpoint replay that keeps them
         kept = kept_for_backward(self.recompute != "full", self.replay_keeps)
         norms = (None, None)
@@ -201,10 +218,11 @@ class _OwnerProjection:
         self.kv = [torch.stack((k[:, :, i * hkv:(i + 1) * hkv], v[:, :, i * hkv:(i + 1) * hkv]), dim=2)
                    for i in range(cols.buckets)]
 
-    def item(self, b: int, comm: Comm) -> "_Item":
-        """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued."""
+    def item(self, b: int, comm: Comm, share: "_KVShare", owner: int) -> "_Item":
+        """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued (or
+        shared with the previous owner's, `share`)."""
         kv, self.kv[b] = self.kv[b], None
-        item = _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm)
+        item = _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm, share, owner)
         if self.q_raw is not None:
             item.q_raw = self.q_raw[:, :, b * self.hq:(b + 1) * self.hq]
             item.k_raw = self.k_raw[:, :, b * self.hkv:(b + 1) * self.hkv]
@@ -218,18 +236,74 @@ def _schedule(degree: int, buckets: int) -> list[tuple[int, int]]:
 
 class _KVGather:
     """One item's K/V all-gather in flight. kv: this rank's [B, T, 2, H, d] (K and V stacked, after
-    RoPE); wait() -> the logical-order [B, S, 2, H, d] of the whole group."""
+    RoPE); wait() -> the logical-order [B, S, 2, H, d] of the whole group (the same tensor again
+    to each owner sharing it, _KVShare)."""
 
     def __init__(self, kv: torch.Tensor, comm: Comm):
         self.kv, self.comm = kv, comm                  # kv stays referenced until the gather is done
         self.out = kv.new_empty((comm.size * kv.shape[0],) + kv.shape[1:])
         self.work = comm.all_gather(self.out, kv, tag="attn.kv", async_op=True)
+        self.full: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
-        self.work.wait()
-        full = zigzag.gathered_to_logical(self.out.view((self.comm.size,) + self.kv.shape))
-        self.out = None
-        return full
+        if self.work is not None:
+            self.work.wait()
+            self.full = zigzag.gathered_to_logical(self.out.view((self.comm.size,) + self.kv.shape))
+            self.out = self.work = self.kv = None
+        return self.full
+
+
+class _KVShare:
+    """The K/V all-gathers of one pass when `repeat` consecutive owners share each K/V head (K/V
+    heads fewer than D; their copies are equal, so is their K/V): the first owner of each group
+    gathers, the others reuse its gather (one per group, not one per owner). repeat 1: one gather
+    per item. The shared gather stays referenced until the next group's (or `release`)."""
+
+    def __init__(self, repeat: int):
+        self.repeat, self._gather = repeat, None
+
+    def gather(self, owner: int, kv: torch.Tensor, comm: Comm) -> _KVGather:
+        if self.repeat == 1:
+            return _KVGather(kv, comm)
+        if owner % self.repeat == 0:
+            self._gather = _KVGather(kv, comm)
+        return self._gather
+
+    def release(self) -> None:
+        self._gather = None
+
+
+class _DKVSum:
+    """The dK/dV reduce-scatters of one backward when `repeat` consecutive owners share each K/V
+    head: the group's owners' dK/dV [B, S, H, d] are summed and reduce-scattered once, at its last
+    owner, whose key/value side takes them; the others' take zeros (their copies' gradients come
+    from the sum over the sharing ranks, ReplicatedGrads)."""
+
+    def __init__(self, repeat: int):
+        self.repeat, self._held = repeat, None
+
+    def scatter(self, owner: int, dk: torch.Tensor, dv: torch.Tensor, comm: Comm):
+        if self.repeat == 1:
+            return _DKVScatter(dk, dv, comm)
+        if self._held is not None:
+            dk, dv = self._held[0] + dk, self._held[1] + dv
+        if (owner + 1) % self.repeat:
+            self._held = (dk, dv)
+            return _NoDKV(dk, comm.size)
+        self._held = None
+        return _DKVScatter(dk, dv, comm)
+
+
+class _NoDKV:
+    """An owner whose K/V head's dK/dV go to the group's last owner: zeros [B, T, H, d] each."""
+
+    def __init__(self, like: torch.Tensor, degree: int):
+        b, s, heads, d = like.shape
+        self.shape, self.like = (b, s // degree, heads, d), like.new_empty(())
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = self.like.new_zeros(self.shape)
+        return zeros, zeros
 
 
 class _DKVScatter:
@@ -293,15 +367,15 @@ class _Item:
     (after RoPE), the K/V all-gather in flight, and once attended the output a [B, T, hq_b * d]
     with its autograd graph (q_leaf, the gradient sink of the gathered K/V, the K/V hooks)."""
 
-    def __init__(self, q: torch.Tensor, kv: torch.Tensor, comm: Comm):
-        self.q, self.kv, self.comm = q, kv, comm
+    def __init__(self, q: torch.Tensor, kv: torch.Tensor, comm: Comm, share: _KVShare, owner: int):
+        self.q, self.kv, self.comm, self.share, self.owner = q, kv, comm, share, owner
         self.q_raw = self.k_raw = None       # the q/k norms' inputs [B, T, heads_b, d] (Qwen3)
-        self.gather: _KVGather | None = _KVGather(self.kv, comm)
+        self.gather: _KVGather | None = share.gather(owner, kv, comm)
         self.a = self.q_leaf = self.anchor = self.sink = self.dropped = None
 
     def regather(self) -> None:
         """Issue the K/V all-gather again (selective recompute's backward)."""
-        self.gather = _KVGather(self.kv, self.comm)
+        self.gather = self.share.gather(self.owner, self.kv, self.comm)
 
     def attend(self, rope: Rotary, *, graph: bool, drop_kv: bool = False) -> torch.Tensor:
         """Wait for the gathered K/V and compute a = attention(q, K, V); with graph=True record the
@@ -351,6 +425,7 @@ class _Projections:
         self.x, self.shards, self.settings, self.shapes, self.rope = x, shards, settings, shapes, rope
         self.norms = norms
         self.cols = _Columns(shapes, settings.head_buckets)
+        self.share = _KVShare(settings.kv_repeat)
         self._owner: int | None = None
         self._projection: _OwnerProjection | None = None
 
@@ -361,7 +436,7 @@ class _Projections:
             self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.settings.head_dim,
                                                 self.norms)
             self._owner = r
-        item = self._projection.item(b, self.settings.comm)
+        item = self._projection.item(b, self.settings.comm, self.share, r)
         if b == self.settings.head_buckets - 1:           # the owner's last slices are taken
             self._owner = self._projection = None
         return item
@@ -415,6 +490,7 @@ class _TSPAttentionFn(torch.autograd.Function):
             if b == last:                    # o_proj: one GEMM over the owner's buckets
                 add_matmul(y2, outputs.take(), _Shard(shards.get(r), shapes).wo.t())
                 shards.release(r)
+        projections.share.release()          # kept items regather from the first owner of a group
         ctx.save_for_backward(x, q_norm, k_norm, *params)
         ctx.rope, ctx.settings, ctx.shapes = rope, settings, shapes
         keep.store(ctx, settings, kept if selective else None)
@@ -432,6 +508,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         dx = torch.zeros(x2.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
         projections = _Projections(x, shards, settings, shapes, rope, norms) if kept is None else None
         cols = _Columns(shapes, settings.head_buckets)
+        dkv_sum = _DKVSum(settings.kv_repeat)
 
         def prepare(i: int) -> _Item:           # item i's activations, its K/V gather in flight
             if kept is not None:
@@ -456,7 +533,8 @@ class _TSPAttentionFn(torch.autograd.Function):
             nxt = prepare(i + 1) if i + 1 < len(items) else None    # its K/V gather in flight
             if b == 0:
                 owner = _OwnerBackward(r, dy2, _Shard(shards.get(r), shapes),
-                                       _Shard(grads.buffer(r), shapes), cols, settings.head_buckets, norms)
+                                       _Shard(grads.buffer(r), shapes), cols, settings.head_buckets, norms,
+                                       dkv_sum)
             # same owner: item i-1's key/value side finishes after this item's attention backward
             pending, item = owner.query_side(x2, dy2, item, b, rope, comm, dx, pending), nxt
         finish(pending)
@@ -521,9 +599,11 @@ class _OwnerBackward:
     dX += dP [W_q; W_k; W_v]. One dP per owner is in flight."""
 
     def __init__(self, owner: int, dy2: torch.Tensor, weights: _Shard, grads: _Shard,
-                 cols: _Columns, buckets: int, norms: _HeadNorms | None = None):
+                 cols: _Columns, buckets: int, norms: _HeadNorms | None = None,
+                 dkv_sum: _DKVSum | None = None):
         self.owner, self.weights, self.grads, self.cols = owner, weights, grads, cols
         self.norms = norms
+        self.dkv_sum = dkv_sum if dkv_sum is not None else _DKVSum(1)
         self.last = buckets - 1
         self.da = dy2 @ weights.wo                                       # [n, hq/D * d]
         self.dp: torch.Tensor | None = None     # [n, (hq + 2 hkv)/D * d], from the first dq on
@@ -540,7 +620,7 @@ class _OwnerBackward:
         dq, dkv = item.backward(self.da[:, cols.q_cols(b)].view(a.shape))
         if previous is not None:
             previous.finish(rope)
-        scatter = _DKVScatter(*dkv, comm)                                # dK/dV summed meanwhile
+        scatter = self.dkv_sum.scatter(self.owner, *dkv, comm)           # dK/dV summed meanwhile
         del dkv
         if b == self.last:
             self.da = None

@@ -10,6 +10,12 @@ element, b_g = 4: gradients are reduced and carried in fp32 whatever the weights
 with gate/up biases) per layer: what one packed shard carries (ModelConfig.attn_sharded_params,
 mlp_sharded_params). The replicated weights (2 L + 1 norms, and n_rb L o_proj / down_proj biases)
 have their gradients summed in one flattened fp32 all-reduce per backward ("replicated.grad").
+
+K/V heads fewer than D (r = D / n_kv ranks share each, ModelConfig.kv_repeat): a shard holds n_h / D
+query heads and a copy of one K/V head (ModelConfig.attn_shard_params), the K/V all-gather and
+dK/dV reduce-scatter run once per sharing group, D / r = n_kv times per pass, one head each, and
+the copies' gradients (2 L (h d + d with biases)) are summed over the r sharers in one fp32
+all-reduce per backward ("kv.grad").
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import collections
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import padded_vocab_size
-from tsp_trainer.parallel.grad_sync import GRAD_BYTES, REPLICATED_GRAD_TAG
+from tsp_trainer.parallel.grad_sync import GRAD_BYTES, KV_GRAD_TAG, REPLICATED_GRAD_TAG
 
 
 def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, head_buckets: int = 1,
@@ -34,15 +40,17 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
         out[(op, tag)]["count"] += count
         out[(op, tag)]["bytes"] += count * nbytes_each
 
-    h, h_kv, L = cfg.hidden_size, cfg.kv_hidden_size, cfg.num_layers
-    p_attn, p_mlp = cfg.attn_sharded_params, cfg.mlp_sharded_params
-    kv_bucket = batch * seq_len * 2 * (h_kv // (d * nb)) * act_bytes   # gathered K and V, one bucket
+    h, L, repeat = cfg.hidden_size, cfg.num_layers, cfg.kv_repeat(d)
+    h_kv = cfg.kv_shard_hidden(d)                                     # K/V channels of one shard
+    p_attn, p_mlp = cfg.attn_shard_params(d), cfg.mlp_sharded_params
+    kv_bucket = batch * seq_len * 2 * (h_kv // nb) * act_bytes   # gathered K and V, one bucket
+    kv_items = d * nb // repeat                # once per group of owners sharing a K/V head
     for _ in range(L):
         # attention: owner r's packed shard broadcast in forward and again in backward
-        add("broadcast", "attn.weights", 2 * d, p_attn // d * weight_bytes)
-        add("all_gather", "attn.kv", 2 * d * nb, kv_bucket)      # forward + recompute in backward
-        add("reduce_scatter", "attn.dkv", d * nb, kv_bucket)
-        add("reduce", "attn.wgrad", d, p_attn // d * GRAD_BYTES)
+        add("broadcast", "attn.weights", 2 * d, p_attn * weight_bytes)
+        add("all_gather", "attn.kv", 2 * kv_items, kv_bucket)    # forward + recompute in backward
+        add("reduce_scatter", "attn.dkv", kv_items, kv_bucket)
+        add("reduce", "attn.wgrad", d, p_attn * GRAD_BYTES)
         # MLP: D-1 hops forward, D-1 weight hops + D accumulator hops backward
         for op in ("send", "recv"):
             add(op, "mlp.weights", 2 * (d - 1), p_mlp // d * weight_bytes)
@@ -59,6 +67,8 @@ def tsp_step_comm(cfg: ModelConfig, *, degree: int, batch: int, seq_len: int, he
     head_norms = 2 * L * cfg.head_dim if cfg.qk_norm else 0     # q_norm, k_norm [head_dim] per layer
     add("all_reduce", REPLICATED_GRAD_TAG, 1,
         ((2 * L + 1 + replicated_biases * L) * h + head_norms) * GRAD_BYTES)
+    if repeat > 1:                      # the K/V head copies' weights and biases, per layer
+        add("all_reduce", KV_GRAD_TAG, 1, L * 2 * h_kv * (h + int(cfg.qkv_bias)) * GRAD_BYTES)
     if loss_count_reduces:
         add("all_reduce", "loss.count", loss_count_reduces, 8)     # float64 token count
     return {k: dict(v) for k, v in out.items()}
