@@ -69,11 +69,12 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
              optim="adamw", recompute="full", loss_chunk="auto", checkpointing=False,
-             mlp_chunk="auto", offload=False, replay_keeps="all"):
+             mlp_chunk="auto", offload=False, replay_keeps="all", attention_chunk="auto"):
     """One TSP rank: loss, gathered gradients, ledger and local logits (`loss_chunk`: the LM
     head's parallel.loss_chunk_tokens; `checkpointing`: every block under activation
     checkpointing; `mlp_chunk`: parallel.mlp_chunk_tokens; `offload`: the blocks' saved tensors
-    in host memory, around the checkpoint if any; `replay_keeps`: parallel.checkpoint_replay_keeps)."""
+    in host memory, around the checkpoint if any; `replay_keeps`: parallel.checkpoint_replay_keeps;
+    `attention_chunk`: parallel.attention_chunk_tokens)."""
     mesh = build_mesh(world)
     if meta:
         with torch.device("meta"):
@@ -84,7 +85,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
                       init_seed=seed if meta else None, tsp_recompute=recompute,
                       loss_chunk_tokens=loss_chunk, mlp_chunk_tokens=mlp_chunk,
-                      checkpoint_replay_keeps=replay_keeps)
+                      checkpoint_replay_keeps=replay_keeps, attention_chunk_tokens=attention_chunk)
     if checkpointing:
         model.block_wrapper = checkpointed_block
     if offload:

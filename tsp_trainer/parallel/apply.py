@@ -110,14 +110,16 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
               init_seed: int | None = None, recompute: str = "full",
               loss_chunk_tokens: int | str = "auto",
               mlp_chunk_tokens: int | str = "auto",
-              checkpoint_replay_keeps: str = "all") -> dict[str, ShardSpec]:
+              checkpoint_replay_keeps: str = "all",
+              attention_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
     with init_parameter, one full parameter at a time: the same values a plain model gets).
     `loss_chunk_tokens`: the LM head's token chunks (parallel/loss_chunks.py);
     `mlp_chunk_tokens`: the layers' token chunks (parallel/gated_mlp.py);
     `checkpoint_replay_keeps`: what each block's replay keeps under activation checkpointing
-    ("all", "attention" or "nothing"; tsp/kept.py)."""
+    ("all", "attention" or "nothing"; tsp/kept.py); `attention_chunk_tokens`: the local tokens of
+    each K/V chunk of attention (tsp/chunked.py)."""
     cfg = model.cfg
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
@@ -133,7 +135,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         block.self_attn = TSPAttention(*weights, head_dim=cfg.head_dim, comm=comm,
                                        head_buckets=head_buckets, recompute=recompute,
                                        tiling=tiling, replay_keeps=replay_attention,
-                                       replicated=replicated, **local.head_norms(attn, cfg), **biases)
+                                       replicated=replicated, attention_chunk_tokens=attention_chunk_tokens,
+                                       **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
                                 tiling=tiling, replay_keeps=replay_mlp, replicated=replicated, **biases)

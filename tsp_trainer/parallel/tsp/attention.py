@@ -29,6 +29,7 @@ from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
+from tsp_trainer.parallel.tsp.chunked import ChunkedItem, resolve_attention_chunk_tokens
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, unpack
 
@@ -45,6 +46,15 @@ class AttentionSettings:
     head_buckets: int
     tiling: TokenTiling
     norm_eps: float = 1e-6           # Qwen3's q/k norms
+    chunk_tokens: int | str = "auto"  # parallel.attention_chunk_tokens (tsp/chunked.py)
+
+    def kv_chunk(self, x: torch.Tensor, kv_heads: int) -> int | None:
+        """Local tokens per K/V chunk for input x [B, T, h] and `kv_heads` KV heads an item, or
+        None: the item gathers its whole K/V at once (the chunk covers every local token)."""
+        b, t = x.shape[:2]
+        per_token = b * self.comm.size * 2 * kv_heads * self.head_dim * x.element_size()
+        chunk = resolve_attention_chunk_tokens(self.chunk_tokens, t, per_token)
+        return chunk if chunk < t else None
 
 
 class TSPAttention(nn.Module):
@@ -60,7 +70,8 @@ class TSPAttention(nn.Module):
                  qkv_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
                  replay_keeps: bool = True, replicated: ReplicatedGrads | None = None,
-                 head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6):
+                 head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6,
+                 attention_chunk_tokens: int | str = "auto"):
         super().__init__()
         # q_norm, k_norm weights [d] (Qwen3), replicated; absent otherwise (names as model.layers)
         if head_norms is not None:
@@ -82,7 +93,9 @@ class TSPAttention(nn.Module):
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"parallel.tsp_recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
         self.recompute = recompute
-        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps)
+        resolve_attention_chunk_tokens(attention_chunk_tokens, 1, 1)      # a bad value: here, not in forward
+        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps,
+                                          attention_chunk_tokens)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         # The shard's parameters, in packing order: W_q, W_k, W_v, W_o [, b_q, b_k, b_v]
@@ -201,10 +214,12 @@ class _OwnerProjection:
         self.kv = [torch.stack((k[:, :, i * hkv:(i + 1) * hkv], v[:, :, i * hkv:(i + 1) * hkv]), dim=2)
                    for i in range(cols.buckets)]
 
-    def item(self, b: int, comm: Comm) -> "_Item":
-        """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued."""
+    def item(self, b: int, comm: Comm, chunk: int | None = None) -> "_Item | ChunkedItem":
+        """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued
+        (whole, or its first chunk of `chunk` local tokens)."""
         kv, self.kv[b] = self.kv[b], None
-        item = _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm)
+        q = self.q[:, :, b * self.hq:(b + 1) * self.hq]
+        item = _Item(q, kv, comm) if chunk is None else ChunkedItem(q, kv, comm, chunk)
         if self.q_raw is not None:
             item.q_raw = self.q_raw[:, :, b * self.hq:(b + 1) * self.hq]
             item.k_raw = self.k_raw[:, :, b * self.hkv:(b + 1) * self.hkv]
@@ -303,6 +318,10 @@ class _Item:
         """Issue the K/V all-gather again (selective recompute's backward)."""
         self.gather = _KVGather(self.kv, self.comm)
 
+    def scatter(self, dkv: tuple[torch.Tensor, torch.Tensor]) -> _DKVScatter:
+        """The reduce-scatter of backward's dK, dV [B, S, H, d] to their owners, issued."""
+        return _DKVScatter(*dkv, self.comm)
+
     def attend(self, rope: Rotary, *, graph: bool, drop_kv: bool = False) -> torch.Tensor:
         """Wait for the gathered K/V and compute a = attention(q, K, V); with graph=True record the
         autograd graph from q and the K/V entry (drop_kv: without keeping the gathered K/V)."""
@@ -353,6 +372,7 @@ class _Projections:
         self.cols = _Columns(shapes, settings.head_buckets)
         self._owner: int | None = None
         self._projection: _OwnerProjection | None = None
+        self.chunk = settings.kv_chunk(x, shapes[1][0] // settings.head_dim // settings.head_buckets)
 
     def item(self, r: int, b: int) -> _Item:
         """Item (r, b), its K/V all-gather issued."""
@@ -361,7 +381,7 @@ class _Projections:
             self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.settings.head_dim,
                                                 self.norms)
             self._owner = r
-        item = self._projection.item(b, self.settings.comm)
+        item = self._projection.item(b, self.settings.comm, self.chunk)
         if b == self.settings.head_buckets - 1:           # the owner's last slices are taken
             self._owner = self._projection = None
         return item
@@ -540,7 +560,7 @@ class _OwnerBackward:
         dq, dkv = item.backward(self.da[:, cols.q_cols(b)].view(a.shape))
         if previous is not None:
             previous.finish(rope)
-        scatter = _DKVScatter(*dkv, comm)                                # dK/dV summed meanwhile
+        scatter = item.scatter(dkv)                                      # dK/dV summed meanwhile
         del dkv
         if b == self.last:
             self.da = None
