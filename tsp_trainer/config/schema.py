@@ -142,6 +142,12 @@ class ParallelSection:
                            "the ~6 alive [tokens, I/D] intermediates exceed 1 GiB, else the fewest "
                            "equal chunks under it; once tiled, a TSP layer's [N/D, h] accumulators "
                            "are kept in the activation dtype (docs/long_context/tiled_mlp.md)")
+    attention_chunk_tokens: int | Literal["auto"] = setting(
+        "auto", min=1, doc="TSP: local tokens of every rank in each K/V chunk of attention; an item "
+                           "gathers its K/V, and reduce-scatters its dK/dV, chunk by chunk, merged "
+                           "by log-sum-exp, never the whole sequence's; auto: one chunk (the "
+                           "unchunked path) unless an item's gathered K/V exceeds 1 GiB, else the "
+                           "fewest equal chunks under it (docs/parallelism.md)")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")

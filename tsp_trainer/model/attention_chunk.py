@@ -116,6 +116,10 @@ def _kernel_forward(q, k, v, causal: bool):
     """-> out [B, H, n, d] (q's dtype), lse [B, H, n] fp32."""
     if q.device.type != "cuda":
         return _CPU_FWD(q, k, v, 0.0, causal)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"parallel.attention_chunk_tokens on CUDA runs flash attention, which takes "
+                         f"bf16 or fp16, not {str(q.dtype).removeprefix('torch.')}; set train.dtype "
+                         "to bf16 or parallel.attention_chunk_tokens=auto")
     b, h, n, d = q.shape
     nk = k.shape[2]
     qp, kp, vp, cu_q, cu_k = _packed(q, k, v)
