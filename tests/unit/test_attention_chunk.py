@@ -1,7 +1,7 @@
 """Attention of the queries in hand against the keys one chunk at a time (model/attention_chunk.py),
 against `attention_core` on the whole keys, one process, fp32: output, dQ, dK, dV for zigzag-like
 query runs, chunks that cut the runs anywhere, GQA and document masking. GQA's dK/dV come out of
-every kernel call with the KV heads only. The auto chunk of TSP (parallel/tsp/chunked.py) is the
+every kernel call with the KV heads only. The auto chunk of TSP (parallel/loss_chunks.py) is the
 unchunked path until an item's gathered K/V exceeds its bound."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from tsp_trainer.model import attention_chunk
 from tsp_trainer.model.attention_chunk import MergedAttention, chunk_backward, chunk_forward, plan_blocks
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import attention_core
-from tsp_trainer.parallel.tsp.chunked import (DEFAULT_KV_BLOCK_BYTES, auto_attention_chunk_tokens,
-                                              key_runs, resolve_attention_chunk_tokens)
+from tsp_trainer.parallel.loss_chunks import (DEFAULT_KV_BLOCK_BYTES, auto_attention_chunk_tokens,
+                                              resolve_attention_chunk_tokens)
+from tsp_trainer.parallel.tsp.chunked import key_runs
 
 B, S, D_HEAD = 2, 24, 8
 Q_TOKENS = list(range(4, 10)) + list(range(16, 24))          # two runs, as a zigzag rank holds

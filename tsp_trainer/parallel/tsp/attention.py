@@ -29,7 +29,8 @@ from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
-from tsp_trainer.parallel.tsp.chunked import ChunkedItem, resolve_attention_chunk_tokens
+from tsp_trainer.parallel.loss_chunks import resolve_attention_chunk_tokens
+from tsp_trainer.parallel.tsp.chunked import ChunkedItem
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, unpack
 

@@ -20,39 +20,10 @@ unchunked path's. Bytes of forward and of the dK/dV reduce-scatter are the same.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tsp_trainer.model.attention_chunk import MergedAttention, chunk_backward, chunk_forward
 from tsp_trainer.parallel.comm import Comm
-
-# Without a budget, "auto" chunks an item's K/V only when its gathered [B, S, 2, H_b, d] exceeds
-# this (the unchunked path holds it, its dK/dV and their scatter copy at once).
-DEFAULT_KV_BLOCK_BYTES = 1 << 30
-
-
-def auto_attention_chunk_tokens(local_tokens: int, gathered_bytes_per_token: int,
-                                bound: int | None = None) -> int:
-    """Local tokens per K/V chunk: all of them (unchunked) when the gathered K/V block
-    (`gathered_bytes_per_token` bytes a local token: D ranks x 2 x H_b x d x element size) fits
-    `bound` (None: DEFAULT_KV_BLOCK_BYTES), else the fewest equal chunks whose block fits it."""
-    bound = DEFAULT_KV_BLOCK_BYTES if bound is None else bound
-    if local_tokens <= 0 or local_tokens * gathered_bytes_per_token <= bound:
-        return max(local_tokens, 1)
-    chunks = math.ceil(local_tokens / max(1, bound // gathered_bytes_per_token))
-    return math.ceil(local_tokens / chunks)
-
-
-def resolve_attention_chunk_tokens(setting: int | str, local_tokens: int, gathered_bytes_per_token: int,
-                                   bound: int | None = None) -> int:
-    """The chunk an item uses (local tokens; >= local_tokens means unchunked): `setting` is "auto"
-    or a token count."""
-    if setting == "auto":
-        return auto_attention_chunk_tokens(local_tokens, gathered_bytes_per_token, bound)
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"parallel.attention_chunk_tokens={setting!r} must be 'auto' or an integer >= 1")
-    return min(setting, max(local_tokens, 1))
 
 
 def key_runs(degree: int, local_tokens: int, start: int, stop: int) -> tuple[tuple[int, int, int], ...]:
