@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.attention_block import attention_block_step
 from tsp_trainer.model import attention_chunk
 from tsp_trainer.model.attention_chunk import MergedAttention, chunk_backward, chunk_forward, plan_blocks
 from tsp_trainer.model.documents import Documents
@@ -96,3 +97,15 @@ def test_auto_chunk_is_unchunked_until_the_bound():
     assert resolve_attention_chunk_tokens(5, 3, per_token) == 3
     with pytest.raises(ValueError, match="parallel.attention_chunk_tokens=0 must be 'auto' or an integer"):
         resolve_attention_chunk_tokens(0, 3, per_token)
+
+
+@pytest.mark.parametrize("lengths,recompute", [(None, "full"), ([100, 37, 1, 62], "selective")],
+                         ids=["causal", "documents"])
+def test_block_in_chunks_equals_the_block_unchunked(lengths, recompute):
+    """The CPU run of the GPU twin (tests/gpu/test_gpu_chunked_attention.py): one TSP attention
+    block on one rank, fp32, K/V in chunks of 37 tokens (not dividing 200) against one chunk."""
+    runs = [attention_block_step("cpu", torch.float32, seq=200, chunk=c, hidden=64, lengths=lengths,
+                                 recompute=recompute) for c in (37, "auto")]
+    torch.testing.assert_close(runs[0]["out"], runs[1]["out"], **TOL)
+    for g, r in zip(runs[0]["grads"], runs[1]["grads"]):
+        torch.testing.assert_close(g, r, **TOL)
