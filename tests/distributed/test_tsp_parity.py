@@ -8,7 +8,7 @@ merged by log-sum-exp)."""
 import pytest
 import torch
 
-from tests.distributed.tsp_cases import make_batch, reference, tsp_rank
+from tests.distributed.tsp_cases import largest_gathered_kv, make_batch, reference, tsp_rank
 from tests.helpers.dist import ForkedCases
 from tsp_trainer.config import model_config
 from tsp_trainer.config.model import RopeScaling
@@ -184,6 +184,17 @@ def test_chunked_attention_matches_single_process(degree, kv_heads, buckets, seq
         if degree > 1:
             passes = 2 if mode != "full" else 3
             assert gathers == passes * chunks * buckets * degree * cfg.num_layers
+
+
+for _c in ("auto", 8):
+    RUNS.add(2, ("largest_kv", _c), largest_gathered_kv, 64, _c)
+
+
+def test_chunked_attention_never_holds_the_sequence_kv():
+    """The largest K/V- or dK/dV-shaped tensor a block creates beyond the rank's own tokens' is the
+    whole sequence's [D, B, S/D, 2, H, d] gather unchunked, one chunk's [D, B, c, 2, H, d] in chunks."""
+    assert RUNS.result(2, ("largest_kv", "auto"))[0] == (2, 32, 2, 2, 8)
+    assert RUNS.result(2, ("largest_kv", 8))[0] == (2, 8, 2, 2, 8)
 
 
 def _gqa():

@@ -131,3 +131,34 @@ def tsp_attention_block(rank, world, *, hidden, kv_heads, seq, buckets=1, recomp
     rope = Rotary.build(zigzag.zigzag_runs(seq, rank, world), cfg.head_dim, cfg.rope_theta)
     x = torch.randn(1, seq // world, hidden, requires_grad=True)
     return mesh, model.layers[0].self_attn, rope, x
+
+
+def largest_gathered_kv(rank, world, seq, chunk, kv_heads=4):
+    """Layer 0's TSP attention block (tsp_attention_block, hidden 64, d 8) with
+    parallel.attention_chunk_tokens=`chunk`, forward and backward: the shape of the largest K/V- or
+    dK/dV-shaped tensor (last dims [kv_heads / world, d]) any op created, the rank's own tokens'
+    K/V and dK/dV [1, seq / world, ...] aside."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    mesh, block, rope, x = tsp_attention_block(rank, world, hidden=64, kv_heads=kv_heads, seq=seq)
+    block.settings = dataclasses.replace(block.settings, chunk_tokens=chunk)
+    heads, local = kv_heads // world, seq // world
+
+    class Largest(TorchDispatchMode):
+        shape, numel = None, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                own = t.dim() in (4, 5) and t.shape[:2] == (1, local) if isinstance(t, torch.Tensor) else True
+                if (isinstance(t, torch.Tensor) and t.dim() >= 3 and tuple(t.shape[-2:]) == (heads, 8)
+                        and not own and t.numel() > self.numel):
+                    self.shape, self.numel = tuple(t.shape), t.numel()
+            return out
+
+    with Largest() as largest:
+        block(x, rope).sum().backward()
+    return largest.shape
