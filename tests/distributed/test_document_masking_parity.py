@@ -57,7 +57,6 @@ CASES = [("tsp", 2, {}, False, False), ("tsp", 2, {}, True, True), ("tsp", 4, {}
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "mlp_chunk_tokens": 5}, True, False),
          # TSP's K/V in chunks of a few local tokens (parallel.attention_chunk_tokens): chunk edges
          # inside documents and across the zigzag halves (local 16 or 8 tokens, halves of 8 or 4)
-         ("tsp", 2, {"attention_chunk_tokens": 3}, False, True),
          ("tsp", 2, {"attention_chunk_tokens": 5, "head_buckets": 2, "tsp_recompute": "selective"}, False, False),
          ("tsp", 4, {"attention_chunk_tokens": 3, "tsp_recompute": "none"}, True, True)]
 
