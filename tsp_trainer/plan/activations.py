@@ -71,7 +71,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     rope = 2 * tok["rope"] * cfg.head_dim * 4                   # fp32 cos, sin tables
     chunk = loss_chunk(cfg, layout, tok, loss_chunk_tokens)
     m_chunk = mlp_chunk(cfg, layout, tok, prec, mlp_chunk_tokens)
-    a_chunk = attention_chunk(cfg, layout, seq_len, prec, attention_chunk_tokens)
+    a_chunk = attention_chunk(cfg, layout, seq_len, prec, attention_chunk_tokens, device)
     replay_attn, replay_mlp = tsp_replay_kept(cfg, layout, seq_len, prec, device)   # 0 without AC
     if layout.scheme == "tsp":
         layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
@@ -116,12 +116,13 @@ def mlp_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], prec: Preci
 
 
 def attention_chunk(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
-                    setting: int | str = "auto") -> int:
+                    setting: int | str = "auto", device: str = "cuda") -> int:
     """Local tokens (of one sequence) per K/V chunk of TSP attention, as the layers resolve it:
     the gathered K/V of one item is B D 2 (h_kv / (D n_b)) e bytes a local token. The local
-    tokens S / D themselves: unchunked (and for the baselines, which do not chunk)."""
+    tokens S / D themselves: unchunked (the baselines, which do not chunk, and auto in fp32 on
+    CUDA, where the chunks' flash kernel does not run)."""
     local = seq_len // layout.degree
-    if layout.scheme != "tsp":
+    if layout.scheme != "tsp" or (setting == "auto" and device == "cuda" and prec.act == 4):
         return local
     per_token = layout.micro_batch * 2 * cfg.kv_hidden_size // layout.head_buckets * prec.act
     return resolve_attention_chunk_tokens(setting, local, per_token)

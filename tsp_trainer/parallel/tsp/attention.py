@@ -53,6 +53,8 @@ class AttentionSettings:
         """Local tokens per K/V chunk for input x [B, T, h] and `kv_heads` KV heads an item, or
         None: the item gathers its whole K/V at once (the chunk covers every local token)."""
         b, t = x.shape[:2]
+        if self.chunk_tokens == "auto" and x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+            return None                  # the chunks' flash kernel takes bf16/fp16 only (auto never refuses)
         per_token = b * self.comm.size * 2 * kv_heads * self.head_dim * x.element_size()
         chunk = resolve_attention_chunk_tokens(self.chunk_tokens, t, per_token)
         return chunk if chunk < t else None
