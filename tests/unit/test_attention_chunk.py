@@ -71,6 +71,20 @@ def test_chunks_equal_whole_keys(hq, hkv, documents, monkeypatch):
     assert key_heads and set(key_heads) == {hkv}      # GQA: never one dK per query head
 
 
+def test_the_cuda_calls_on_meta_tensors():
+    """The CUDA branch (flash attention's varlen call per block, one sequence per row) on meta
+    tensors, whose kernels give CUDA's shapes: forward and backward run, every dK with the KV
+    heads, the merged output and lse at the queries' shape."""
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k = torch.empty(B, 4, 14, D_HEAD, **meta), torch.empty(B, 2, 7, D_HEAD, **meta)
+    merged = MergedAttention(q)
+    chunk_forward(merged, q, k, k, Q_RUNS, ((0, 7, 0),))
+    out = merged.out.to(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, device="meta") for t in (q, k, k))
+    chunk_backward(out, q, k, k, out, merged.lse, Q_RUNS, ((0, 7, 0),), dq, dk, dv)
+    assert merged.lse.shape == (B, 4, 14) and dk.shape == (B, 2, 7, D_HEAD)
+
+
 def test_blocks_of_a_zigzag_chunk():
     """Rank 1 of 2 (local 8 tokens: positions 4..7 and 8..11 of 16) against chunk [2, 6) of every
     rank: rank 0's keys at 2, 3 and 12, 13, rank 1's at 6, 7 and 8, 9. Queries 4, 5 see none of

@@ -113,10 +113,11 @@ _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _kernel_forward(q, k, v, causal: bool):
-    """-> out [B, H, n, d] (q's dtype), lse [B, H, n] fp32."""
-    if q.device.type != "cuda":
+    """-> out [B, H, n, d] (q's dtype), lse [B, H, n] fp32. CUDA (and meta, whose shapes follow
+    CUDA's kernel): flash attention's varlen call; elsewhere torch's CPU flash kernel."""
+    if q.device.type not in ("cuda", "meta"):
         return _CPU_FWD(q, k, v, 0.0, causal)
-    if q.dtype not in (torch.bfloat16, torch.float16):
+    if q.device.type == "cuda" and q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"parallel.attention_chunk_tokens on CUDA runs flash attention, which takes "
                          f"bf16 or fp16, not {str(q.dtype).removeprefix('torch.')}; set train.dtype "
                          "to bf16 or parallel.attention_chunk_tokens=auto")
@@ -130,16 +131,16 @@ def _kernel_forward(q, k, v, causal: bool):
 
 def _kernel_backward(dout, q, k, v, out, lse, causal: bool):
     """-> dq [B, H, n, d], dk, dv [B, H, n_k, d]."""
-    if q.device.type != "cuda":
+    if q.device.type not in ("cuda", "meta"):
         return _CPU_BWD(dout.contiguous(), q, k, v, out, lse, 0.0, causal)
     b, h, n, d = q.shape
     nk = k.shape[2]
     qp, kp, vp, cu_q, cu_k = _packed(q, k, v)
     dp, op = (t.transpose(1, 2).reshape(b * n, h, d) for t in (dout, out))
     lp = lse.transpose(0, 1).reshape(h, b * n).contiguous()
-    rng = torch.zeros(2, dtype=torch.int64, device=q.device)          # no dropout: not read
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)         # no dropout: not read
     dq, dk, dv = torch.ops.aten._flash_attention_backward(dp, qp, kp, vp, op, lp, cu_q, cu_k, n, nk, 0.0,
-                                                          causal, rng, rng.new_empty(0))
+                                                          causal, rng, rng.new_zeros(()))
     return (dq.view(b, n, h, d).transpose(1, 2), dk.view(b, nk, h, d).transpose(1, 2),
             dv.view(b, nk, h, d).transpose(1, 2))
 
