@@ -26,20 +26,21 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 def _chunked(q, k, v, grad, chunk: int, documents):
     """Output [B, Tq, Hq d] and dq, dk, dv in attention_core's layouts, keys in chunks of `chunk`
-    taken in reverse order (the merge must not depend on it)."""
+    taken in reverse order (the merge must not depend on it), at most 3 queries a kernel call
+    (causal squares cut into tiles)."""
     qt = q.transpose(1, 2)
     bounds = [(s, min(S, s + chunk)) for s in range(0, S, chunk)][::-1]
     merged = MergedAttention(qt)
     for s, e in bounds:
         chunk_forward(merged, qt, k[:, s:e].transpose(1, 2), v[:, s:e].transpose(1, 2), Q_RUNS,
-                      ((0, e - s, s),), documents)
+                      ((0, e - s, s),), documents, tile=3)
     out = merged.out.to(q.dtype)
     dq = torch.zeros_like(merged.out)
     dk, dv = (torch.zeros(t.transpose(1, 2).shape) for t in (k, v))
     dout = grad.view(q.shape).transpose(1, 2)
     for s, e in bounds:
         chunk_backward(dout, qt, k[:, s:e].transpose(1, 2), v[:, s:e].transpose(1, 2), out, merged.lse,
-                       Q_RUNS, ((0, e - s, s),), dq, dk[:, :, s:e], dv[:, :, s:e], documents)
+                       Q_RUNS, ((0, e - s, s),), dq, dk[:, :, s:e], dv[:, :, s:e], documents, tile=3)
     return (out.transpose(1, 2).reshape(grad.shape), dq.transpose(1, 2), dk.transpose(1, 2),
             dv.transpose(1, 2))
 

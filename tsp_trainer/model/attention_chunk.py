@@ -88,12 +88,32 @@ def _pair(q, k) -> list[Block]:
     return out
 
 
+def _tiles(blk: Block, tile: int | None) -> list[Block]:
+    """A block with at most `tile` queries per call: a full block cut along its queries; a causal
+    square cut into query tiles, each a full block against the square's keys before it and a
+    causal square of its own (so no call's temporaries outgrow a tile)."""
+    if tile is None or blk.q1 - blk.q0 <= tile:
+        return [blk]
+    out = []
+    for q0 in range(blk.q0, blk.q1, tile):
+        q1 = min(blk.q1, q0 + tile)
+        if not blk.causal:
+            out.append(blk._replace(q0=q0, q1=q1))
+            continue
+        k0 = blk.k0 + (q0 - blk.q0)                      # the tile's own keys start here
+        if k0 > blk.k0:
+            out.append(Block(q0, q1, blk.k0, k0, False))
+        out.append(Block(q0, q1, k0, k0 + q1 - q0, True))
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
-def plan_blocks(q_runs: Runs, k_runs: Runs, starts: tuple[int, ...] | None = None) -> tuple[Block, ...]:
+def plan_blocks(q_runs: Runs, k_runs: Runs, starts: tuple[int, ...] | None = None,
+                tile: int | None = None) -> tuple[Block, ...]:
     """The kernel calls of queries `q_runs` against keys `k_runs` (both (start, stop, first
-    position) runs), document boundaries `starts` (one row's, None: no document masking). Full
-    blocks over the same queries and adjacent keys are merged into one call. Host ints only,
-    cached: every layer and bucket of a pass asks the same."""
+    position) runs), document boundaries `starts` (one row's, None: no document masking), at most
+    `tile` queries a call (None: any). Full blocks over the same queries and adjacent keys are
+    merged into one call. Host ints only, cached: every layer and bucket of a pass asks the same."""
     qp, kp = list(_pieces(q_runs, starts)), list(_pieces(k_runs, starts))
     blocks = [blk for q in qp for k in kp if q[3] == k[3] for blk in _pair(q, k)]
     full = sorted(b for b in blocks if not b.causal)
@@ -104,7 +124,7 @@ def plan_blocks(q_runs: Runs, k_runs: Runs, starts: tuple[int, ...] | None = Non
             merged[-1] = last._replace(k1=blk.k1)
         else:
             merged.append(blk)
-    return tuple(merged + [b for b in blocks if b.causal])
+    return tuple(t for blk in merged + [b for b in blocks if b.causal] for t in _tiles(blk, tile))
 
 
 # -- the kernel calls: q [B, H, n, d], k, v [B, H, n_k, d] with the same H (multi-head) ---------
@@ -217,17 +237,19 @@ class MergedAttention:
         acc_lse.copy_(new)
 
 
-def _row_plans(q_runs: Runs, k_runs: Runs, documents):
+def _row_plans(q_runs: Runs, k_runs: Runs, documents, tile: int | None):
     """(rows, blocks) pairs: all rows at once without documents, else one per row."""
     if documents is None:
-        return [(slice(None), plan_blocks(q_runs, k_runs))]
-    return [(slice(i, i + 1), plan_blocks(q_runs, k_runs, tuple(s)))
+        return [(slice(None), plan_blocks(q_runs, k_runs, None, tile))]
+    return [(slice(i, i + 1), plan_blocks(q_runs, k_runs, tuple(s), tile))
             for i, s in enumerate(documents.starts)]
 
 
-def chunk_forward(merged: MergedAttention, q, k, v, q_runs: Runs, k_runs: Runs, documents=None) -> None:
-    """Add keys k, v [B, Hkv, n_k, d] at `k_runs` to queries q [B, Hq, Tq, d] at `q_runs`."""
-    for rows, blocks in _row_plans(q_runs, k_runs, documents):
+def chunk_forward(merged: MergedAttention, q, k, v, q_runs: Runs, k_runs: Runs, documents=None,
+                  tile: int | None = None) -> None:
+    """Add keys k, v [B, Hkv, n_k, d] at `k_runs` to queries q [B, Hq, Tq, d] at `q_runs`, at most
+    `tile` queries a kernel call."""
+    for rows, blocks in _row_plans(q_runs, k_runs, documents, tile):
         for blk in blocks:
             out, lse = block_forward(q[rows, :, blk.q0:blk.q1], k[rows, :, blk.k0:blk.k1],
                                      v[rows, :, blk.k0:blk.k1], blk.causal)
@@ -235,10 +257,10 @@ def chunk_forward(merged: MergedAttention, q, k, v, q_runs: Runs, k_runs: Runs, 
 
 
 def chunk_backward(dout, q, k, v, out, lse, q_runs: Runs, k_runs: Runs, dq: torch.Tensor,
-                   dk: torch.Tensor, dv: torch.Tensor, documents=None) -> None:
+                   dk: torch.Tensor, dv: torch.Tensor, documents=None, tile: int | None = None) -> None:
     """One key chunk's part of the backward: dq [B, Hq, Tq, d] (fp32) += its part, dk, dv
     [B, Hkv, n_k, d] += the chunk's key gradients. out, lse: the merged forward's (final)."""
-    for rows, blocks in _row_plans(q_runs, k_runs, documents):
+    for rows, blocks in _row_plans(q_runs, k_runs, documents, tile):
         for blk in blocks:
             qs = slice(blk.q0, blk.q1)
             ks = slice(blk.k0, blk.k1)

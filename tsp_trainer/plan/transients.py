@@ -182,18 +182,20 @@ def _chunked_attention_terms(e: int, keys: int, hkv_b: int, n: int, hq_b: int, d
     of one chunk, kv_c = 2 e keys hkv_b its gathered K/V:
 
     forward:  three K/V chunks (the one computed, the next in flight, the next item's first),
-              the fp32 merged output [n, hq_b] and lse [n, hq_b / d], three q_b (a block's stacked
-              queries and output, the output cast at the end);
+              the fp32 merged output [n, hq_b] and lse [n, hq_b / d], the output cast at the end
+              (q_b) and two query tiles of a kernel call (its stacked queries and output; a call
+              takes at most as many queries as the chunk has keys, parallel/tsp/chunked.py);
     backward: the same forward first under full recompute; then the output kept (q_b), fp32 dQ
               (4 n hq_b), three K/V chunks, the chunk's fp32 dK/dV (kv_c 4 / e),
               two rank-major copies for the reduce-scatter (one issued, one in flight), the local
-              dK/dV [n, 2 hkv_b] and four q_b of block temporaries (dout, q, out stacked, dq)."""
+              dK/dV [n, 2 hkv_b] and four query tiles (dout, q, out stacked, dq)."""
     kvc = 2 * e * keys * hkv_b
     q_b = e * n * hq_b
+    tile = e * min(n, keys) * hq_b
     merged = 4 * n * hq_b + 4 * n * hq_b // d
-    attend = 3 * kvc + merged + 3 * q_b
+    attend = 3 * kvc + merged + q_b + 2 * tile
     fwd = base_fwd + 2 * qkv + attend
-    backward_pass = q_b + merged + 3 * kvc + kvc * 4 // e + 2 * kvc + 2 * e * n * hkv_b + 4 * q_b
+    backward_pass = q_b + merged + 3 * kvc + kvc * 4 // e + 2 * kvc + 2 * e * n * hkv_b + 4 * tile
     if sel:
         sel_item = sel // items
         fwd = max(fwd + max(items - 2, 0) * sel_item, base_fwd + sel + attend)

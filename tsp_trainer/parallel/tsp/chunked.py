@@ -95,6 +95,9 @@ class ChunkedItem:
         self.q, self.kv, self.comm = q, kv, comm                # [B, T, hq_b, d], [B, T, 2, hkv_b, d]
         t = kv.shape[1]
         self.bounds = [(s, min(t, s + chunk)) for s in range(0, t, chunk)]
+        # queries per kernel call: as many as the chunk's keys, so a call's stacked copies of
+        # q, dout, out and its dq stay the size of a chunk, not of the rank's tokens
+        self.tile = comm.size * chunk
         self.q_raw = self.k_raw = None
         self.a = self.out = self.lse = self.q_runs = self.documents = None
         self.gather: _ChunkGather | None = self._gather(0)
@@ -122,7 +125,7 @@ class ChunkedItem:
         merged = MergedAttention(qt)
         for j, kv in self._chunks():
             chunk_forward(merged, qt, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), rope.runs,
-                          self._runs(j), rope.documents)
+                          self._runs(j), rope.documents, self.tile)
         out = torch.empty(self.q.shape, dtype=self.q.dtype, device=self.q.device)   # [B, T, hq_b, d]
         out.copy_(merged.out.transpose(1, 2))
         a = out.view(out.shape[0], out.shape[1], -1)
@@ -145,7 +148,8 @@ class ChunkedItem:
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)    # [B, D c, 2, H, d]
             chunk_backward(dout, qt, k, v, out, self.lse, self.q_runs, self._runs(j), dq,
-                           dkv[:, :, 0].transpose(1, 2), dkv[:, :, 1].transpose(1, 2), self.documents)
+                           dkv[:, :, 0].transpose(1, 2), dkv[:, :, 1].transpose(1, 2), self.documents,
+                           self.tile)
             del kv, k, v
             scatters.issue(dkv, *self.bounds[j])
         self.a = self.out = self.lse = None
