@@ -171,7 +171,8 @@ class Trainer:
             model = Transformer(self.model_cfg, attention_kernel=self.attention.kernel)
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": c.parallel.tsp_recompute,
-                     "checkpoint_replay_keeps": c.parallel.checkpoint_replay_keeps}
+                     "checkpoint_replay_keeps": c.parallel.checkpoint_replay_keeps,
+                     "attention_chunk_tokens": c.parallel.attention_chunk_tokens}
                     if c.parallel.scheme == "tsp" else ulysses_engine.scheme_options(c.parallel.scheme, c.zero.stage, c.parallel.ulysses_head_chunks))
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,

@@ -1,8 +1,8 @@
 """Document masking under every scheme: the loss and every gradient of a packed batch with
 masking equal the sum over its documents, each run alone on one process (fp32, rtol 1e-5 /
 atol 1e-6), on 2 and 4 ranks for TSP (zigzag) and every baseline, with and without activation
-checkpointing and reset_positions, the loss (and the MLP) taken in one chunk of tokens or in
-several.
+checkpointing and reset_positions, the loss (and the MLP, and TSP's K/V) taken in one chunk of
+tokens or in several.
 Documents have lengths that are no multiple of 2D (one token, odd lengths, documents across
 chunk and rank boundaries). One rank: tests/unit/test_document_masking.py."""
 
@@ -54,7 +54,11 @@ CASES = [("tsp", 2, {}, False, False), ("tsp", 2, {}, True, True), ("tsp", 4, {}
          ("tsp", 2, {"mlp_chunk_tokens": 5}, False, True), ("tsp", 4, {"mlp_chunk_tokens": 3}, True, False),
          ("tsp", 2, {"mlp_chunk_tokens": 7, "tsp_recompute": "none"}, False, False),
          ("tp", 2, {"mlp_chunk_tokens": 7}, True, True), ("sp", 4, {"mlp_chunk_tokens": 3}, False, False),
-         ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "mlp_chunk_tokens": 5}, True, False)]
+         ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2, "mlp_chunk_tokens": 5}, True, False),
+         # TSP's K/V in chunks of a few local tokens (parallel.attention_chunk_tokens): chunk edges
+         # inside documents and across the zigzag halves (local 16 or 8 tokens, halves of 8 or 4)
+         ("tsp", 2, {"attention_chunk_tokens": 5, "head_buckets": 2, "tsp_recompute": "selective"}, False, False),
+         ("tsp", 4, {"attention_chunk_tokens": 3, "tsp_recompute": "none"}, True, True)]
 
 
 def _batch():

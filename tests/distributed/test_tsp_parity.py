@@ -8,7 +8,7 @@ merged by log-sum-exp)."""
 import pytest
 import torch
 
-from tests.distributed.tsp_cases import make_batch, reference, tsp_rank
+from tests.distributed.tsp_cases import largest_gathered_kv, make_batch, reference, tsp_rank
 from tests.helpers.dist import ForkedCases
 from tsp_trainer.config import model_config
 from tsp_trainer.config.model import RopeScaling
@@ -147,6 +147,54 @@ def test_activation_checkpointing_matches_single_process(degree, kv_heads, bucke
     for o in outs:
         for name, w in ref["weights"].items():
             torch.testing.assert_close(o["weights"][name], w, rtol=RTOL, atol=ATOL, msg=name)
+
+
+# parallel.attention_chunk_tokens: each item's K/V gathered, and its dK/dV reduce-scattered, in
+# chunks of that many local tokens; chunks that do not divide the local tokens (or their zigzag
+# halves), one token, GQA, head buckets, biases, full and selective recompute, activation
+# checkpointing (none, and document masking: tests/distributed/test_document_masking_parity.py)
+CHUNKED_CASES = [
+    (1, 4, 1, 16, 3, None, "full", False), (2, 4, 2, 32, 5, "qwen2_yarn", "selective", False),
+    (2, 4, 1, 16, 1, None, "full", True), (4, 4, 1, 40, 3, "llama_bias_llama3", "full", False),
+]
+for _d, _kv, _b, _t, _c, _f, _m, _ac in CHUNKED_CASES:
+    _cfg, _ids, _labels = _plain(_kv, _t, **FAMILY_CFGS.get(_f, {}))
+    RUNS.add(_d, ("chunked", _kv, _b, _t, _c, _f, _m, _ac), tsp_rank, _cfg, 7, _ids, _labels, _b, 0, 1e-2,
+             False, "sgd", _m, "auto", _ac, "auto", False, "all", _c)
+
+
+@pytest.mark.parametrize("degree,kv_heads,buckets,seq_len,chunk,family,mode,checkpointing", CHUNKED_CASES)
+def test_chunked_attention_matches_single_process(degree, kv_heads, buckets, seq_len, chunk, family, mode,
+                                                  checkpointing):
+    """Logits, loss and every gradient equal one process's. Without checkpointing, selective and
+    none move the unchunked path's bytes (each chunk is gathered once in forward and once in
+    backward, each chunk's dK/dV reduce-scattered once), in more calls; full recompute re-gathers
+    every chunk twice in backward (the chunked forward for out and lse, then the backward)."""
+    cfg, ids, labels = _plain(kv_heads, seq_len, **FAMILY_CFGS.get(family, {}))
+    ref = reference(cfg, 7, ids, labels)
+    outs = RUNS.result(degree, ("chunked", kv_heads, buckets, seq_len, chunk, family, mode, checkpointing))
+    _assert_parity(ref, outs)
+    expected = tsp_step_comm(cfg, degree=degree, batch=2, seq_len=seq_len, head_buckets=buckets)
+    chunks = -(-(seq_len // degree) // chunk)
+    for o in outs:
+        totals = ledger_totals(o["ledger"])
+        gathers = sum(1 for r in o["ledger"] if r.tag == "attn.kv")
+        if degree > 1 and mode != "full":
+            assert {k: v["bytes"] for k, v in totals.items()} == {k: v["bytes"] for k, v in expected.items()}
+        if degree > 1:
+            passes = 2 if mode != "full" else 3
+            assert gathers == passes * chunks * buckets * degree * cfg.num_layers
+
+
+for _c in ("auto", 8):
+    RUNS.add(2, ("largest_kv", _c), largest_gathered_kv, 64, _c)
+
+
+def test_chunked_attention_never_holds_the_sequence_kv():
+    """The largest K/V- or dK/dV-shaped tensor a block creates beyond the rank's own tokens' is the
+    whole sequence's [D, B, S/D, 2, H, d] gather unchunked, one chunk's [D, B, c, 2, H, d] in chunks."""
+    assert RUNS.result(2, ("largest_kv", "auto"))[0] == (2, 32, 2, 2, 8)
+    assert RUNS.result(2, ("largest_kv", 8))[0] == (2, 8, 2, 2, 8)
 
 
 def _gqa():

@@ -69,11 +69,12 @@ def reference(cfg, seed, ids, labels, steps: int = 0, lr: float = 1e-2, optim: s
 
 def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e-2, meta=False,
              optim="adamw", recompute="full", loss_chunk="auto", checkpointing=False,
-             mlp_chunk="auto", offload=False, replay_keeps="all"):
+             mlp_chunk="auto", offload=False, replay_keeps="all", attention_chunk="auto"):
     """One TSP rank: loss, gathered gradients, ledger and local logits (`loss_chunk`: the LM
     head's parallel.loss_chunk_tokens; `checkpointing`: every block under activation
     checkpointing; `mlp_chunk`: parallel.mlp_chunk_tokens; `offload`: the blocks' saved tensors
-    in host memory, around the checkpoint if any; `replay_keeps`: parallel.checkpoint_replay_keeps)."""
+    in host memory, around the checkpoint if any; `replay_keeps`: parallel.checkpoint_replay_keeps;
+    `attention_chunk`: parallel.attention_chunk_tokens)."""
     mesh = build_mesh(world)
     if meta:
         with torch.device("meta"):
@@ -84,7 +85,7 @@ def tsp_rank(rank, world, cfg, seed, ids, labels, head_buckets=1, steps=0, lr=1e
     par = parallelize(model, "tsp", mesh, head_buckets=head_buckets, seq_len=ids.shape[1],
                       init_seed=seed if meta else None, tsp_recompute=recompute,
                       loss_chunk_tokens=loss_chunk, mlp_chunk_tokens=mlp_chunk,
-                      checkpoint_replay_keeps=replay_keeps)
+                      checkpoint_replay_keeps=replay_keeps, attention_chunk_tokens=attention_chunk)
     if checkpointing:
         model.block_wrapper = checkpointed_block
     if offload:
@@ -130,3 +131,34 @@ def tsp_attention_block(rank, world, *, hidden, kv_heads, seq, buckets=1, recomp
     rope = Rotary.build(zigzag.zigzag_runs(seq, rank, world), cfg.head_dim, cfg.rope_theta)
     x = torch.randn(1, seq // world, hidden, requires_grad=True)
     return mesh, model.layers[0].self_attn, rope, x
+
+
+def largest_gathered_kv(rank, world, seq, chunk, kv_heads=4):
+    """Layer 0's TSP attention block (tsp_attention_block, hidden 64, d 8) with
+    parallel.attention_chunk_tokens=`chunk`, forward and backward: the shape of the largest K/V- or
+    dK/dV-shaped tensor (last dims [kv_heads / world, d]) any op created, the rank's own tokens'
+    K/V and dK/dV [1, seq / world, ...] aside."""
+    import dataclasses
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    mesh, block, rope, x = tsp_attention_block(rank, world, hidden=64, kv_heads=kv_heads, seq=seq)
+    block.settings = dataclasses.replace(block.settings, chunk_tokens=chunk)
+    heads, local = kv_heads // world, seq // world
+
+    class Largest(TorchDispatchMode):
+        shape, numel = None, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                own = t.dim() in (4, 5) and t.shape[:2] == (1, local) if isinstance(t, torch.Tensor) else True
+                if (isinstance(t, torch.Tensor) and t.dim() >= 3 and tuple(t.shape[-2:]) == (heads, 8)
+                        and not own and t.numel() > self.numel):
+                    self.shape, self.numel = tuple(t.shape), t.numel()
+            return out
+
+    with Largest() as largest:
+        block(x, rope).sum().backward()
+    return largest.shape

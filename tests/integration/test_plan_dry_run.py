@@ -83,7 +83,9 @@ def test_dry_run_of_a_config_folder_with_biases(tmp_path):
     """`--model` names a Hugging Face config.json (here a small Llama with attention_bias, mlp_bias
     and llama3 RoPE scaling): the ledger equals the analytic model exactly for TSP and SP with
     every bias kind (sharded q/k/v and gate/up biases in the moving shards, replicated o/down
-    biases summed like norms), and the parameter count is the model's."""
+    biases summed like norms), and the parameter count is the model's. TSP gathers its K/V in
+    chunks of 128 of its 256 local tokens (parallel.attention_chunk_tokens): two gathers per
+    item and pass, the unchunked path's bytes."""
     config = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
               "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "attention_bias": True,
@@ -94,7 +96,10 @@ def test_dry_run_of_a_config_folder_with_biases(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     report = _dry_run(tmp_path, "--model", str(tmp_path / "config.json"), "--seq-len", "1024",
                       "--degree", "4", "--nodes", "1", "--head-buckets", "1", "--schemes", "tsp,sp",
-                      timeout=600)
+                      "--attention-chunk-tokens", "128", timeout=600)
+    kv = report["schemes"]["tsp"]["comm"]["all_gather/attn.kv"]
+    # forward, the checkpoint's replay, backward: 3 passes x 2 layers x 4 items x 2 chunks
+    assert kv["count"] == 3 * 2 * 4 * 2 and kv["bytes"] == 3 * 2 * 4 * 1024 * 2 * 32 * 2
     for scheme, r in report["schemes"].items():
         assert r["comm_equals_model"], (scheme, r["comm_diff"])
         assert r["param_count"] == r["param_count_model"]

@@ -281,6 +281,18 @@ def test_head_buckets():
            valid(parallel__scheme="tp", parallel__head_buckets=2))
 
 
+def test_attention_chunk_tokens():
+    """parallel.attention_chunk_tokens: auto (default) or a count >= 1, TSP's only."""
+    assert TrainConfig().parallel.attention_chunk_tokens == "auto"
+    validate_config(valid(parallel__attention_chunk_tokens=3))
+    validate_config(valid(parallel__scheme="tp"))
+    raises("parallel.attention_chunk_tokens=0 must be an integer >= 1", validate_config,
+           valid(parallel__attention_chunk_tokens=0))
+    raises("parallel.attention_chunk_tokens=4 with parallel.scheme='tp': only parallel.scheme='tsp' "
+           "gathers K/V in chunks; set parallel.attention_chunk_tokens=auto", validate_config,
+           valid(parallel__scheme="tp", parallel__attention_chunk_tokens=4))
+
+
 def test_tsp_recompute():
     """parallel.tsp_recompute: auto (default), full or selective; selective is TSP's, and refused
     with a whole-layer checkpoint or activation offload (each with the reason and what to set);

@@ -45,8 +45,12 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
     # longer: the replay no longer holds one block's gate/up and attention items
     lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True,
                            replay_keeps=REPLAY_KEEPS)
-    assert rows[6].longest.seq_len == lean.seq_len > 2 * lengths[5]
+    assert rows[7].longest.seq_len == lean.seq_len > rows[6].longest.seq_len > 2 * lengths[5]
     assert rows[6].longest.best.layout.replay_keeps == "nothing"
+    # the chunked attention row is the planner's answer (attention_chunk_tokens auto); the rows
+    # above gather K/V whole
+    assert rows[6].longest.best.layout.attention_chunk_tokens == UNTILED
+    assert rows[7].longest.best.layout.attention_chunk_tokens == "auto"
     base = rows[0].longest.best.layout
     assert base.loss_chunk_tokens == UNTILED and not base.tiled_accumulators
     assert rows[4].longest.best.layout.offload_optimizer

@@ -55,3 +55,35 @@ def test_mlp_chunk_backward_with_a_dx_product_is_its_last_line(kept):
     expected = (4 if kept else 6) * mid + product
     assert _mlp_chunk_backward(mid, product, kept=kept) == expected
     assert _chunk_backward_peak(m, h, inter, kept=kept, dx_dtype=torch.float32) == expected
+
+
+def test_attention_in_kv_chunks():
+    """llama3_8b on D 8: auto keeps 128K unchunked (the same terms as a forced whole K/V) and
+    chunks at 10M, where the attention transients shrink to a chunk's K/V; the ledger model counts
+    one K/V gather per chunk and pass, the same bytes, and a second backward pass when full
+    recompute recomputes the items."""
+    from tsp_trainer.config import model_config
+    from tsp_trainer.plan.activations import activation_memory
+    from tsp_trainer.plan.communication import model_parallel_comm
+    from tsp_trainer.plan.layout import UNTILED, Layout
+
+    cfg = model_config("llama3_8b")
+
+    def memory(seq: int, chunk) -> dict:
+        lay = Layout("tsp", 8, dp=1, activation_checkpointing=True, offload_activations=True,
+                     attention_chunk_tokens=chunk)
+        return activation_memory(cfg.replace(max_seq_len=seq), lay, seq, **lay.chunks).terms
+
+    assert memory(131072, "auto") == memory(131072, UNTILED)
+    whole, auto = memory(10_000_384, UNTILED), memory(10_000_384, "auto")
+    assert auto["attention_chunk_tokens"] == 250_010 < whole["attention_chunk_tokens"] == 1_250_048
+    assert auto["transient_kv_bucket"] * 5 == pytest.approx(whole["transient_kv_bucket"], rel=1e-5)
+    assert auto["transient_attn_bwd"] < whole["transient_attn_bwd"]
+    seq = 16384
+    ledgers = {(c, mode): model_parallel_comm(cfg, Layout("tsp", 8, dp=1, tsp_recompute=mode,
+                                                          attention_chunk_tokens=c), seq)
+               for c in (UNTILED, 512) for mode in ("full", "selective")}
+    for mode, passes in (("selective", 1), ("full", 2)):
+        whole_kv, chunked_kv = ledgers[(UNTILED, mode)]["all_gather/attn.kv"], ledgers[(512, mode)]["all_gather/attn.kv"]
+        assert chunked_kv["count"] == 4 * (whole_kv["count"] + (passes - 1) * 32 * 8)
+        assert chunked_kv["bytes"] == whole_kv["bytes"] * (passes + 1) // 2

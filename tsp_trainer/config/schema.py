@@ -159,6 +159,13 @@ class ParallelSection:
                            "num_heads / (chunks x D) whole; auto = 1 unless the predicted peak "
                            "needs more to fit train.memory_budget_gib, then the fewest that fit "
                            "(docs/parallelism.md); other schemes and D = 1: 1")
+    attention_chunk_tokens: int | Literal["auto"] = setting(
+        "auto", min=1, doc="TSP: local tokens of every rank in each K/V chunk of attention; an item "
+                           "gathers its K/V, and reduce-scatters its dK/dV, chunk by chunk, merged "
+                           "by log-sum-exp, never the whole sequence's; auto: one chunk (the "
+                           "unchunked path) unless an item's gathered K/V exceeds 1 GiB, else the "
+                           "fewest equal chunks under it; with K/V heads fewer "
+                           "than D (copies) every item gathers whole (docs/parallelism.md)")
     tp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: T, with T x S = D")
     sp_degree: int | None = setting(None, min=1, doc="tp_x_sp only: S, with T x S = D")
     dp_degree: int | None = setting(None, min=1, doc="null = world_size // tsp_degree; if set, must match")

@@ -60,6 +60,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                           head_buckets=shape_buckets(p), tp_degree=p.tp_degree, sp_degree=p.sp_degree)
     check_ulysses_head_chunks(model, scheme=p.scheme, degree=p.tsp_degree, head_chunks=p.ulysses_head_chunks)
     _check_tsp_recompute(cfg)
+    _check_attention_chunk(cfg)
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
     _check_eval(cfg, model)
@@ -456,6 +457,16 @@ def _check_head_buckets(model_cfg: ModelConfig, degree: int, head_buckets: int) 
 
 # ---------------------------------------------------------------------------------------------
 # Cross-section rules
+
+
+def _check_attention_chunk(cfg: TrainConfig) -> None:
+    """parallel.attention_chunk_tokens chunks TSP's K/V gathers (parallel/tsp/chunked.py): a count
+    with another scheme would be ignored, so it is refused."""
+    chunk, scheme = cfg.parallel.attention_chunk_tokens, cfg.parallel.scheme
+    if chunk != "auto" and scheme != "tsp":
+        raise ValueError(f"parallel.attention_chunk_tokens={chunk} with parallel.scheme={scheme!r}: only "
+                         "parallel.scheme='tsp' gathers K/V in chunks; set "
+                         "parallel.attention_chunk_tokens=auto")
 
 
 def _check_tsp_recompute(cfg: TrainConfig) -> None:

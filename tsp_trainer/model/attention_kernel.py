@@ -147,7 +147,13 @@ def check_run_attention_kernel(cfg: TrainConfig, model_cfg: ModelConfig) -> None
     import torch
 
     cuda = torch.cuda.is_available()          # does not initialise CUDA
-    precheck_attention_kernel(cfg.train.attention_kernel, cuda=cuda, **_run_facts(cfg, model_cfg, cuda=cuda))
+    facts = _run_facts(cfg, model_cfg, cuda=cuda)
+    precheck_attention_kernel(cfg.train.attention_kernel, cuda=cuda, **facts)
+    chunk = cfg.parallel.attention_chunk_tokens
+    if cuda and chunk != "auto" and facts["dtype"] not in HALF_DTYPES:
+        raise ValueError(f"parallel.attention_chunk_tokens={chunk} on CUDA runs flash attention per "
+                         f"block, which takes bf16 or fp16, train.dtype is {facts['dtype']}; use "
+                         "parallel.attention_chunk_tokens=auto or train.dtype=bf16")
 
 
 def run_attention_kernel(cfg: TrainConfig, model_cfg: ModelConfig, *, device) -> Choice:

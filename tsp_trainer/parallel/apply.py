@@ -127,7 +127,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
               init_seed: int | None = None, recompute: str = "full",
               loss_chunk_tokens: int | str = "auto",
               mlp_chunk_tokens: int | str = "auto",
-              checkpoint_replay_keeps: str = "all", kv_comm: Comm | None = None) -> dict[str, ShardSpec]:
+              checkpoint_replay_keeps: str = "all", kv_comm: Comm | None = None,
+              attention_chunk_tokens: int | str = "auto") -> dict[str, ShardSpec]:
     """Shard `model` in place for TSP over `comm` (the tsp group). The model may be real (shards
     are sliced from its weights) or on the meta device (shards are initialised from `init_seed`
     with init_parameter, one full parameter at a time: the same values a plain model gets).
@@ -136,7 +137,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     `checkpoint_replay_keeps`: what each block's replay keeps under activation checkpointing
     ("all", "attention" or "nothing"; tsp/kept.py);
     `kv_comm`: with K/V heads fewer than D, the ranks sharing this rank's K/V head
-    (mesh.build_kv_comm), over which the copies' gradients are summed."""
+    (mesh.build_kv_comm), over which the copies' gradients are summed; `attention_chunk_tokens`:
+    the local tokens of each K/V chunk of attention (tsp/chunked.py; K/V head copies gather whole)."""
     cfg = model.cfg
     check_parallel_shapes(cfg, scheme="tsp", degree=comm.size, seq_len=seq_len,
                           head_buckets=head_buckets)
@@ -154,6 +156,7 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
                                        head_buckets=head_buckets, recompute=recompute,
                                        tiling=tiling, replay_keeps=replay_attention,
                                        replicated=replicated, kv_replicated=kv_replicated,
+                                       attention_chunk_tokens=attention_chunk_tokens,
                                        **local.head_norms(attn, cfg), **biases)
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",

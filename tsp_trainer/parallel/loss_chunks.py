@@ -1,5 +1,6 @@
-"""How many local tokens the LM head's loss (`parallel.loss_chunk_tokens`) and the gated MLP
-(`parallel.mlp_chunk_tokens`) take at a time.
+"""How many local tokens the LM head's loss (`parallel.loss_chunk_tokens`), the gated MLP
+(`parallel.mlp_chunk_tokens`) and TSP attention's K/V chunks (`parallel.attention_chunk_tokens`)
+take at a time.
 
 Why: the vocab-parallel loss makes fp32 logits [tokens, V/D] and the MLP gate/up intermediates
 [tokens, I/D] with about MLP_ALIVE_INTERMEDIATES of them alive in backward; for all local tokens
@@ -102,7 +103,30 @@ def mask_vocab_padding(logits, start: int, vocab_size: int | None):
     return logits
 
 
-__all__ = ["DEFAULT_LOGITS_BLOCK_BYTES", "DEFAULT_MLP_BLOCK_BYTES", "MLP_ALIVE_INTERMEDIATES",
-           "auto_chunk_tokens", "auto_loss_chunk_tokens", "auto_mlp_chunk_tokens", "in_vocab_shard",
+# Without a budget, "auto" chunks an item's K/V only when its gathered [B, S, 2, H_b, d] exceeds
+# this (the unchunked path holds it, its dK/dV and their scatter copy at once).
+DEFAULT_KV_BLOCK_BYTES = 1 << 30
+
+
+def auto_attention_chunk_tokens(local_tokens: int, gathered_bytes_per_token: int,
+                                bound: int | None = None) -> int:
+    """Local tokens per K/V chunk: all of them (unchunked) when the gathered K/V block
+    (`gathered_bytes_per_token` bytes a local token: D ranks x 2 x H_b x d x element size) fits
+    `bound` (None: DEFAULT_KV_BLOCK_BYTES), else the fewest equal chunks whose block fits it."""
+    return auto_chunk_tokens(local_tokens, gathered_bytes_per_token,
+                             DEFAULT_KV_BLOCK_BYTES if bound is None else bound)
+
+
+def resolve_attention_chunk_tokens(setting: int | str, local_tokens: int, gathered_bytes_per_token: int,
+                                   bound: int | None = None) -> int:
+    """The chunk an item uses (local tokens; >= local_tokens means unchunked): `setting` is "auto"
+    or a token count."""
+    if setting == "auto":
+        return auto_attention_chunk_tokens(local_tokens, gathered_bytes_per_token, bound)
+    return _forced_chunk("attention_chunk_tokens", setting, local_tokens)
+
+
+__all__ = ["DEFAULT_KV_BLOCK_BYTES", "DEFAULT_LOGITS_BLOCK_BYTES", "DEFAULT_MLP_BLOCK_BYTES", "MLP_ALIVE_INTERMEDIATES",
+           "auto_attention_chunk_tokens", "auto_chunk_tokens", "auto_loss_chunk_tokens", "auto_mlp_chunk_tokens", "in_vocab_shard",
            "mask_vocab_padding",
-           "resolve_loss_chunk_tokens", "resolve_mlp_chunk_tokens", "token_chunks"]
+           "resolve_attention_chunk_tokens", "resolve_loss_chunk_tokens", "resolve_mlp_chunk_tokens", "token_chunks"]

@@ -28,14 +28,16 @@ __all__ = ["SCHEMES", "Parallelized", "parallelize"]
 def _tsp(model: Transformer, mesh: Mesh, *, seq_len: int | None, head_buckets: int = 1,
          init_seed: int | None = None, tsp_recompute: str = "full",
          loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
-         checkpoint_replay_keeps: str = "all", **_) -> Parallelized:
+         checkpoint_replay_keeps: str = "all", attention_chunk_tokens: int | str = "auto",
+         **_) -> Parallelized:
     check_parallel_shapes(model.cfg, scheme="tsp", degree=mesh.tsp.size, seq_len=seq_len,
                           head_buckets=head_buckets)      # before any group is made
     kv_comm = build_kv_comm(mesh, model.cfg.kv_repeat(mesh.tsp.size))
     specs = apply_tsp(model, mesh.tsp, head_buckets=head_buckets, seq_len=seq_len, init_seed=init_seed,
                       recompute=tsp_recompute, loss_chunk_tokens=loss_chunk_tokens,
                       mlp_chunk_tokens=mlp_chunk_tokens,
-                      checkpoint_replay_keeps=checkpoint_replay_keeps, kv_comm=kv_comm)
+                      checkpoint_replay_keeps=checkpoint_replay_keeps, kv_comm=kv_comm,
+                      attention_chunk_tokens=attention_chunk_tokens)
     rank, degree = mesh.tsp.rank, mesh.tsp.size
 
     def layout(ids, labels):

@@ -12,12 +12,14 @@ in the form of ALST's ablation table: each row keeps the techniques of the rows 
     + lean replay          parallel.checkpoint_replay_keeps: attention or nothing as well as all
                            (the rows above keep all: the replay holds one block's attention items
                            and gate/up)
+    + chunked attention    parallel.attention_chunk_tokens: auto (the rows above gather each
+                           item's K/V whole)
 
 Every row is `longest_seq_len` of scheme tsp with that row's switches (activation checkpointing,
 head buckets and ZeRO stage searched as usual), checked against HBM and the node's host memory.
 A row whose prediction the dry run does not confirm (`Step.confirmed`: the lean replay, where the
-real code holds more than predicted, docs/long_context.md) is printed marked as the planner's
-only, never as a result.
+real code holds more than predicted, docs/long_context.md, and the chunked attention row, not run
+by the dry run at its length) is printed marked as the planner's only, never as a result.
 """
 
 from __future__ import annotations
@@ -48,15 +50,18 @@ class Step:
     confirmed: bool = True
 
 
-_UNTILED = {"loss_chunk_tokens": UNTILED, "mlp_chunk_tokens": UNTILED, "tiled_accumulators": False}
+_WHOLE_KV = {"attention_chunk_tokens": UNTILED}
+_UNTILED = {"loss_chunk_tokens": UNTILED, "mlp_chunk_tokens": UNTILED, "tiled_accumulators": False, **_WHOLE_KV}
 STEPS = (
     Step("baseline", _UNTILED),
     Step("+ tiled loss", {**_UNTILED, "loss_chunk_tokens": "auto"}),
     Step("+ tiled MLP", {**_UNTILED, "loss_chunk_tokens": "auto", "mlp_chunk_tokens": "auto"}),
-    Step("+ tiled accumulators", {}),
-    Step("+ optimizer offload", {}, offload_optimizer=True),
-    Step("+ activation offload", {}, offload_optimizer=True, offload=True),
-    Step("+ lean replay", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
+    Step("+ tiled accumulators", _WHOLE_KV),
+    Step("+ optimizer offload", _WHOLE_KV, offload_optimizer=True),
+    Step("+ activation offload", _WHOLE_KV, offload_optimizer=True, offload=True),
+    Step("+ lean replay", _WHOLE_KV, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
+         confirmed=False),
+    Step("+ chunked attention", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          confirmed=False),
 )
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import padded_vocab_size
 from tsp_trainer.model.rms_norm import backward_chunk_rows
-from tsp_trainer.parallel.loss_chunks import resolve_loss_chunk_tokens, resolve_mlp_chunk_tokens
+from tsp_trainer.parallel.loss_chunks import (resolve_attention_chunk_tokens, resolve_loss_chunk_tokens,
+                                              resolve_mlp_chunk_tokens)
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.transients import (baseline_transients, expands_kv, rms_norm_saved,
@@ -48,7 +49,8 @@ class _Saved:
 
 def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16, *,
                       device: str = "cuda", loss_chunk_tokens: int | str = "auto",
-                      mlp_chunk_tokens: int | str = "auto") -> ActivationEstimate:
+                      mlp_chunk_tokens: int | str = "auto",
+                      attention_chunk_tokens: int | str = "auto") -> ActivationEstimate:
     """Saved activations and the peak of saved + transient bytes over one forward + backward.
 
     The transient peak is the largest of the phases listed in `phases`, for the rank with the
@@ -59,6 +61,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     mask either; the two differ in the K/V expansion of the CUDA memory-efficient kernel).
     loss_chunk_tokens: parallel.loss_chunk_tokens, the loss's token chunks (parallel/loss_chunks.py).
     mlp_chunk_tokens: parallel.mlp_chunk_tokens, the MLP's token chunks (parallel/gated_mlp.py).
+    attention_chunk_tokens: parallel.attention_chunk_tokens, TSP's K/V chunks (parallel/tsp/chunked.py).
     """
     e, h = prec.act, cfg.hidden_size
     tok = region_tokens(layout, seq_len)
@@ -68,12 +71,13 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     rope = 2 * tok["rope"] * cfg.head_dim * 4                   # fp32 cos, sin tables
     chunk = loss_chunk(cfg, layout, tok, loss_chunk_tokens)
     m_chunk = mlp_chunk(cfg, layout, tok, prec, mlp_chunk_tokens)
+    a_chunk = attention_chunk(cfg, layout, seq_len, prec, attention_chunk_tokens, device)
     replay_attn, replay_mlp = tsp_replay_kept(cfg, layout, seq_len, prec, device)   # 0 without AC
     if layout.scheme == "tsp":
         layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
         # the block in backward holds what its mode keeps, or under AC what its replay kept
         tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device,
-                            sel + replay_attn, mlp_kept + replay_mlp, chunk, m_chunk)
+                            sel + replay_attn, mlp_kept + replay_mlp, chunk, m_chunk, a_chunk)
     else:
         layer, outside = _baseline_saved(cfg, layout, prec, tok, chunk, m_chunk)
         tr = baseline_transients(cfg, layout, seq_len, prec, tok, layer, device, chunk, m_chunk)
@@ -85,6 +89,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
     peak_phase = max(phases, key=phases.get)
     terms = {"rope_tables": rope, "loss_chunk_tokens": chunk, "mlp_chunk_tokens": m_chunk,
+             "attention_chunk_tokens": a_chunk,
              "tsp_selective_kept": sel,
              "tsp_mlp_kept": mlp_kept, "tsp_replay_kept": replay_attn + replay_mlp,
              "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
@@ -108,6 +113,19 @@ def mlp_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], prec: Preci
     intermediate block (I/D for TSP, I/T for the baselines), as the blocks resolve it."""
     t = layout.degree if layout.scheme == "tsp" else layout.axes[0]
     return resolve_mlp_chunk_tokens(setting, tok["region"], cfg.intermediate_size // t, prec.act)
+
+
+def attention_chunk(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
+                    setting: int | str = "auto", device: str = "cuda") -> int:
+    """Local tokens (of one sequence) per K/V chunk of TSP attention, as the layers resolve it:
+    the gathered K/V of one item is B D 2 (h_kv / (D n_b)) e bytes a local token. The local
+    tokens S / D themselves: unchunked (the baselines, which do not chunk, and auto in fp32 on
+    CUDA, where the chunks' flash kernel does not run)."""
+    local = seq_len // layout.degree
+    if layout.scheme != "tsp" or (setting == "auto" and device == "cuda" and prec.act == 4):
+        return local
+    per_token = layout.micro_batch * 2 * cfg.kv_hidden_size // layout.head_buckets * prec.act
+    return resolve_attention_chunk_tokens(setting, local, per_token)
 
 
 def region_tokens(layout: Layout, seq_len: int) -> dict[str, int]:

@@ -207,7 +207,8 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
                   sp=p.sp_degree, zero_stage=min(resolved_zero_stage(cfg.zero.stage, p.scheme), 2), micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
-                  loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
+                  loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens,
+                  attention_chunk_tokens=p.attention_chunk_tokens)
 
 
 def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "causal diagonal merged by log-sum-exp, no mask) or cuda (the GPU route: "
                         "fused kernel, no mask), compared with the analytic model's matching "
                         "variant (default cpu)")
+    g.add_argument("--attention-chunk-tokens", default="auto",
+                   help="TSP's parallel.attention_chunk_tokens for the dry run: auto or local tokens "
+                        "per K/V chunk (default auto)")
     return p
 
 
@@ -394,6 +397,11 @@ def _dry_run(parser, args, cfg) -> int:
     if "tp_x_sp" in schemes:
         _fail(parser, "--dry-run runs tsp, tp, tp_sp and sp; tp_x_sp needs its two degrees (not a "
                       "flag of the dry run yet)")
+    chunk = args.attention_chunk_tokens
+    if chunk != "auto":
+        if not chunk.isdigit() or int(chunk) < 1:
+            _fail(parser, f"--attention-chunk-tokens={chunk} must be auto or an integer >= 1")
+        chunk = int(chunk)
     from tsp_trainer.config.validate import check_parallel_shapes
 
     for scheme in schemes:
@@ -406,7 +414,7 @@ def _dry_run(parser, args, cfg) -> int:
                      head_buckets=args.head_buckets, micro_batch=args.micro_batch_size,
                      activation_checkpointing=not args.no_activation_checkpointing, rank=args.rank,
                      full_depth=args.full_depth, attention=args.attention,
-                     tsp_recompute=args.tsp_recompute,
+                     tsp_recompute=args.tsp_recompute, attention_chunk_tokens=chunk,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_dry_run(report))
     if args.json:

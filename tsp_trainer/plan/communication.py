@@ -44,10 +44,35 @@ def model_parallel_comm(cfg: ModelConfig, layout: Layout, seq_len: int,
             add("all_gather/attn.kv", L * kv_items, L * kv_items * kv_bucket, d)
             for op in ("send", "recv"):
                 add(f"{op}/mlp.weights", L * (d - 1), L * (d - 1) * (p_mlp // d) * ew, d)
+        _kv_in_chunks(out, cfg, layout, seq_len, prec)
         return out
     for key, nbytes, count, group in _baseline_ledger(cfg, layout, seq_len, prec):
         add(key, count, nbytes, group)
     return out
+
+
+def _kv_in_chunks(out: dict, cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision) -> None:
+    """TSP with K/V in chunks (parallel/tsp/chunked.py): every K/V gather and dK/dV scatter of an
+    item is one op per chunk, the same bytes in all; a backward that recomputes the items (full
+    recompute without checkpointing, or a replay that keeps nothing) gathers each chunk twice,
+    once for the forward's output and log-sum-exp and once for the backward."""
+    from tsp_trainer.plan.activations import attention_chunk
+
+    d = layout.degree
+    local = seq_len // d
+    chunk = attention_chunk(cfg, layout, seq_len, prec, layout.attention_chunk_tokens)
+    if d == 1 or chunk >= local:
+        return
+    chunks = -(-local // chunk)
+    for key in ("all_gather/attn.kv", "reduce_scatter/attn.dkv"):
+        out[key]["count"] *= chunks
+    recomputed = (layout.replay_keeps == "nothing" if layout.activation_checkpointing
+                  else layout.tsp_recompute == "full")
+    if recomputed:
+        items = cfg.num_layers * d * layout.head_buckets
+        kv_bucket = layout.micro_batch * seq_len * 2 * (cfg.kv_hidden_size // (d * layout.head_buckets)) * prec.act
+        out["all_gather/attn.kv"]["count"] += items * chunks
+        out["all_gather/attn.kv"]["bytes"] += items * kv_bucket
 
 
 def _baseline_ledger(cfg: ModelConfig, layout: Layout, seq_len: int,

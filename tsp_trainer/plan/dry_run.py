@@ -313,7 +313,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              sp_degree: int | None = None, tp_sequence_parallel: bool = False,
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
              loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
-             offload_activations: bool = False, checkpoint_replay_keeps: str = "all") -> StepResult:
+             offload_activations: bool = False, checkpoint_replay_keeps: str = "all",
+             attention_chunk_tokens: int | str = "auto") -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
@@ -321,7 +322,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     mlp_chunk_tokens: `parallel.mlp_chunk_tokens` (the MLP's);
     offload_activations: `train.offload_activations` (model/offload.py around the blocks, its host
     copies counted apart: `host_copies_on_host`);
-    checkpoint_replay_keeps: TSP's `parallel.checkpoint_replay_keeps` (under checkpointing)."""
+    checkpoint_replay_keeps: TSP's `parallel.checkpoint_replay_keeps` (under checkpointing);
+    attention_chunk_tokens: TSP's `parallel.attention_chunk_tokens` (K/V in chunks)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -340,6 +342,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
                               tsp_recompute)
     if scheme == "tsp":
         options["checkpoint_replay_keeps"] = checkpoint_replay_keeps
+        options["attention_chunk_tokens"] = attention_chunk_tokens
     with fake_world(world_size, rank):
         mesh = build_mesh(degree)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -450,7 +453,8 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
             offload_activations: bool = False, offload_optimizer: bool = False,
-            checkpoint_replay_keeps: str = "all", gpu: str | None = None, log=None) -> dict:
+            checkpoint_replay_keeps: str = "all", gpu: str | None = None, log=None,
+            attention_chunk_tokens: int | str = "auto") -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
     equal it exactly; memory within a few %.
@@ -460,6 +464,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     are reported as `host_activations`); offload_optimizer: zero.offload_optimizer=cpu (AdamW's
     state counted in host memory, as the planner does: the fake step runs no optimizer);
     checkpoint_replay_keeps: TSP's parallel.checkpoint_replay_keeps (under checkpointing);
+    attention_chunk_tokens: TSP's parallel.attention_chunk_tokens (K/V in chunks);
     gpu: a hardware profile name ("h100"): the planner's reserve for it (plan/reserved.py: buffers
     the libraries allocate beside the tensors, which fake tensors do not show) is reported and
     `device_total` = the measured tensors + that reserve, comparable with the planner's total.
@@ -480,6 +485,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
               "attention": attention, "tsp_recompute": tsp_recompute,
               "offload_activations": offload_activations, "offload_optimizer": offload_optimizer,
               "checkpoint_replay_keeps": checkpoint_replay_keeps, "gpu": gpu,
+              "attention_chunk_tokens": attention_chunk_tokens,
               "layers": "all" if full_depth else (
                   f"extrapolated from {'2 and 3' if offload_activations else '1 and 2'} layers"),
               "schemes": {}}
@@ -490,17 +496,19 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
         nb = head_buckets if scheme == "tsp" else 1
         mode = tsp_recompute if scheme == "tsp" else "full"
         keeps = checkpoint_replay_keeps if scheme == "tsp" else "all"
+        chunking = {"attention_chunk_tokens": attention_chunk_tokens} if scheme == "tsp" else {}
         res = simulate(cfg, scheme, layers=cfg.num_layers if full_depth else None,
                        world_size=world_size, degree=degree, seq_len=seq_len,
                        micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
                        activation_checkpointing=activation_checkpointing, rank=rank,
                        attention=attention, tsp_recompute=mode,
-                       offload_activations=offload_activations, checkpoint_replay_keeps=keeps)
+                       offload_activations=offload_activations, checkpoint_replay_keeps=keeps, **chunking)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
                         micro_batch=micro_batch, tsp_recompute=mode, replay_keeps=keeps,
-                        offload_activations=offload_activations, offload_optimizer=offload_optimizer)
-        act = activation_memory(cfg, layout, seq_len, prec, device=attention)
+                        offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+                        **chunking)
+        act = activation_memory(cfg, layout, seq_len, prec, device=attention, **chunking)
         model_comm = {k: {"count": v["count"], "bytes": v["bytes"]}
                       for k, v in model_parallel_comm(cfg, layout, seq_len, prec).items()}
         st = state_bytes(cfg, layout, prec)
@@ -631,7 +639,8 @@ def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool =
                          zero_stage=lay.zero_stage, rank=rank, attention="cuda",
                          tsp_recompute=lay.tsp_recompute, offload_activations=lay.offload_activations,
                          checkpoint_replay_keeps=lay.replay_keeps,
-                         offload_optimizer=lay.offload_optimizer, gpu=hw.name, log=log)
+                         offload_optimizer=lay.offload_optimizer, gpu=hw.name, log=log,
+                         attention_chunk_tokens=lay.attention_chunk_tokens)
         runs[rank] = report["schemes"]["tsp"]
     worst = max(runs.values(), key=lambda r: r["device_total"])
     m = pred.memory

@@ -63,9 +63,11 @@ def checkpoint_replay(layout: Layout, tiled: frozenset[str] = frozenset()) -> tu
 
 
 def baseline_tiling(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2,
-                    *, mlp_chunk_tokens: int | str = "auto", loss_chunk_tokens: int | str = "auto") -> frozenset[str]:
+                    *, mlp_chunk_tokens: int | str = "auto", loss_chunk_tokens: int | str = "auto",
+                    attention_chunk_tokens: int | str = "auto") -> frozenset[str]:
     """Which of a baseline's MLP and loss take their local tokens in chunks (the blocks' own rule,
-    plan/activations.py); TSP's recompute does not change with its chunks (empty set)."""
+    plan/activations.py); TSP's recompute does not change with its chunks (empty set), nor with
+    its K/V chunks (`attention_chunk_tokens`: the same attention FLOPs in more calls)."""
     from tsp_trainer.plan.activations import loss_chunk, mlp_chunk, region_tokens
     from tsp_trainer.plan.precision import PRECISIONS
 

@@ -65,6 +65,7 @@ class Layout:
     offload_optimizer: bool = False        # zero.offload_optimizer=cpu: DeepSpeed's ZeRO-Offload
     loss_chunk_tokens: int | str = "auto"  # parallel.loss_chunk_tokens (UNTILED: one chunk)
     mlp_chunk_tokens: int | str = "auto"   # parallel.mlp_chunk_tokens (UNTILED: one chunk)
+    attention_chunk_tokens: int | str = "auto"   # tsp: parallel.attention_chunk_tokens (UNTILED: one)
     # planner-only, for the ablation table: False keeps a tiled TSP layer's [N/D, h] output and
     # dX accumulators in fp32, as an untiled layer has them (the trainer puts them in the
     # activation dtype whenever the MLP's tokens are tiled)
@@ -74,7 +75,7 @@ class Layout:
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme={self.scheme!r} is not one of {', '.join(SCHEMES)}")
         self._check_recompute()
-        for key in ("loss_chunk_tokens", "mlp_chunk_tokens"):
+        for key in ("loss_chunk_tokens", "mlp_chunk_tokens", "attention_chunk_tokens"):
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{key}={value!r} must be 'auto' or an integer >= 1 (tokens per chunk)")
@@ -183,7 +184,8 @@ class Layout:
     def _tiling_marks(self) -> list[str]:
         """Label marks of chunk settings other than auto, and of fp32 accumulators."""
         marks = []
-        for name, value in (("loss", self.loss_chunk_tokens), ("mlp", self.mlp_chunk_tokens)):
+        for name, value in (("loss", self.loss_chunk_tokens), ("mlp", self.mlp_chunk_tokens),
+                            ("attn", self.attention_chunk_tokens)):
             if value == UNTILED:
                 marks.append(f"{name}=untiled")
             elif value != "auto":
@@ -195,7 +197,8 @@ class Layout:
     @property
     def chunks(self) -> dict:
         """The chunk settings as the FLOP and activation models take them."""
-        return {"loss_chunk_tokens": self.loss_chunk_tokens, "mlp_chunk_tokens": self.mlp_chunk_tokens}
+        return {"loss_chunk_tokens": self.loss_chunk_tokens, "mlp_chunk_tokens": self.mlp_chunk_tokens,
+                "attention_chunk_tokens": self.attention_chunk_tokens}
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -5,7 +5,9 @@ them to what the layers saved to find the peak of each phase.
 Notation as in docs/planner.md: e bytes per activation element, n this rank's tokens, h hidden,
 h_kv = n_kv * d, I intermediate, V vocab, D the model-parallel degree, n_b head buckets (TSP),
 c the tokens of one loss chunk (parallel.loss_chunk_tokens; c = n when the loss is not tiled),
-m the tokens of one MLP chunk (parallel.mlp_chunk_tokens; m = n when the MLP is not tiled).
+m the tokens of one MLP chunk (parallel.mlp_chunk_tokens; m = n when the MLP is not tiled),
+k the local tokens of one K/V chunk of TSP attention (parallel.attention_chunk_tokens; k = S / D
+when unchunked).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
 
 def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
                    device: str, sel: int, mlp_kept: int, loss_chunk: int | None = None,
-                   mlp_chunk: int | None = None) -> dict[str, int]:
+                   mlp_chunk: int | None = None, attention_chunk: int | None = None) -> dict[str, int]:
     """Transients of TSP (parallel/tsp/): the attention's weight pool, K/V buckets and fp32
     gradient buffers (`_tsp_attention_terms`), the MLP ring's shards and accumulators, the vocab
     ring's logits block. `sel`: the layer's kept attention bytes (selective, none, and under AC
@@ -75,7 +77,8 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     alive from the MLP's forward until its backward.
     n: this rank's tokens, B S / D; loss_chunk: the loss's tokens per chunk (None: n); mlp_chunk:
     the MLP's (None: n; fewer than n also keeps the layer's accumulators in the activation dtype,
-    parallel/gated_mlp.py)."""
+    parallel/gated_mlp.py); attention_chunk: local tokens of one K/V chunk (None or >= S / D:
+    unchunked)."""
     e, ew = prec.act, prec.weight
     d_ = layout.degree
     h, inter, V = cfg.hidden_size, cfg.intermediate_size, padded_vocab_size(cfg.vocab_size, d_)
@@ -83,7 +86,7 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     # accumulators in the activation dtype once tiled (Layout.tiled_accumulators=False: the
     # planner's ablation keeps them fp32)
     tiled = m < n and layout.tiled_accumulators
-    a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel, tiled)
+    a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel, tiled, attention_chunk)
     c = n if loss_chunk is None else min(loss_chunk, n)
     w_mlp = cfg.mlp_sharded_params // d_ * ew
     own = rms_norm_saved(n, h, e, output_kept=True)    # norm's saved tensors + X_p
@@ -120,7 +123,8 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
 
 
 def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,
-                         device: str, sel: int, tiled: bool = False) -> dict[str, int]:
+                         device: str, sel: int, tiled: bool = False,
+                         chunk: int | None = None) -> dict[str, int]:
     """TSP attention's transient bytes (parallel/tsp/attention.py), per rank, for the worst item
     (the model describes rank 0). Items (r, b) run one step ahead: item i+1's projection and K/V
     all-gather are issued before item i's attention. Counted in units of one item (hq_b, hkv_b =
@@ -169,8 +173,40 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
         bwd_item = sel + 4 * kv + 4 * q_b + kv_exp
     else:
         bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
+    if chunk is not None and chunk < seq_len // d_:
+        return _chunked_attention_terms(e, b * chunk * d_, hkv_b, n, hq_b, cfg.head_dim, qkv, sel, items,
+                                        acc32 + w_fwd, acc32 + w_bwd, cast)
     bwd = acc32 + w_bwd + max(bwd_item, cast)
     return {"fwd": fwd, "bwd": bwd, "kv_bucket": kv}
+
+
+def _chunked_attention_terms(e: int, keys: int, hkv_b: int, n: int, hq_b: int, d: int, qkv: int, sel: int,
+                             items: int, base_fwd: int, base_bwd: int, cast: int) -> dict[str, int]:
+    """TSP attention with K/V in chunks (parallel/tsp/chunked.py), per item; `keys` = B D k keys
+    of one chunk, kv_c = 2 e keys hkv_b its gathered K/V:
+
+    forward:  three K/V chunks (the one computed, the next in flight, the next item's first),
+              the fp32 merged output [n, hq_b] and lse [n, hq_b / d], the output cast at the end
+              (q_b) and two query tiles of a kernel call (its stacked queries and output; a call
+              takes at most as many queries as the chunk has keys, parallel/tsp/chunked.py);
+    backward: the same forward first under full recompute; then the output kept (q_b), fp32 dQ
+              (4 n hq_b), three K/V chunks, the chunk's fp32 dK/dV (kv_c 4 / e),
+              two rank-major copies for the reduce-scatter (one issued, one in flight), the local
+              dK/dV [n, 2 hkv_b] and four query tiles (dout, q, out stacked, dq)."""
+    kvc = 2 * e * keys * hkv_b
+    q_b = e * n * hq_b
+    tile = e * min(n, keys) * hq_b
+    merged = 4 * n * hq_b + 4 * n * hq_b // d
+    attend = 3 * kvc + merged + q_b + 2 * tile
+    fwd = base_fwd + 2 * qkv + attend
+    backward_pass = q_b + merged + 3 * kvc + kvc * 4 // e + 2 * kvc + 2 * e * n * hkv_b + 4 * tile
+    if sel:
+        sel_item = sel // items
+        fwd = max(fwd + max(items - 2, 0) * sel_item, base_fwd + sel + attend)
+        bwd_item = sel + backward_pass
+    else:
+        bwd_item = 2 * qkv + max(attend, backward_pass)
+    return {"fwd": fwd, "bwd": base_bwd + max(bwd_item, cast), "kv_bucket": kvc}
 
 
 def _mlp_chunk_backward(mid: int, dx_product: int, *, kept: bool) -> int:

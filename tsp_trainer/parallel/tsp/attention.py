@@ -36,6 +36,8 @@ from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
+from tsp_trainer.parallel.loss_chunks import resolve_attention_chunk_tokens
+from tsp_trainer.parallel.tsp.chunked import ChunkedItem
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, unpack
 
@@ -53,6 +55,19 @@ class AttentionSettings:
     tiling: TokenTiling
     norm_eps: float = 1e-6           # Qwen3's q/k norms
     kv_repeat: int = 1               # consecutive owners sharing one K/V head (ModelConfig.kv_repeat)
+    chunk_tokens: int | str = "auto"  # parallel.attention_chunk_tokens (tsp/chunked.py)
+
+    def kv_chunk(self, x: torch.Tensor, kv_heads: int) -> int | None:
+        """Local tokens per K/V chunk for input x [B, T, h] and `kv_heads` KV heads an item, or
+        None: the item gathers its whole K/V at once (the chunk covers every local token)."""
+        if self.kv_repeat > 1:
+            return None                  # K/V head copies gather once per sharing group, whole
+        b, t = x.shape[:2]
+        if self.chunk_tokens == "auto" and x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+            return None                  # the chunks' flash kernel takes bf16/fp16 only (auto never refuses)
+        per_token = b * self.comm.size * 2 * kv_heads * self.head_dim * x.element_size()
+        chunk = resolve_attention_chunk_tokens(self.chunk_tokens, t, per_token)
+        return chunk if chunk < t else None
 
 
 class TSPAttention(nn.Module):
@@ -69,7 +84,8 @@ class TSPAttention(nn.Module):
                  o_bias: torch.Tensor | None = None, tiling: TokenTiling | None = None,
                  replay_keeps: bool = True, replicated: ReplicatedGrads | None = None,
                  head_norms: tuple[torch.Tensor, torch.Tensor] | None = None, norm_eps: float = 1e-6,
-                 kv_replicated: ReplicatedGrads | None = None):
+                 kv_replicated: ReplicatedGrads | None = None,
+                 attention_chunk_tokens: int | str = "auto"):
         super().__init__()
         # q_norm, k_norm weights [d] (Qwen3), replicated; absent otherwise (names as model.layers)
         if head_norms is not None:
@@ -98,7 +114,9 @@ class TSPAttention(nn.Module):
             for p in (m.weight, m.bias):
                 if p is not None:
                     kv_replicated.add(p)
-        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps, kv_repeat)
+        resolve_attention_chunk_tokens(attention_chunk_tokens, 1, 1)      # a bad value: here, not in forward
+        self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps, kv_repeat,
+                                          attention_chunk_tokens)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         # The shard's parameters, in packing order: W_q, W_k, W_v, W_o [, b_q, b_k, b_v]
@@ -218,11 +236,14 @@ class _OwnerProjection:
         self.kv = [torch.stack((k[:, :, i * hkv:(i + 1) * hkv], v[:, :, i * hkv:(i + 1) * hkv]), dim=2)
                    for i in range(cols.buckets)]
 
-    def item(self, b: int, comm: Comm, share: "_KVShare", owner: int) -> "_Item":
+    def item(self, b: int, comm: Comm, share: "_KVShare", owner: int,
+             chunk: int | None = None) -> "_Item | ChunkedItem":
         """Bucket b's q [B, T, hq_b, d] (a view) and stacked k, v, its K/V all-gather issued (or
-        shared with the previous owner's, `share`)."""
+        shared with the previous owner's, `share`; or, with `chunk` local tokens, its first chunk:
+        chunks are used only without K/V head copies)."""
         kv, self.kv[b] = self.kv[b], None
-        item = _Item(self.q[:, :, b * self.hq:(b + 1) * self.hq], kv, comm, share, owner)
+        q = self.q[:, :, b * self.hq:(b + 1) * self.hq]
+        item = _Item(q, kv, comm, share, owner) if chunk is None else ChunkedItem(q, kv, comm, chunk)
         if self.q_raw is not None:
             item.q_raw = self.q_raw[:, :, b * self.hq:(b + 1) * self.hq]
             item.k_raw = self.k_raw[:, :, b * self.hkv:(b + 1) * self.hkv]
@@ -428,6 +449,7 @@ class _Projections:
         self.share = _KVShare(settings.kv_repeat)
         self._owner: int | None = None
         self._projection: _OwnerProjection | None = None
+        self.chunk = settings.kv_chunk(x, shapes[1][0] // settings.head_dim // settings.head_buckets)
 
     def item(self, r: int, b: int) -> _Item:
         """Item (r, b), its K/V all-gather issued."""
@@ -436,7 +458,7 @@ class _Projections:
             self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.settings.head_dim,
                                                 self.norms)
             self._owner = r
-        item = self._projection.item(b, self.settings.comm, self.share, r)
+        item = self._projection.item(b, self.settings.comm, self.share, r, self.chunk)
         if b == self.settings.head_buckets - 1:           # the owner's last slices are taken
             self._owner = self._projection = None
         return item
@@ -620,7 +642,9 @@ class _OwnerBackward:
         dq, dkv = item.backward(self.da[:, cols.q_cols(b)].view(a.shape))
         if previous is not None:
             previous.finish(rope)
-        scatter = self.dkv_sum.scatter(self.owner, *dkv, comm)           # dK/dV summed meanwhile
+        # dK/dV summed meanwhile (a chunked item has issued its chunks' scatters already)
+        scatter = (item.scatter(dkv) if isinstance(item, ChunkedItem)
+                   else self.dkv_sum.scatter(self.owner, *dkv, comm))
         del dkv
         if b == self.last:
             self.da = None
