@@ -2,8 +2,9 @@
 around the ring (tsp/ring.py), so full-vocabulary logits of all tokens never exist on one rank.
 
 The head folds each [chunk, V/D] block of logits into an online log-sum-exp (chunks:
-parallel/loss_chunks.py) and its backward recomputes them; gradients are summed in fp32 and
-travel home in fp32 accumulators. No op's shape depends on the values of ids or labels: tokens
+parallel/loss_chunks.py) and its backward recomputes them; weight gradients are summed in fp32
+and travel home in fp32 accumulators; dX is summed over the shards in fp32 while the loss is not
+tiled and in the activations' dtype once it is (`dx_accumulator_dtype`: no fp32 [N/D, h]). No op's shape depends on the values of ids or labels: tokens
 outside the shard in hand are masked arithmetically (no host sync). Schedule: docs/parallelism.md,
 "TSP rings".
 """
@@ -171,8 +172,8 @@ class _HeadLossFn(torch.autograd.Function):
         x = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         scale = (flat_labels != IGNORE_INDEX).float() * dloss        # d loss / d token loss
-        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         chunks = token_chunks(x.shape[0], ctx.chunk)
+        dx = torch.zeros(x.shape, dtype=dx_accumulator_dtype(x.dtype, len(chunks)), device=x.device)
 
         def grad_step(j: int, w: torch.Tensor) -> torch.Tensor:
             w = w.view(rows, -1)
@@ -183,13 +184,33 @@ class _HeadLossFn(torch.autograd.Function):
                 index, hit = _in_shard(flat_labels[c], j, rows)
                 dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
                 dlogits = dlogits.mul_(scale[c, None]).to(w.dtype)  # matmuls in the weights' dtype
-                dx[c] += dlogits @ w                                # summed over shards in fp32
+                _add_dx(dx[c], dlogits, w)                          # summed over shards
                 dw = _add_product(dw, dlogits.T, x[c])
             return dw.reshape(-1)                                   # fp32 ring accumulator
 
         full = ring_backward(ctx.comm, pack(weight), grad_step, tag="head.weights")
         return (dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape).to(weight.dtype),
                 None, None, None, None)
+
+
+def dx_accumulator_dtype(dtype: torch.dtype, chunks: int) -> torch.dtype:
+    """The dtype of the head's dX [N/D, h], summed over the D vocab shards: fp32 while the loss
+    takes all local tokens at once (one chunk: the [N/D, V/D] fp32 logits block dwarfs it), the
+    activations' `dtype` once they are tiled, so that no fp32 [N/D, h] exists (bf16: each shard's
+    chunk product is summed in fp32 inside its GEMM and added to the chunk's rows with one rounding;
+    fp32: the same as untiled)."""
+    return dtype if chunks > 1 else torch.float32
+
+
+def _add_dx(dx: torch.Tensor, dlogits: torch.Tensor, w: torch.Tensor) -> None:
+    """dx [c, h] += dlogits [c, V/D] @ w [V/D, h]. Into an fp32 accumulator: the product, then
+    added (for bf16 operands the product is rounded once, summed in fp32 across shards). Into a
+    bf16 one of the operands' dtype: one GEMM that sums the product in fp32 and adds it to dx
+    before rounding once (addmm_, no [c, h] product tensor)."""
+    if dx.dtype != torch.float32 and dlogits.dtype == w.dtype == dx.dtype:
+        dx.addmm_(dlogits, w)
+    else:
+        dx += dlogits @ w
 
 
 def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
