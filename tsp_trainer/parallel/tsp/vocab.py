@@ -23,13 +23,21 @@ from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward
 
 
 class TSPEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int):
+    """Vocab-sharded lookup. Its backward takes the tokens in the loss's chunks
+    (`loss_chunk_tokens`, `loss_budget_bytes`: the LM head's setting, resolved against the same
+    shard): with more than one chunk a bf16 incoming gradient is cast to fp32 a chunk at a time."""
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int,
+                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.comm, self.vocab_size = comm, vocab_size
+        self.loss_chunk_tokens, self.loss_budget_bytes = loss_chunk_tokens, loss_budget_bytes
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingFn.apply(ids, self.weight, self.comm)
+        chunk = resolve_loss_chunk_tokens(self.loss_chunk_tokens, ids.numel(), self.weight.shape[0],
+                                          self.loss_budget_bytes)
+        return _EmbeddingFn.apply(ids, self.weight, self.comm, chunk)
 
 
 class TSPLMHead(nn.Module):
@@ -80,7 +88,7 @@ class TSPLMHead(nn.Module):
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, comm: Comm):
+    def forward(ctx, ids, weight, comm: Comm, chunk: int | None = None):
         rows, h = weight.shape
         out = weight.new_zeros(ids.shape + (h,))
 
@@ -92,25 +100,37 @@ class _EmbeddingFn(torch.autograd.Function):
         ring_forward(comm, pack(weight), step, tag="embed.weights")
         ctx.save_for_backward(ids)
         ctx.comm, ctx.shape, ctx.dtype = comm, weight.shape, weight.dtype
+        ctx.chunk = ids.numel() if chunk is None else chunk
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (ids,) = ctx.saved_tensors
         rows, h = ctx.shape
-        dout32 = dout.reshape(-1, h).float()                          # [N/D, h], fp32 once
+        dout = dout.reshape(-1, h)
+        chunks = token_chunks(dout.shape[0], ctx.chunk)
+        # fp32 once for all tokens ([N/D, h]; fp32 dout is itself), unless the loss is tiled and
+        # dout is not fp32: then a chunk at a time, in every ring step
+        whole = dout.float() if len(chunks) == 1 or dout.dtype == torch.float32 else None
 
         def grad_step(j: int, _flat: torch.Tensor) -> torch.Tensor:
             # rows of shard j summed in fp32; tokens of other shards go to a padding row (rows),
             # which embedding_dense_backward skips, and which is dropped (no atomics on a sink)
             index, hit = _in_shard(ids, j, rows)
             sink = torch.where(hit, index, rows).reshape(-1)
-            g = torch.ops.aten.embedding_dense_backward(dout32, sink, rows + 1, rows, False)
+            if whole is not None:
+                g = torch.ops.aten.embedding_dense_backward(whole, sink, rows + 1, rows, False)
+            else:                                             # [rows + 1, h] fp32, over chunks
+                g = None
+                for c in chunks:
+                    part = torch.ops.aten.embedding_dense_backward(dout[c].float(), sink[c], rows + 1,
+                                                                   rows, False)
+                    g = part if g is None else g.add_(part)
             return g[:rows].reshape(-1)
 
         # The lookup's gradient does not need the weights: only the (fp32) accumulators travel.
         full = ring_backward(ctx.comm, None, grad_step, tag="embed.weights")
-        return None, full.view(rows, h).to(ctx.dtype), None
+        return None, full.view(rows, h).to(ctx.dtype), None, None
 
 
 def _in_shard(ids: torch.Tensor, shard: int, rows: int):
