@@ -7,7 +7,11 @@ tokens are 32 MiB, a weight shard 1 MiB, a chunk of 64 tokens 2 MiB. Whole, the 
 block; tiled, at most two chunk blocks (the logits and their softmax gradient's product), six
 shard-sized buffers (the shard in use and the one arriving, fp32 gradient accumulators: the one
 being filled, the one sent, the one arriving, and the weight gradient) and fp32 token-sized
-vectors and dX. Measured: TSP 9.1 MiB tiled against 37.1 MiB whole, TP 5.1 against 33.1."""
+vectors and dX. Measured: TSP 9.1 MiB tiled against 37.1 MiB whole, TP 5.1 against 33.1.
+
+A wide model (V = 512, h = 256, the same 1,024 local tokens) makes dX [N/D, h] the largest term:
+tiled in bf16 no fp32 tensor of all local tokens exists (embedding and head, forward and
+backward), and the planner's term for the tiled head follows the code in bf16 and fp32."""
 
 import functools
 
@@ -41,9 +45,8 @@ class LargestFp32(LiveTensorMemory):
         return out
 
 
-def _wide_bf16_step(world, rank, chunk):
-    """TSP embedding -> LM head loss -> backward in bf16 on the wide model: the largest fp32
-    tensor and the peak."""
+def _wide_model(world, chunk, dtype):
+    """The wide model under TSP on `world` ranks (meta-initialised, seed 0) in `dtype`."""
     from tsp_trainer.config import ModelConfig
     from tsp_trainer.model import Transformer
     from tsp_trainer.parallel.mesh import build_mesh
@@ -55,7 +58,13 @@ def _wide_bf16_step(world, rank, chunk):
     with torch.device("meta"):
         model = Transformer(cfg)
     parallelize(model, "tsp", mesh, seq_len=TOKENS * world, init_seed=0, loss_chunk_tokens=chunk)
-    model.to(torch.bfloat16)
+    return cfg, model.to(dtype)
+
+
+def _wide_bf16_step(world, rank, chunk):
+    """TSP embedding -> LM head loss -> backward in bf16 on the wide model: the largest fp32
+    tensor and the peak."""
+    _, model = _wide_model(world, chunk, torch.bfloat16)
     gen = torch.Generator().manual_seed(rank)
     ids, labels = (torch.randint(0, WIDE_V, (1, TOKENS), generator=gen) for _ in range(2))
     with LargestFp32() as mem:
@@ -66,6 +75,28 @@ def _wide_bf16_step(world, rank, chunk):
     assert all(g is not None and g.dtype == torch.bfloat16 for g in grads)
     return {"largest_fp32": mem.largest_fp32, "peak": mem.peak,
             "chunk": model.lm_head.chunk_tokens(TOKENS)}
+
+
+def _wide_head_against_the_planner(world, rank, dtype):
+    """The wide model's LM head loss + backward alone, tiled (the peak over what the head itself
+    allocates), and the planner's term for it (plan/transients.py, "head")."""
+    from tsp_trainer.plan.layout import Layout
+    from tsp_trainer.plan.precision import BF16, FP32
+    from tsp_trainer.plan.transients import tsp_transients
+
+    cfg, model = _wide_model(world, CHUNK, dtype)
+    head = model.lm_head
+    gen = torch.Generator().manual_seed(rank)
+    hidden = torch.randn(1, TOKENS, WIDE_H, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, WIDE_V, (1, TOKENS), generator=gen)
+    with LiveTensorMemory() as mem:
+        mem.ignore(hidden, labels, head.weight)
+        loss, _ = head.loss_sum(hidden, labels)
+        loss.backward()
+    prec = BF16 if dtype == torch.bfloat16 else FP32
+    planned = tsp_transients(cfg, Layout("tsp", world), TOKENS * world, prec, TOKENS, "cpu", 0, 0,
+                             head.chunk_tokens(TOKENS))["head"]
+    return {"peak": mem.peak, "planned": planned}
 
 
 def _loss_transients(rank, world):
@@ -96,6 +127,8 @@ def _loss_transients(rank, world):
                                   "rows": head.weight.shape[0]}
     for chunk in (CHUNK, "auto"):
         out["wide_bf16", chunk] = _wide_bf16_step(world, rank, chunk)
+    for dtype in (torch.bfloat16, torch.float32):
+        out["wide_head", dtype] = _wide_head_against_the_planner(world, rank, dtype)
     return out
 
 
@@ -134,3 +167,15 @@ def test_no_fp32_tensor_of_all_local_tokens_once_the_loss_is_tiled():
         assert tiled["peak"] < whole["peak"], (tiled, whole)
         print(f"\nwide bf16 (N/D {TOKENS}, h {WIDE_H}): largest fp32 tensor {tiled['largest_fp32']} B "
               f"tiled, {whole['largest_fp32']} B untiled; peak {tiled['peak']} B against {whole['peak']} B")
+
+
+def test_the_planner_counts_the_tiled_loss_dx_as_the_code_holds_it():
+    """The wide model's tiled LM head (dX-dominated: [N/D, h] against [64, V/D] logits blocks)
+    against the planner's loss-phase term: within 10% in bf16 (dX bf16, each GEMM adding into
+    it) and fp32 (dX fp32 and one [chunk, h] product). Measured: bf16 1,745,488 B against
+    1,802,240 planned, fp32 2,695,760 against 2,752,512; counting dX as fp32 [N/D, h] and a copy
+    (8 N/D h) would plan 1.9x and 1.4x."""
+    for o in _measured():
+        for dtype in (torch.bfloat16, torch.float32):
+            m = o["wide_head", dtype]
+            assert m["planned"] == pytest.approx(m["peak"], rel=0.10), (dtype, m)
