@@ -122,8 +122,8 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
 
 def _head_dx(n: int, c: int, h: int, e: int) -> int:
     """Bytes of the vocab ring's dX [n, h] (tsp/vocab.py::dx_accumulator_dtype) with what is added
-    into it, for n local tokens in loss chunks of c. Untiled: dX in fp32 and one more [n, h]
-    (bf16: each shard's product, then the final cast; fp32: the product), counted as 8 n h.
+    into it, for n local tokens in loss chunks of c. Untiled: dX in fp32 and one more [n, h],
+    counted as 8 n h (fp32: the product; bf16 holds 6 n h, its product and final cast being bf16).
     Tiled: dX in the activation dtype; in bf16 each chunk's GEMM adds into it (no product
     tensor), in fp32 one [c, h] product at a time."""
     if c >= n:

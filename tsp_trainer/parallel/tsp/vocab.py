@@ -4,9 +4,10 @@ around the ring (tsp/ring.py), so full-vocabulary logits of all tokens never exi
 The head folds each [chunk, V/D] block of logits into an online log-sum-exp (chunks:
 parallel/loss_chunks.py) and its backward recomputes them; weight gradients are summed in fp32
 and travel home in fp32 accumulators; dX is summed over the shards in fp32 while the loss is not
-tiled and in the activations' dtype once it is (`dx_accumulator_dtype`: no fp32 [N/D, h]). No op's shape depends on the values of ids or labels: tokens
-outside the shard in hand are masked arithmetically (no host sync). Schedule: docs/parallelism.md,
-"TSP rings".
+tiled and in the activations' dtype once it is (`dx_accumulator_dtype`: no fp32 [N/D, h]; what
+bf16 sums in fp32: docs/long_context/tiled_loss.md). No op's shape depends on the values of ids
+or labels: tokens outside the shard in hand are masked arithmetically (no host sync). Schedule:
+docs/parallelism.md, "TSP rings".
 """
 
 from __future__ import annotations
