@@ -78,3 +78,21 @@ def test_a_forced_mlp_chunk_is_capped_and_checked():
     for bad in (0, -3, True, "big", 2.5):
         with pytest.raises(ValueError, match=r"parallel.mlp_chunk_tokens=.* must be 'auto' or an integer >= 1"):
             resolve_mlp_chunk_tokens(bad, 48, 64, 4)
+
+
+def test_the_vocab_rings_dx_is_fp32_only_where_the_loss_is_not_tiled():
+    """TSP's dX of the loss (parallel/tsp/vocab.py): fp32 with one chunk, the activation dtype
+    once tiled. Llama-3.1-8B (16,032 rows per rank on 8) at 128K tokens has 16,384 local tokens:
+    `auto` takes one chunk there, so the default keeps the fp32 dX; at 7,340,032 tokens (917,504
+    local) it tiles, and a bf16 run holds dX in bf16."""
+    import torch
+
+    from tsp_trainer.parallel.tsp.vocab import dx_accumulator_dtype
+
+    def dtype_at(local_tokens, dtype):
+        chunk = resolve_loss_chunk_tokens("auto", local_tokens, 16_032)
+        return dx_accumulator_dtype(dtype, len(token_chunks(local_tokens, chunk)))
+
+    assert dtype_at(16_384, torch.bfloat16) == torch.float32
+    assert dtype_at(917_504, torch.bfloat16) == torch.bfloat16
+    assert dtype_at(917_504, torch.float32) == torch.float32

@@ -169,7 +169,8 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
     model.norm = TSPRMSNorm(materialize_norm(model.norm, local, "norm"), replicated=replicated)
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))
-    model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size)
+    model.embed_tokens = TSPEmbedding(embed, comm=comm, vocab_size=cfg.vocab_size,
+                                      loss_chunk_tokens=loss_chunk_tokens)
     # every pass starts with the embedding (Transformer.hidden_states): the replicated views open there
     model.embed_tokens.register_forward_pre_hook(replicated.begin_pass)
     if kv_replicated is not None:

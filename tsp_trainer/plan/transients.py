@@ -110,16 +110,28 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
                        + _mlp_ring_backward_shards(w_mlp, ew, mlp_kept, d_)
                        + _mlp_chunk_backward(mid, dx_product, kept=bool(mlp_kept))),
            # ring of vocab shards: one fp32 logits block [c, V/D] (its exp / softmax computed in
-           # place) and, in bf16, the bf16 block it is cast from; x and dX in fp32; in backward
-           # (tsp/ring.py::ring_backward) the shard in use and the one arriving, three fp32
-           # [V/D, h] gradients (the one being computed, the accumulator being sent and the one
-           # arriving) and, in bf16 or when tiled, a chunk's product added into the first
-           "head": ((4 + (e if e < 4 else 0)) * c * (V // d_) + 8 * n * h
+           # place) and, in bf16, the bf16 block it is cast from; dX and what is added into it
+           # (`_head_dx`); in backward (tsp/ring.py::ring_backward) the shard in use and the one
+           # arriving, three fp32 [V/D, h] gradients (the one being computed, the accumulator
+           # being sent and the one arriving) and, in bf16 or when tiled, a chunk's product added
+           # into the first
+           "head": ((4 + (e if e < 4 else 0)) * c * (V // d_) + _head_dx(n, c, h, e)
                     + V // d_ * h * (2 * ew + 3 * 4 + (ew if ew < 4 or c < n else 0))),
            "norm_bwd_in_layer": own + sel + rms_norm_saved(n, h, e, output_kept=False) + e * n * h,
            # no causal mask or bias tensor on either attention route: 0 in the reported terms
            "kv_bucket": a["kv_bucket"], "mask": 0, "bias": 0}
     return out
+
+
+def _head_dx(n: int, c: int, h: int, e: int) -> int:
+    """Bytes of the vocab ring's dX [n, h] (tsp/vocab.py::dx_accumulator_dtype) with what is added
+    into it, for n local tokens in loss chunks of c. Untiled: dX in fp32 and one more [n, h],
+    counted as 8 n h (fp32: the product; bf16 holds 6 n h, its product and final cast being bf16).
+    Tiled: dX in the activation dtype; in bf16 each chunk's GEMM adds into it (no product
+    tensor), in fp32 one [c, h] product at a time."""
+    if c >= n:
+        return 8 * n * h
+    return e * n * h + (4 * c * h if e == 4 else 0)
 
 
 def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision, n: int,

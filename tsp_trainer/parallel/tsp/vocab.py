@@ -2,10 +2,12 @@
 around the ring (tsp/ring.py), so full-vocabulary logits of all tokens never exist on one rank.
 
 The head folds each [chunk, V/D] block of logits into an online log-sum-exp (chunks:
-parallel/loss_chunks.py) and its backward recomputes them; gradients are summed in fp32 and
-travel home in fp32 accumulators. No op's shape depends on the values of ids or labels: tokens
-outside the shard in hand are masked arithmetically (no host sync). Schedule: docs/parallelism.md,
-"TSP rings".
+parallel/loss_chunks.py) and its backward recomputes them; weight gradients are summed in fp32
+and travel home in fp32 accumulators; dX is summed over the shards in fp32 while the loss is not
+tiled and in the activations' dtype once it is (`dx_accumulator_dtype`: no fp32 [N/D, h]; what
+bf16 sums in fp32: docs/long_context/tiled_loss.md). No op's shape depends on the values of ids
+or labels: tokens outside the shard in hand are masked arithmetically (no host sync). Schedule:
+docs/parallelism.md, "TSP rings".
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ from tsp_trainer.parallel.tsp.ring import pack, ring_backward, ring_forward
 
 
 class TSPEmbedding(nn.Module):
-    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int):
+    """Vocab-sharded lookup. Its backward takes the tokens in the loss's chunks
+    (`loss_chunk_tokens`, `loss_budget_bytes`: the LM head's setting, resolved against the same
+    shard): with more than one chunk a bf16 incoming gradient is cast to fp32 a chunk at a time."""
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, *, comm: Comm, vocab_size: int,
+                 loss_chunk_tokens: int | str = "auto", loss_budget_bytes: int | None = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.comm, self.vocab_size = comm, vocab_size
+        self.loss_chunk_tokens, self.loss_budget_bytes = loss_chunk_tokens, loss_budget_bytes
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _EmbeddingFn.apply(ids, self.weight, self.comm)
+        chunk = resolve_loss_chunk_tokens(self.loss_chunk_tokens, ids.numel(), self.weight.shape[0],
+                                          self.loss_budget_bytes)
+        return _EmbeddingFn.apply(ids, self.weight, self.comm, chunk)
 
 
 class TSPLMHead(nn.Module):
@@ -79,7 +89,7 @@ class TSPLMHead(nn.Module):
 
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, comm: Comm):
+    def forward(ctx, ids, weight, comm: Comm, chunk: int | None = None):
         rows, h = weight.shape
         out = weight.new_zeros(ids.shape + (h,))
 
@@ -91,25 +101,37 @@ class _EmbeddingFn(torch.autograd.Function):
         ring_forward(comm, pack(weight), step, tag="embed.weights")
         ctx.save_for_backward(ids)
         ctx.comm, ctx.shape, ctx.dtype = comm, weight.shape, weight.dtype
+        ctx.chunk = ids.numel() if chunk is None else chunk
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (ids,) = ctx.saved_tensors
         rows, h = ctx.shape
-        dout32 = dout.reshape(-1, h).float()                          # [N/D, h], fp32 once
+        dout = dout.reshape(-1, h)
+        chunks = token_chunks(dout.shape[0], ctx.chunk)
+        # fp32 once for all tokens ([N/D, h]; fp32 dout is itself), unless the loss is tiled and
+        # dout is not fp32: then a chunk at a time, in every ring step
+        whole = dout.float() if len(chunks) == 1 or dout.dtype == torch.float32 else None
 
         def grad_step(j: int, _flat: torch.Tensor) -> torch.Tensor:
             # rows of shard j summed in fp32; tokens of other shards go to a padding row (rows),
             # which embedding_dense_backward skips, and which is dropped (no atomics on a sink)
             index, hit = _in_shard(ids, j, rows)
             sink = torch.where(hit, index, rows).reshape(-1)
-            g = torch.ops.aten.embedding_dense_backward(dout32, sink, rows + 1, rows, False)
+            if whole is not None:
+                g = torch.ops.aten.embedding_dense_backward(whole, sink, rows + 1, rows, False)
+            else:                                             # [rows + 1, h] fp32, over chunks
+                g = None
+                for c in chunks:
+                    part = torch.ops.aten.embedding_dense_backward(dout[c].float(), sink[c], rows + 1,
+                                                                   rows, False)
+                    g = part if g is None else g.add_(part)
             return g[:rows].reshape(-1)
 
         # The lookup's gradient does not need the weights: only the (fp32) accumulators travel.
         full = ring_backward(ctx.comm, None, grad_step, tag="embed.weights")
-        return None, full.view(rows, h).to(ctx.dtype), None
+        return None, full.view(rows, h).to(ctx.dtype), None, None
 
 
 def _in_shard(ids: torch.Tensor, shard: int, rows: int):
@@ -171,8 +193,8 @@ class _HeadLossFn(torch.autograd.Function):
         x = hidden.reshape(-1, hidden.shape[-1])
         flat_labels = labels.reshape(-1)
         scale = (flat_labels != IGNORE_INDEX).float() * dloss        # d loss / d token loss
-        dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         chunks = token_chunks(x.shape[0], ctx.chunk)
+        dx = torch.zeros(x.shape, dtype=dx_accumulator_dtype(x.dtype, len(chunks)), device=x.device)
 
         def grad_step(j: int, w: torch.Tensor) -> torch.Tensor:
             w = w.view(rows, -1)
@@ -183,13 +205,33 @@ class _HeadLossFn(torch.autograd.Function):
                 index, hit = _in_shard(flat_labels[c], j, rows)
                 dlogits.scatter_add_(1, index[:, None], -hit.float()[:, None])   # - onehot
                 dlogits = dlogits.mul_(scale[c, None]).to(w.dtype)  # matmuls in the weights' dtype
-                dx[c] += dlogits @ w                                # summed over shards in fp32
+                _add_dx(dx[c], dlogits, w)                          # summed over shards
                 dw = _add_product(dw, dlogits.T, x[c])
             return dw.reshape(-1)                                   # fp32 ring accumulator
 
         full = ring_backward(ctx.comm, pack(weight), grad_step, tag="head.weights")
         return (dx.to(hidden.dtype).view(hidden.shape), full.view(weight.shape).to(weight.dtype),
                 None, None, None, None)
+
+
+def dx_accumulator_dtype(dtype: torch.dtype, chunks: int) -> torch.dtype:
+    """The dtype of the head's dX [N/D, h], summed over the D vocab shards: fp32 while the loss
+    takes all local tokens at once (one chunk: the [N/D, V/D] fp32 logits block dwarfs it), the
+    activations' `dtype` once they are tiled, so that no fp32 [N/D, h] exists (bf16: each shard's
+    chunk product is summed in fp32 inside its GEMM and added to the chunk's rows with one rounding;
+    fp32: the same as untiled)."""
+    return dtype if chunks > 1 else torch.float32
+
+
+def _add_dx(dx: torch.Tensor, dlogits: torch.Tensor, w: torch.Tensor) -> None:
+    """dx [c, h] += dlogits [c, V/D] @ w [V/D, h]. Into an fp32 accumulator: the product, then
+    added (for bf16 operands the product is rounded once, summed in fp32 across shards). Into a
+    bf16 one of the operands' dtype: one GEMM that sums the product in fp32 and adds it to dx
+    before rounding once (addmm_, no [c, h] product tensor)."""
+    if dx.dtype != torch.float32 and dlogits.dtype == w.dtype == dx.dtype:
+        dx.addmm_(dlogits, w)
+    else:
+        dx += dlogits @ w
 
 
 def _add_product(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
