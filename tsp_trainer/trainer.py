@@ -166,14 +166,13 @@ class Trainer:
                                    offload_optimizer=c.zero.offload_optimizer == "cpu")
 
     def _build_model(self) -> Parallelized:
-        c = self.cfg
+        c, p = self.cfg, self.cfg.parallel
         with torch.device("meta"):                       # no rank ever holds the full model
             model = Transformer(self.model_cfg, attention_kernel=self.attention.kernel)
         # the baselines refuse options they do not know: the recompute settings go to TSP only
-        p = c.parallel
         tsp_only = ({"tsp_recompute": p.tsp_recompute, "checkpoint_replay_keeps": p.checkpoint_replay_keeps,
-                     "attention_chunk_tokens": p.attention_chunk_tokens}
-                    if c.parallel.scheme == "tsp" else ulysses_engine.scheme_options(c.parallel.scheme, c.zero.stage, c.parallel.ulysses_head_chunks))
+                     "attention_chunk_tokens": p.attention_chunk_tokens} if p.scheme == "tsp"
+                    else ulysses_engine.scheme_options(p.scheme, c.zero.stage, p.ulysses_head_chunks))
         par = parallelize(model, c.parallel.scheme, self.mesh, seq_len=c.data.seq_len,
                           head_buckets=c.parallel.head_buckets, init_seed=c.model.seed,
                           tp_degree=c.parallel.tp_degree, sp_degree=c.parallel.sp_degree,
