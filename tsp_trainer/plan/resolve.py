@@ -2,7 +2,7 @@
 concrete values, and the recompute its FLOP count needs, decided once for the whole job.
 
     resolved = resolve_run(cfg, world_size=world, cuda=cuda)   # AutoSettingsError: nothing fits
-    resolved.cfg            # no `auto` left in the four memory keys (plan/auto.py)
+    resolved.cfg            # no `auto` left in the five memory keys (plan/auto.py)
     resolved.line()         # the start-up line, or None when nothing was auto
     resolved.flops          # {seq_len: (model, hardware) FLOPs per token} of every length stage
 
@@ -55,6 +55,8 @@ def resolve_run(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
         cfg = memory.apply(cfg)
     if cfg.parallel.checkpoint_replay_keeps == "auto":      # no checkpointing: nothing to replay
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, checkpoint_replay_keeps="all"))
+    if cfg.train.checkpoint_segment_blocks == "auto":       # no checkpointing: nothing to nest
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint_segment_blocks=1))
     model = cfg.model.to_model_config()
     flops = {seq: (flops_per_token(model, seq), flops_per_token(model, seq, recompute=run_recompute(cfg, model, seq)))
              for seq in sorted({s for s, _ in length_stages(cfg)})}
