@@ -34,19 +34,22 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
     assert lengths == sorted(lengths) and lengths[0] > 0
     assert lengths[5] > 2 * lengths[4]             # activation offload is the big step
     # the tiled-MLP row (loss tiled, MLP tiled, accumulators fp32), asked for directly
-    mlp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, replay_keeps=("all",),
+    mlp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, replay_keeps=("all",), segments=(1,),
                           fields={"loss_chunk_tokens": "auto", "mlp_chunk_tokens": "auto",
                                   "tiled_accumulators": False})
     assert mlp.seq_len == rows[2].longest.seq_len
     # the row with every tiling is the planner's answer with the replay keeping all
     assert rows[3].longest.seq_len == longest_seq_len(CFG, "tsp", hw=H100, nodes=1,
-                                                      replay_keeps=("all",)).seq_len
+                                                      replay_keeps=("all",), segments=(1,)).seq_len
+    # the nested row is the planner's answer with both offloads and nesting searched (its default)
+    nested = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
+    assert rows[6].longest.seq_len == nested.seq_len >= lengths[5]
     # the lean replay is the planner's answer with both offloads and every replay value, and it is
     # longer: the replay no longer holds one block's gate/up and attention items
     lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True,
                            replay_keeps=REPLAY_KEEPS)
-    assert rows[6].longest.seq_len == lean.seq_len > 2 * lengths[5]
-    assert rows[6].longest.best.layout.replay_keeps == "nothing"
+    assert rows[7].longest.seq_len == lean.seq_len > 2 * lengths[5]
+    assert rows[7].longest.best.layout.replay_keeps == "nothing"
     base = rows[0].longest.best.layout
     assert base.loss_chunk_tokens == UNTILED and not base.tiled_accumulators
     assert rows[4].longest.best.layout.offload_optimizer
@@ -56,10 +59,11 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
 
 def test_a_small_host_memory_binds_and_is_named():
     """With 300 GB of host memory per node activation offload stops where the node's pinned bytes
-    reach it: shorter than with the profile's 2 TB, and the answer names host memory."""
+    reach it: shorter than with the profile's 2 TB, and the answer names host memory; nesting
+    the checkpoints goes further."""
     small = get_profile("h100", host_memory_gb=300)
-    full = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True)
-    tight = longest_seq_len(CFG, "tsp", hw=small, nodes=1, offload=True)
+    full = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, segments=(1,))
+    tight = longest_seq_len(CFG, "tsp", hw=small, nodes=1, offload=True, segments=(1,))
     assert 0 < tight.seq_len < full.seq_len
     assert tight.bound == "host" and tight.best.memory["host_per_node"] <= 300e9
     over = predict(CFG.replace(max_seq_len=tight.seq_len + 65536), tight.best.layout,
@@ -67,6 +71,10 @@ def test_a_small_host_memory_binds_and_is_named():
     assert over.exceeds == ("host",) and not over.fits
     in_hbm = longest_seq_len(CFG, "tsp", hw=small, nodes=1)
     assert in_hbm.bound == "HBM"
+    # nested checkpointing (searched by default) divides the pinned block inputs: longer, nested
+    nested = longest_seq_len(CFG, "tsp", hw=small, nodes=1, offload=True)
+    assert nested.seq_len > tight.seq_len and nested.best.layout.checkpoint_segment_blocks > 1
+    assert nested.best.memory["host_per_node"] <= 300e9
 
 
 def test_offload_with_checkpointing_pins_one_block_input_per_layer():
