@@ -204,3 +204,29 @@ def test_the_auto_settings_plan_with_the_runs_own_chunks():
     chunks = [predict(model, lay, 8192, H100, prec=FP32, device="cpu").activation.terms["mlp_chunk_tokens"]
              for lay in (auto, forced)]
     assert chunks == [4096, 512]
+
+
+def test_nesting_pins_one_block_input_per_segment_and_costs_the_extra_forward():
+    """checkpoint_segment_blocks = k: the host holds ceil(L / k) block inputs (L = 32: 8 at
+    k = 4, 11 at k = 3), the GPU's backward up to k - 1 more than per-block checkpointing's, and
+    the step runs L - ceil(L / k) more block forwards (the FLOP model's re-runs, the step time)."""
+    from tsp_trainer.plan.flops import forward_runs, recompute_runs
+
+    s = 1 << 20
+    model = CFG.replace(max_seq_len=s)
+    block_input = 2 * s // 8 * CFG.hidden_size
+    base = Layout("tsp", 8, activation_checkpointing=True, offload_activations=True)
+    per_block = predict(model, base, s, H100)
+    for k, kept in ((3, 11), (4, 8)):
+        nested = predict(model, Layout("tsp", 8, activation_checkpointing=True, offload_activations=True,
+                                       checkpoint_segment_blocks=k), s, H100)
+        assert nested.memory["host_offloaded"] == kept * block_input
+        assert nested.activation.phases["backward"] - per_block.activation.phases["backward"] == \
+            (k - 1) * block_input
+        extra = recompute_runs(CFG, nested.layout, s)["qkv"] - recompute_runs(CFG, base, s)["qkv"]
+        assert extra == pytest.approx((CFG.num_layers - kept) / CFG.num_layers)
+        assert nested.step_time > per_block.step_time
+    assert forward_runs(base, cfg_layers=CFG.num_layers) == forward_runs(base)     # k = 1: unchanged
+    with pytest.raises(ValueError, match="checkpoint_segment_blocks=2"):
+        Layout("tsp", 8, checkpoint_segment_blocks=2)                          # no checkpointing
+    assert "nest=4" in Layout("tsp", 8, activation_checkpointing=True, checkpoint_segment_blocks=4).label()
