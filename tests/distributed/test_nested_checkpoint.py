@@ -21,10 +21,14 @@ from tsp_trainer.model.layers import PositionRuns
 from tsp_trainer.parallel.loss import global_count
 from tsp_trainer.parallel.mesh import build_mesh
 from tsp_trainer.parallel.schemes import parallelize
+from tsp_trainer.parallel.tsp.comm_model import ledger_totals
+from tsp_trainer.plan.communication import model_parallel_comm
+from tsp_trainer.plan.layout import Layout
+from tsp_trainer.plan.precision import FP32
 
 SEED, SEQ = 5, 32
-# 5 layers: segments of 2 (2, 2, 1) and of 3 (3, 2) both end in a shorter segment
-CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=5, num_heads=8, num_kv_heads=4,
+# 3 layers: segments of 2 (2, 1) end in a shorter one, a segment of 3 is the whole model
+CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
                   intermediate_size=128, max_seq_len=64, qkv_bias=True, o_bias=True)
 LENGTHS = [[5, 11, 1, 15], [3, 29]]
 # (name, checkpoint_segment_blocks, offload): the first is the per-block reference
@@ -39,9 +43,10 @@ def _batch():
     return tokens[:, :-1].contiguous(), labels
 
 
-def _variants(model, loss_sum, comms) -> dict:
+def _variants(model, loss_sum, comms, ledger=None) -> dict:
     """Each VARIANTS entry on `model`: loss sum, gradients (named as the model's parameters),
-    block forwards run and host bytes after the forward."""
+    block forwards run, host bytes after the forward and (given the mesh's ledger) the step's
+    model-parallel ops."""
     calls = [0]
     hooks = [b.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for b in model.layers]
     out = {}
@@ -49,10 +54,13 @@ def _variants(model, loss_sum, comms) -> dict:
         wrap_blocks(model, checkpointing=True, offload=offload, segment_blocks=k)
         model.zero_grad(set_to_none=True)
         calls[0] = 0
+        if ledger is not None:
+            ledger.reset()
         total, count = loss_sum()
         host = model.block_wrapper.host_bytes if offload else 0
         (total / global_count(count, comms)).backward()
-        out[name] = {"loss": total.detach().clone(), "calls": calls[0], "host": host,
+        ops = {} if ledger is None else {f"{op}/{tag}": v for (op, tag), v in ledger_totals(ledger.records).items()}
+        out[name] = {"loss": total.detach().clone(), "calls": calls[0], "host": host, "ledger": ops,
                      "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
     for h in hooks:
         h.remove()
@@ -67,7 +75,8 @@ def _rank(rank, world, scheme, options, masking):
     par = parallelize(model, scheme, mesh, seq_len=SEQ, **options)
     docs = Documents.from_lengths(LENGTHS) if masking else None
     local_ids, local_labels, pos = par.local_batch(ids, labels, docs)
-    return _variants(model, lambda: par.loss_sum(local_ids, local_labels, pos), par.token_comms)
+    return _variants(model, lambda: par.loss_sum(local_ids, local_labels, pos), par.token_comms,
+                     mesh.ledger)
 
 
 def _assert_exact(out: dict, where: str) -> None:
@@ -120,7 +129,7 @@ def test_no_checkpointing_runs_each_block_once_and_nesting_needs_checkpointing()
         wrap_blocks(model, checkpointing=False, offload=True, segment_blocks=2)
     model.blocks_per_call = 2
     units = model.block_units()
-    assert [len(u) for u in units] == [2, 2, 1] and model.block_units() is units   # built once
+    assert [len(u) for u in units] == [2, 1] and model.block_units() is units   # built once
 
 
 @pytest.mark.distributed
@@ -130,3 +139,11 @@ def test_no_checkpointing_runs_each_block_once_and_nesting_needs_checkpointing()
 def test_nested_checkpointing_equals_per_block(scheme, world, options, masking):
     for rank, out in enumerate(RUNS.result(world, _key(scheme, options, masking))):
         _assert_exact(out, f"rank {rank}")
+        # the planner's ledger counts the re-run block forwards (plan/communication.py)
+        axes = {"tp": 2, "sp": 2} if scheme == "tp_x_sp" else {}
+        for name, k, _ in VARIANTS:
+            layout = Layout(scheme, world, micro_batch=len(LENGTHS), activation_checkpointing=True,
+                            checkpoint_segment_blocks=k, head_buckets=options.get("head_buckets", 1), **axes)
+            model = {key: {"count": v["count"], "bytes": v["bytes"]}
+                     for key, v in model_parallel_comm(CFG, layout, SEQ, FP32).items()}
+            assert out[name]["ledger"] == model, f"rank {rank} {name} ledger"
