@@ -29,11 +29,10 @@ from tsp_trainer.engine import deepspeed as ds_engine, ulysses as ulysses_engine
 from tsp_trainer.engine.device_support import check_device_support, device_refusal
 from tsp_trainer.eval.evaluator import Evaluator, build_passkey_task
 from tsp_trainer.model import Transformer
-from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.model.activation_checkpoint import wrap_blocks
 from tsp_trainer.model.attention_kernel import run_attention_kernel
 from tsp_trainer.model.attention_route import use_attention_kernel
 from tsp_trainer.model.documents import Documents
-from tsp_trainer.model.offload import ActivationOffload
 from tsp_trainer.observability import (ProgressBar, StepRecorder, detect_peak_flops, get_logger,
                                        make_sinks)
 from tsp_trainer.observability.wandb_sink import check_wandb_credentials
@@ -181,10 +180,8 @@ class Trainer:
         if c.model.init_from:
             from tsp_trainer.checkpoint.hf import load_hf_state_dict
             par.load_full_state_dict(load_hf_state_dict(c.model.init_from, self.model_cfg))
-        if c.train.activation_checkpointing:
-            model.block_wrapper = checkpointed_block
-        if c.train.offload_activations:                  # around the checkpoint, if any
-            model.block_wrapper = ActivationOffload(model.block_wrapper)
+        wrap_blocks(model, checkpointing=c.train.activation_checkpointing, offload=c.train.offload_activations,
+                    segment_blocks=c.train.checkpoint_segment_blocks)   # offload around checkpoints
         return par
 
     def _build_loaders(self):

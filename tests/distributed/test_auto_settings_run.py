@@ -55,7 +55,8 @@ def test_a_budget_only_checkpointing_fits_is_what_runs_says_and_records(tmp_path
     lines = [[x for x in o["log"] if x.startswith("[rank 0] auto:")] for o in outs]
     assert len(lines[0]) == 1 and lines[1] == []               # once, by rank 0
     assert lines[0][0].startswith("[rank 0] auto: tsp_recompute=full, activation_checkpointing=true, "
-                                  "head_buckets=1, checkpoint_replay_keeps=all (predicted peak ")
+                                  "head_buckets=1, checkpoint_replay_keeps=all, checkpoint_segment_blocks=1 "
+                                  "(predicted peak ")
     assert all(o["replay_keeps"] == (True, True) for o in outs)      # all: the blocks' replay keeps
     assert lines[0][0].endswith(" budget: train.memory_budget_gib)")
     assert all(o["checkpointed"] and o["recompute"] == "full" for o in outs)

@@ -17,13 +17,15 @@ pytestmark = pytest.mark.distributed
     (1, "tsp", []), (2, "tsp", []),
     (1, "tp", []), (1, "tp_sp", []), (1, "sp", []),
     (2, "tp_x_sp", ["parallel.tsp_degree=4", "parallel.tp_degree=2", "parallel.sp_degree=2"]),
-    # every bias kind, a scaled RoPE and activation checkpointing: the grad-norm counts sharded
-    # biases once per shard and replicated ones once
+    # every bias kind, a scaled RoPE and nested activation checkpointing with offload: the
+    # grad-norm counts sharded biases once per shard and replicated ones once
     (1, "tsp", ["model.qkv_bias=true", "model.o_bias=true", "model.mlp_bias=true",
                 "model.rope_scaling.rope_type=llama3", "model.rope_scaling.factor=8",
                 "model.rope_scaling.low_freq_factor=1", "model.rope_scaling.high_freq_factor=4",
                 "model.rope_scaling.original_max_position_embeddings=16",
-                "train.activation_checkpointing=true"]),
+                "train.activation_checkpointing=true",
+                # nested checkpointing (one segment of the 2 blocks), its kept input on the host
+                "train.checkpoint_segment_blocks=2", "train.offload_activations=true"]),
 ])
 def test_dp2_tsp2_matches_single_process(stage, scheme, layout):
     """5 steps of DP=2 x TSP=2 (and of each baseline scheme on 4 ranks) equal one process on the

@@ -97,7 +97,45 @@ def test_nothing_fits_names_the_budget_and_the_smallest_peak():
     assert f"nothing fits the memory budget of {smallest / 2 / GIB:.1f} GiB per process " \
            "(train.memory_budget_gib)" in message
     assert f"the smallest predicted peak is {smallest / GIB:.1f} GiB (tsp_recompute=full, " \
-           "activation_checkpointing=true, head_buckets=1, checkpoint_replay_keeps=all)" in message
+           "activation_checkpointing=true, head_buckets=1, checkpoint_replay_keeps=all, " \
+           "checkpoint_segment_blocks=1)" in message
+
+
+def _nested_peak(k: int, *overrides: str) -> float:
+    """The predicted peak of the run's layout under full recompute and checkpointing with
+    checkpoint_segment_blocks=k (the candidate `auto` weighs for k)."""
+    from dataclasses import replace
+    cfg = _cfg(*overrides)
+    model = cfg.model.to_model_config()
+    lay = replace(run_layout(cfg, 2), activation_checkpointing=True, checkpoint_segment_blocks=k)
+    return predict(model, lay, cfg.data.seq_len, get_profile("h100"), prec=FP32, device="cpu").memory["total"]
+
+
+def test_auto_nests_only_when_the_budget_needs_it():
+    """train.checkpoint_segment_blocks=auto: per-block checkpointing (k = 1, no extra forward)
+    whenever it fits; under a budget between the peaks of k = 1 and a nested k, the smallest k
+    that fits; an explicit k stays as written. 1B has 16 layers: k = 4 keeps 4 block inputs, and
+    regains at most 3 in backward."""
+    fixed = ["parallel.tsp_recompute=full", "train.activation_checkpointing=true",
+             "train.checkpoint_segment_blocks=auto"]
+    per_block, nested = _nested_peak(1), _nested_peak(4)
+    assert nested < per_block                            # the premise: nesting saves memory here
+    roomy = _resolve(per_block * 1.01, *fixed)
+    assert roomy.checkpoint_segment_blocks == 1 and roomy.activation_checkpointing
+    tight = _resolve((per_block + nested) / 2, *fixed)
+    assert 1 < tight.checkpoint_segment_blocks <= 4
+    assert tight.peak <= (per_block + nested) / 2
+    assert "checkpoint_segment_blocks=" in tight.line()
+    applied = tight.apply(_cfg(*fixed))
+    assert applied.train.checkpoint_segment_blocks == tight.checkpoint_segment_blocks
+    explicit = _resolve(per_block * 2, "parallel.tsp_recompute=auto", "train.checkpoint_segment_blocks=2")
+    assert explicit.checkpoint_segment_blocks == 2 and explicit.activation_checkpointing
+
+
+def test_nesting_without_checkpointing_is_refused():
+    with pytest.raises(ValueError, match="train.checkpoint_segment_blocks=2 with "
+                                         "train.activation_checkpointing=false"):
+        validate_config(_cfg("train.activation_checkpointing=false", "train.checkpoint_segment_blocks=2"))
 
 
 def test_tsp_check_exits_2_when_nothing_fits(capsys, tmp_path):
@@ -118,7 +156,7 @@ def test_start_line_names_values_peak_and_budget():
     c = choose_memory_settings(_cfg(), world_size=2, budget=Budget(20 * GIB, "train.memory_budget_gib"),
                                cuda=False)
     assert c.line() == (f"auto: tsp_recompute=none, activation_checkpointing=false, head_buckets=1, "
-                        f"checkpoint_replay_keeps=all "
+                        f"checkpoint_replay_keeps=all, checkpoint_segment_blocks=1 "
                         f"(predicted peak {c.peak / GIB:.1f} GiB of 20.0 GiB budget: "
                         "train.memory_budget_gib)")
     applied = c.apply(_cfg())
@@ -200,7 +238,8 @@ def test_checkpoint_replay_keeps_auto_is_all_and_the_lean_values_are_explicit():
     def chosen(budget: float, run: TrainConfig = cfg) -> str:
         choice = choose_memory_settings(run, world_size=8, budget=Budget(budget, "train.memory_budget_gib"),
                                         cuda=True, hw=hw)
-        assert f"checkpoint_replay_keeps={choice.checkpoint_replay_keeps} (predicted peak" in choice.line()
+        assert f"checkpoint_replay_keeps={choice.checkpoint_replay_keeps}, checkpoint_segment_blocks=1 " \
+               "(predicted peak" in choice.line()
         return choice.checkpoint_replay_keeps
 
     between = (peak["attention"] + peak["all"]) / 2

@@ -34,23 +34,26 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
     assert lengths == sorted(lengths) and lengths[0] > 0
     assert lengths[5] > 2 * lengths[4]             # activation offload is the big step
     # the tiled-MLP row (loss tiled, MLP tiled, accumulators fp32), asked for directly
-    mlp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, replay_keeps=("all",),
+    mlp = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, replay_keeps=("all",), segments=(1,),
                           fields={"loss_chunk_tokens": "auto", "mlp_chunk_tokens": "auto",
                                   "tiled_accumulators": False})
     assert mlp.seq_len == rows[2].longest.seq_len
     # the row with every tiling is the planner's answer with the replay keeping all
     assert rows[3].longest.seq_len == longest_seq_len(CFG, "tsp", hw=H100, nodes=1,
-                                                      replay_keeps=("all",)).seq_len
+                                                      replay_keeps=("all",), segments=(1,)).seq_len
+    # the nested row is the planner's answer with both offloads and nesting searched (its default)
+    nested = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
+    assert rows[6].longest.seq_len == nested.seq_len >= lengths[5]
     # the lean replay is the planner's answer with both offloads and every replay value, and it is
     # longer: the replay no longer holds one block's gate/up and attention items
     lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True,
                            replay_keeps=REPLAY_KEEPS)
-    assert rows[7].longest.seq_len == lean.seq_len > rows[6].longest.seq_len > 2 * lengths[5]
-    assert rows[6].longest.best.layout.replay_keeps == "nothing"
+    assert rows[8].longest.seq_len == lean.seq_len >= rows[7].longest.seq_len > 2 * lengths[5]
+    assert rows[7].longest.best.layout.replay_keeps == "nothing"
     # the chunked attention row is the planner's answer (attention_chunk_tokens auto); the rows
     # above gather K/V whole
-    assert rows[6].longest.best.layout.attention_chunk_tokens == UNTILED
-    assert rows[7].longest.best.layout.attention_chunk_tokens == "auto"
+    assert rows[7].longest.best.layout.attention_chunk_tokens == UNTILED
+    assert rows[8].longest.best.layout.attention_chunk_tokens == "auto"
     base = rows[0].longest.best.layout
     assert base.loss_chunk_tokens == UNTILED and not base.tiled_accumulators
     assert rows[4].longest.best.layout.offload_optimizer
@@ -60,10 +63,11 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
 
 def test_a_small_host_memory_binds_and_is_named():
     """With 300 GB of host memory per node activation offload stops where the node's pinned bytes
-    reach it: shorter than with the profile's 2 TB, and the answer names host memory."""
+    reach it: shorter than with the profile's 2 TB, and the answer names host memory; nesting
+    the checkpoints goes further."""
     small = get_profile("h100", host_memory_gb=300)
-    full = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True)
-    tight = longest_seq_len(CFG, "tsp", hw=small, nodes=1, offload=True)
+    full = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, segments=(1,))
+    tight = longest_seq_len(CFG, "tsp", hw=small, nodes=1, offload=True, segments=(1,))
     assert 0 < tight.seq_len < full.seq_len
     assert tight.bound == "host" and tight.best.memory["host_per_node"] <= 300e9
     over = predict(CFG.replace(max_seq_len=tight.seq_len + 65536), tight.best.layout,
@@ -71,6 +75,10 @@ def test_a_small_host_memory_binds_and_is_named():
     assert over.exceeds == ("host",) and not over.fits
     in_hbm = longest_seq_len(CFG, "tsp", hw=small, nodes=1)
     assert in_hbm.bound == "HBM"
+    # nested checkpointing (searched by default) divides the pinned block inputs: longer, nested
+    nested = longest_seq_len(CFG, "tsp", hw=small, nodes=1, offload=True)
+    assert nested.seq_len > tight.seq_len and nested.best.layout.checkpoint_segment_blocks > 1
+    assert nested.best.memory["host_per_node"] <= 300e9
 
 
 def test_offload_with_checkpointing_pins_one_block_input_per_layer():
@@ -200,3 +208,29 @@ def test_the_auto_settings_plan_with_the_runs_own_chunks():
     chunks = [predict(model, lay, 8192, H100, prec=FP32, device="cpu").activation.terms["mlp_chunk_tokens"]
              for lay in (auto, forced)]
     assert chunks == [4096, 512]
+
+
+def test_nesting_pins_one_block_input_per_segment_and_costs_the_extra_forward():
+    """checkpoint_segment_blocks = k: the host holds ceil(L / k) block inputs (L = 32: 8 at
+    k = 4, 11 at k = 3), the GPU's backward up to k - 1 more than per-block checkpointing's, and
+    the step runs L - ceil(L / k) more block forwards (the FLOP model's re-runs, the step time)."""
+    from tsp_trainer.plan.flops import forward_runs, recompute_runs
+
+    s = 1 << 20
+    model = CFG.replace(max_seq_len=s)
+    block_input = 2 * s // 8 * CFG.hidden_size
+    base = Layout("tsp", 8, activation_checkpointing=True, offload_activations=True)
+    per_block = predict(model, base, s, H100)
+    for k, kept in ((3, 11), (4, 8)):
+        nested = predict(model, Layout("tsp", 8, activation_checkpointing=True, offload_activations=True,
+                                       checkpoint_segment_blocks=k), s, H100)
+        assert nested.memory["host_offloaded"] == kept * block_input
+        assert nested.activation.phases["backward"] - per_block.activation.phases["backward"] == \
+            (k - 1) * block_input
+        extra = recompute_runs(CFG, nested.layout, s)["qkv"] - recompute_runs(CFG, base, s)["qkv"]
+        assert extra == pytest.approx((CFG.num_layers - kept) / CFG.num_layers)
+        assert nested.step_time > per_block.step_time
+    assert forward_runs(base, cfg_layers=CFG.num_layers) == forward_runs(base)     # k = 1: unchanged
+    with pytest.raises(ValueError, match="checkpoint_segment_blocks=2"):
+        Layout("tsp", 8, checkpoint_segment_blocks=2)                          # no checkpointing
+    assert "nest=4" in Layout("tsp", 8, activation_checkpointing=True, checkpoint_segment_blocks=4).label()

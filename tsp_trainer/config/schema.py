@@ -296,6 +296,11 @@ class TrainSection:
                     "CPU runs take auto only (docs/trainer.md)")
     activation_checkpointing: bool | Auto = setting("auto", doc="recompute each block in backward; auto = "
                                                                 "only when nothing faster fits")
+    checkpoint_segment_blocks: int | Auto = setting(
+        1, min=1, doc="nested checkpointing: keep only every k-th block input, re-running each "
+                      "segment of k blocks forward in backward (needs activation checkpointing); "
+                      "1 = per-block checkpointing; auto = the smallest k that fits the budget "
+                      "(docs/long_context/longest_context.md)")
     memory_budget_gib: float | None = setting(
         None, above=0, doc="memory per process the auto settings must fit (GiB); null = the GPU's "
                            "memory less the planner's reserve, on CPU available host memory / processes")

@@ -61,6 +61,7 @@ def validate_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     check_ulysses_head_chunks(model, scheme=p.scheme, degree=p.tsp_degree, head_chunks=p.ulysses_head_chunks)
     _check_tsp_recompute(cfg)
     _check_attention_chunk(cfg)
+    _check_nested_checkpoint(cfg)
     _check_batch(cfg, resolve_dp_degree(p, world_size))
     _check_schedule(cfg, model)
     _check_eval(cfg, model)
@@ -493,6 +494,17 @@ def _check_tsp_recompute(cfg: TrainConfig) -> None:
                          f"{kept} {mode} keeps are not offloaded (only the blocks' "
                          "saved tensors go to host memory), so every layer's stay on the device; "
                          "set parallel.tsp_recompute=full or train.offload_activations=false")
+
+
+def _check_nested_checkpoint(cfg: TrainConfig) -> None:
+    """train.checkpoint_segment_blocks > 1 nests per-block checkpoints in segment checkpoints
+    (model/activation_checkpoint.py): without activation checkpointing there is nothing to nest."""
+    k = cfg.train.checkpoint_segment_blocks
+    if k != "auto" and k > 1 and cfg.train.activation_checkpointing is False:
+        raise ValueError(f"train.checkpoint_segment_blocks={k} with train.activation_checkpointing=false: "
+                         "nested checkpointing keeps every k-th block input of checkpointed blocks; "
+                         "set train.activation_checkpointing=true (or auto) or "
+                         "train.checkpoint_segment_blocks=1")
 
 
 # what each parallel.tsp_recompute beyond "full" keeps per layer (for the refusals' wording)

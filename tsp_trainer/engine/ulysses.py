@@ -36,7 +36,7 @@ def distributed_attention(local_attention: Callable, group) -> Callable:
     return attend
 
 
-def scheme_options(scheme: str, zero_stage: int, head_chunks: int = 1) -> dict:
+def scheme_options(scheme: str, zero_stage: int = 0, head_chunks: int = 1) -> dict:
     """The engine's part of parallelize()'s options for a baseline `scheme`: DeepSpeed's
     DistributedAttention for `ulysses` and the head chunks it is called in
     (parallel.ulysses_head_chunks, resolved); under ZeRO-3 (sp and ulysses, config/validate.py) the

@@ -7,6 +7,18 @@ the first forward (keep nothing beyond what checkpointing keeps), or the replay 
 replay what its backward would otherwise recompute hands it over through the call's slots
 (`CheckpointCall.put` in the replay, `take` in the first forward's backward), so its backward
 recomputes nothing again. The model itself uses none of this; parallel/tsp does.
+
+Nested checkpointing (`train.checkpoint_segment_blocks` = k > 1; Chen et al. 2016's sqrt(L)
+checkpointing with a chosen k): the model hands the wrapper segments of k consecutive blocks
+(Transformer.blocks_per_call), and `checkpointed_segment` keeps only each segment's input (on the
+device, or on the host under activation offload). In backward, torch's nested non-reentrant
+checkpoint re-runs the segment's forward from that input to regain its inner block inputs (the
+inner checkpoints' inputs are tensors the outer one saved), stopping at the last block's input,
+then each block is replayed and backpropagated as under plain per-block checkpointing. Cost: k - 1
+more block forwards per segment; block inputs kept: ceil(L / k) instead of L, plus up to k - 1
+regained ones on the device while the segment is backpropagated. The same values in the same
+order are computed, so losses and gradients equal per-block checkpointing's (tests/distributed/
+test_nested_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -91,3 +103,26 @@ def checkpointed_block(block, x: torch.Tensor, rope):
     telling the two passes apart."""
     return torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False,
                                              context_fn=_pass_contexts)
+
+
+def checkpointed_segment(segment, x: torch.Tensor, rope):
+    """block_wrapper(segment, x, rope) for nested checkpointing: the segment (a BlockSegment of
+    model/transformer.py) is checkpointed as a whole, each of its blocks as `checkpointed_block`."""
+    return torch.utils.checkpoint.checkpoint(segment, x, rope, checkpointed_block, use_reentrant=False)
+
+
+def wrap_blocks(model, *, checkpointing: bool, offload: bool, segment_blocks: int = 1) -> None:
+    """Set `model.block_wrapper` and `model.blocks_per_call` (model/transformer.py) for
+    train.activation_checkpointing, train.offload_activations and train.checkpoint_segment_blocks:
+    per-block checkpointing, or segments of `segment_blocks` blocks checkpointed around per-block
+    checkpoints, and the offload of what they keep (model/offload.py) around either."""
+    from tsp_trainer.model.offload import ActivationOffload
+
+    if segment_blocks < 1 or (segment_blocks > 1 and not checkpointing):
+        raise ValueError(f"train.checkpoint_segment_blocks={segment_blocks} needs activation "
+                         "checkpointing (nested checkpoints are checkpoints) and must be >= 1")
+    wrapper = None
+    if checkpointing:
+        wrapper = checkpointed_segment if segment_blocks > 1 else checkpointed_block
+    model.blocks_per_call = segment_blocks
+    model.block_wrapper = ActivationOffload(wrapper) if offload else wrapper

@@ -39,6 +39,23 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class BlockSegment:
+    """Consecutive blocks run as one unit (Transformer.blocks_per_call). Not a module: the blocks
+    stay registered where they are (layers.i), so state dicts do not change."""
+
+    def __init__(self, blocks: list[Block]):
+        self.blocks = tuple(blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __call__(self, x: torch.Tensor, rope: Rotary, each=None) -> torch.Tensor:
+        """The blocks in order; `each`: a block_wrapper(block, x, rope) around every block's call."""
+        for block in self.blocks:
+            x = block(x, rope) if each is None else each(block, x, rope)
+        return x
+
+
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
@@ -86,8 +103,12 @@ class Transformer(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Wraps each block's call (e.g. activation checkpointing); set by the trainer, not the model.
+        # Wraps each call of blocks (e.g. activation checkpointing); set by the trainer, not the model.
         self.block_wrapper = None
+        # Consecutive blocks per call of block_wrapper: 1 hands it each Block; k > 1 a BlockSegment
+        # of k blocks (the last one may be shorter), e.g. for nested checkpointing. Set with it.
+        self.blocks_per_call = 1
+        self._segments: tuple[tuple, tuple[BlockSegment, ...]] = ((), ())
 
     # -- forward ---------------------------------------------------------------------------------
     def hidden_states(self, input_ids: torch.Tensor,
@@ -100,9 +121,22 @@ class Transformer(nn.Module):
         rope = Rotary.for_model(positions, self.cfg, device=input_ids.device,
                                 attention_kernel=self.attention_kernel)
         x = self.embed_tokens(input_ids)
-        for block in self.layers:
-            x = block(x, rope) if self.block_wrapper is None else self.block_wrapper(block, x, rope)
+        for unit in self.block_units():
+            x = unit(x, rope) if self.block_wrapper is None else self.block_wrapper(unit, x, rope)
         return self.norm(x)
+
+    def block_units(self):
+        """What one call of block_wrapper runs, in order: the blocks themselves (blocks_per_call
+        1), or BlockSegments of blocks_per_call consecutive blocks, the same objects from call to
+        call (a wrapper may key its state by them)."""
+        k = self.blocks_per_call
+        if k == 1:
+            return self.layers
+        blocks = tuple(self.layers)
+        if self._segments[0] != (k, blocks):     # built once per k (and per set of blocks)
+            self._segments = ((k, blocks), tuple(BlockSegment(list(blocks[i:i + k]))
+                                                 for i in range(0, len(blocks), k)))
+        return self._segments[1]
 
     def forward(self, input_ids: torch.Tensor,
                 positions: PositionRuns | torch.Tensor | None = None) -> torch.Tensor:

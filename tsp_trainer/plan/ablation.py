@@ -9,6 +9,8 @@ in the form of ALST's ablation table: each row keeps the techniques of the rows 
                            behaviour whenever the MLP is tiled)
     + optimizer offload    zero.offload_optimizer: cpu
     + activation offload   train.offload_activations: true (with or without checkpointing)
+    + nested checkpointing train.checkpoint_segment_blocks: 1, 2, 3, 4 or 8 (only every k-th
+                           block input kept, on the host with the offload)
     + lean replay          parallel.checkpoint_replay_keeps: attention or nothing as well as all
                            (the rows above keep all: the replay holds one block's attention items
                            and gate/up)
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.hardware import HardwareProfile
-from tsp_trainer.plan.layout import REPLAY_KEEPS, UNTILED
+from tsp_trainer.plan.layout import NESTING_CANDIDATES, REPLAY_KEEPS, UNTILED
 from tsp_trainer.plan.longest import Longest, format_seconds, longest_seq_len, peak_breakdown
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions
@@ -45,6 +47,7 @@ class Step:
     offload_optimizer: bool = False
     offload: bool = False
     replay_keeps: tuple[str, ...] = ("all",)    # checkpoint_replay_keeps under checkpointing
+    segments: tuple[int, ...] = (1,)             # checkpoint_segment_blocks under checkpointing
     # False: the dry run of the real code at this row's length needs more memory than the planner
     # predicts (lean replay on 8 x H100: 88.0 GB against 73.6 usable), so the row is no result
     confirmed: bool = True
@@ -59,10 +62,12 @@ STEPS = (
     Step("+ tiled accumulators", _WHOLE_KV),
     Step("+ optimizer offload", _WHOLE_KV, offload_optimizer=True),
     Step("+ activation offload", _WHOLE_KV, offload_optimizer=True, offload=True),
+    Step("+ nested checkpointing", _WHOLE_KV, offload_optimizer=True, offload=True,
+         segments=NESTING_CANDIDATES),
     Step("+ lean replay", _WHOLE_KV, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
-         confirmed=False),
+         segments=NESTING_CANDIDATES, confirmed=False),
     Step("+ chunked attention", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
-         confirmed=False),
+         segments=NESTING_CANDIDATES, confirmed=False),
 )
 
 
@@ -91,7 +96,8 @@ def ablation(cfg: ModelConfig, *, hw: HardwareProfile, nodes: int = 1, prec: Pre
                                               assumptions=assumptions, max_degree=max_degree,
                                               granule=granule, offload=step.offload,
                                               offload_optimizer=step.offload_optimizer,
-                                              fields=step.fields, replay_keeps=step.replay_keeps))
+                                              fields=step.fields, replay_keeps=step.replay_keeps,
+                                              segments=step.segments))
             for step in STEPS]
 
 
@@ -129,7 +135,8 @@ def cost_at(cfg: ModelConfig, *, hw: HardwareProfile, seq_len: int = COST_SEQ_LE
     """What each technique costs where memory does not need it: the planner's step time of TSP's
     top layout at seq_len (one sequence per step, activations in HBM, auto chunks: no tiling at
     128K) without and with the technique forced on (a tiled loss or MLP in 4 chunks of the local
-    tokens, bf16 accumulators with the MLP tiled, ZeRO-Offload, activation offload)."""
+    tokens, bf16 accumulators with the MLP tiled, ZeRO-Offload, activation offload, nesting
+    segments of 2 blocks against per-block checkpointing)."""
     from dataclasses import replace
 
     from tsp_trainer.plan.predict import predict
@@ -146,7 +153,9 @@ def cost_at(cfg: ModelConfig, *, hw: HardwareProfile, seq_len: int = COST_SEQ_LE
              ("tiled accumulators", {"mlp_chunk_tokens": chunk, "tiled_accumulators": False},
               {"mlp_chunk_tokens": chunk}),
              ("optimizer offload", {}, {"offload_optimizer": True, "zero_stage": max(1, base.zero_stage)}),
-             ("activation offload", {}, {"offload_activations": True}))
+             ("activation offload", {}, {"offload_activations": True}),
+             ("nested checkpointing (k=2)", {"activation_checkpointing": True},
+              {"activation_checkpointing": True, "checkpoint_segment_blocks": 2}))
     rows = []
     for name, off, on in pairs:
         without, with_ = (predict(model, replace(base, **f), seq_len, hw, global_batch=1, prec=prec,

@@ -93,6 +93,8 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
              "tsp_selective_kept": sel,
              "tsp_mlp_kept": mlp_kept, "tsp_replay_kept": replay_attn + replay_mlp,
              "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
+             "kept_block_inputs": layout.kept_block_inputs(cfg.num_layers) if layout.activation_checkpointing
+             else 0,
              **{f"transient_{k}": v for k, v in tr.items()}, "norm_backward_temporaries": norm_tmp}
     return ActivationEstimate(stored_per_layer=saved.per_layer, stored_outside=saved.outside,
                               stored=saved.forward + saved.outside, phases=phases,
@@ -204,13 +206,18 @@ def _place(layout: Layout, num_layers: int, layer: int, per_layer: int, outside:
            rope: int) -> _Saved:
     """Where the layers' saved tensors are. On the GPU: all of them, or with offload
     (model/offload.py) one block in forward (its copy to host draining) and two in backward (the
-    block being backpropagated and the one prefetched); the host holds every layer's."""
+    block being backpropagated and the one prefetched); the host holds every layer's. Under
+    nested checkpointing (checkpoint_segment_blocks k > 1) only one block input per segment is
+    kept (ceil(L / k), on the GPU or the host), and while a segment is backpropagated its re-run
+    forward has regained up to k - 1 inner block inputs on the GPU."""
     L = num_layers
+    kept = layout.kept_block_inputs(L) if layout.activation_checkpointing else L
+    regained = (min(layout.checkpoint_segment_blocks, L) - 1) * per_layer
     if layout.offload_activations:
         return _Saved(layer, per_layer, outside, rope, forward=min(L, 1) * per_layer,
-                      backward=min(L, 2) * per_layer, host=L * per_layer)
-    return _Saved(layer, per_layer, outside, rope, forward=L * per_layer, backward=L * per_layer,
-                  host=0)
+                      backward=min(kept, 2) * per_layer + regained, host=kept * per_layer)
+    return _Saved(layer, per_layer, outside, rope, forward=kept * per_layer,
+                  backward=kept * per_layer + regained, host=0)
 
 
 def _phases(layout: Layout, num_layers: int, block_input: int, saved: _Saved,

@@ -1,11 +1,15 @@
 """`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets,
-parallel.checkpoint_replay_keeps and parallel.ulysses_head_chunks: the fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
+train.checkpoint_segment_blocks, parallel.checkpoint_replay_keeps and parallel.ulysses_head_chunks: the fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
 process (model state + the activation peak of activations.py and transients.py) fits the memory
 budget. An explicit value stays as written; `auto` chooses the others around it.
 
     choice = choose_auto_settings(cfg, world_size=world, cuda=cuda)   # None: nothing is auto
     cfg = choice.apply(cfg)                    # ValueError above: nothing fits the budget
     log.info(choice.line())                    # auto: tsp_recompute=selective, ... (predicted peak ...)
+
+Nested checkpointing (checkpoint_segment_blocks k > 1) costs one more forward of all but the last
+block of every segment, so the ranking takes k = 1 whenever it fits and the smallest k of
+layout.NESTING_CANDIDATES that does otherwise (with the run's train.offload_activations as set).
 
 Under checkpointing the replay keeping all is the fastest (no forward runs a third time), and
 checkpoint_replay_keeps `auto` resolves to all: attention and nothing are explicit choices while
@@ -42,7 +46,8 @@ from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype, resolved_zero_stage
 from tsp_trainer.config.validate import ulysses_head_chunk_counts
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
-from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout, planned_scheme
+from tsp_trainer.plan.layout import (NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout,
+                                     planned_scheme)
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.peers import head_chunk_saving
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
@@ -78,6 +83,7 @@ class MemoryChoice:
     peak: float
     budget: Budget
     checkpoint_replay_keeps: str = "all"
+    checkpoint_segment_blocks: int = 1
     ulysses_head_chunks: int | None = None      # scheme ulysses only
 
     def values(self) -> str:
@@ -85,7 +91,8 @@ class MemoryChoice:
         chunks = "" if self.ulysses_head_chunks is None else f", ulysses_head_chunks={self.ulysses_head_chunks}"
         return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
                 f"head_buckets={self.head_buckets}, "
-                f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}{chunks}")
+                f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}, "
+                f"checkpoint_segment_blocks={self.checkpoint_segment_blocks}{chunks}")
 
     def line(self) -> str:
         """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`."""
@@ -99,7 +106,8 @@ class MemoryChoice:
             cfg, parallel=dataclasses.replace(cfg.parallel, tsp_recompute=self.tsp_recompute,
                                               head_buckets=self.head_buckets,
                                               checkpoint_replay_keeps=self.checkpoint_replay_keeps, **chunks),
-            train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing))
+            train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing,
+                                      checkpoint_segment_blocks=self.checkpoint_segment_blocks))
 
     def facts(self) -> dict:
         """The W&B run facts of the choice."""
@@ -118,7 +126,7 @@ def uses_auto(cfg: TrainConfig) -> bool:
     replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
     chunks = cfg.parallel.ulysses_head_chunks if _chunked_scheme(cfg) else None
     return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
-                    cfg.train.activation_checkpointing, chunks)
+                    cfg.train.activation_checkpointing, cfg.train.checkpoint_segment_blocks, chunks)
 
 
 def _chunked_scheme(cfg: TrainConfig) -> bool:
@@ -183,8 +191,8 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
     if not ranked:
         raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
                                 "parallel.tsp_recompute, train.activation_checkpointing, "
-                                "parallel.head_buckets and parallel.checkpoint_replay_keeps "
-                                "explicitly")
+                                "parallel.head_buckets, train.checkpoint_segment_blocks and "
+                                "parallel.checkpoint_replay_keeps explicitly")
     ranked.sort(key=lambda pc: ranking_key(pc[0], budget.bytes))
     best, chunks = ranked[0]
     if best.memory["total"] > budget.bytes:
@@ -214,12 +222,15 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
 def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
     """The run's layout under every value of the auto keys (the explicit ones fixed)."""
     p, ac = cfg.parallel, cfg.train.activation_checkpointing
-    keeps = p.checkpoint_replay_keeps
-    return memory_variants(cfg.model.to_model_config(), run_layout(cfg, world_size),
+    keeps, k = p.checkpoint_replay_keeps, cfg.train.checkpoint_segment_blocks
+    model = cfg.model.to_model_config()
+    return memory_variants(model, run_layout(cfg, world_size),
                            recompute=TSP_RECOMPUTE if p.tsp_recompute == AUTO else (p.tsp_recompute,),
-                           checkpointing=(False, True) if ac == AUTO else (ac,),
+                           checkpointing=(ac,) if ac != AUTO else (True,) if k not in (AUTO, 1) else (False, True),
                            buckets=None if p.head_buckets == AUTO else (p.head_buckets,),
-                           replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,))
+                           replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,),
+                           segments=(tuple(n for n in NESTING_CANDIDATES if n <= max(1, model.num_layers))
+                                     if k == AUTO else (k,)))
 
 
 def length_stages(cfg: TrainConfig) -> list[tuple[int, int]]:
@@ -266,6 +277,7 @@ def _fewest_head_chunks(model: ModelConfig, staged: list[tuple[int, Prediction]]
 def _choice(layout: Layout, peak: float, budget: Budget, chunks: int | None = None) -> MemoryChoice:
     return MemoryChoice(layout.tsp_recompute, layout.activation_checkpointing, layout.head_buckets,
                         peak=peak, budget=budget, checkpoint_replay_keeps=layout.replay_keeps,
+                        checkpoint_segment_blocks=layout.checkpoint_segment_blocks,
                         ulysses_head_chunks=chunks)
 
 

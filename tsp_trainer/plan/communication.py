@@ -36,14 +36,17 @@ def model_parallel_comm(cfg: ModelConfig, layout: Layout, seq_len: int,
             add(f"{op}/{tag}", v["count"], v["bytes"],
                 cfg.kv_repeat(layout.degree) if tag == "kv.grad" else layout.degree)
         if layout.activation_checkpointing and layout.degree > 1:
+            # every block's replay, and the blocks nested checkpointing runs forward once more
+            # (each a whole block forward, as the replay)
             d, nb = layout.degree, layout.head_buckets
+            n = L + _nested_blocks(cfg, layout)
             p_attn, p_mlp = cfg.attn_shard_params(d), cfg.mlp_sharded_params
             kv_bucket = b * seq_len * 2 * (cfg.kv_shard_hidden(d) // nb) * e
             kv_items = d * nb // cfg.kv_repeat(d)        # one gather per group sharing a K/V head
-            add("broadcast/attn.weights", L * d, L * d * p_attn * ew, d)
-            add("all_gather/attn.kv", L * kv_items, L * kv_items * kv_bucket, d)
+            add("broadcast/attn.weights", n * d, n * d * p_attn * ew, d)
+            add("all_gather/attn.kv", n * kv_items, n * kv_items * kv_bucket, d)
             for op in ("send", "recv"):
-                add(f"{op}/mlp.weights", L * (d - 1), L * (d - 1) * (p_mlp // d) * ew, d)
+                add(f"{op}/mlp.weights", n * (d - 1), n * (d - 1) * (p_mlp // d) * ew, d)
         _kv_in_chunks(out, cfg, layout, seq_len, prec)
         return out
     for key, nbytes, count, group in _baseline_ledger(cfg, layout, seq_len, prec):
@@ -98,6 +101,34 @@ def _baseline_ledger(cfg: ModelConfig, layout: Layout, seq_len: int,
         rows.append((key, nbytes, per_op_counts[key], group))
     if layout.activation_checkpointing:
         rows += _baseline_ac_replay(cfg, layout, seq_len, prec)
+        rows += _baseline_nested_forward(cfg, layout, seq_len, prec)
+    return rows
+
+
+def _nested_blocks(cfg: ModelConfig, layout: Layout) -> int:
+    """Blocks nested checkpointing runs forward once more per micro-step (0 without it)."""
+    return layout.nested_forward_blocks(cfg.num_layers) if layout.activation_checkpointing else 0
+
+
+def _baseline_nested_forward(cfg: ModelConfig, layout: Layout, seq_len: int,
+                             prec: Precision) -> list[tuple[str, int, int, int]]:
+    """(key, bytes, count, group size) of the whole block forwards nested checkpointing re-runs:
+    per block the forward's region ops (one each) and context attention's K/V all-gather."""
+    n = _nested_blocks(cfg, layout)
+    if n == 0:
+        return []
+    t, s_p, seqpar = layout.axes
+    e, b, h = prec.act, layout.micro_batch, cfg.hidden_size
+    a = b * seq_len // s_p * h * e                          # one region activation [n_r, h]
+    kv = b * seq_len * 2 * (cfg.kv_hidden_size // t) * e
+    rows = []
+    if t > 1 and seqpar:
+        rows += [(f"{op}/{part}.tp", n * a, n, t) for part in ("attn", "mlp")
+                 for op in ("all_gather", "reduce_scatter")]
+    elif t > 1:
+        rows += [("all_reduce/attn.tp", n * a, n, t), ("all_reduce/mlp.tp", n * a, n, t)]
+    if s_p > 1:
+        rows.append(("all_gather/attn.kv", n * kv, n, s_p))
     return rows
 
 

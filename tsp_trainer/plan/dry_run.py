@@ -70,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.model.activation_checkpoint import checkpointed_block
+from tsp_trainer.model.activation_checkpoint import wrap_blocks
 from tsp_trainer.tools.flop_count import ExecutedFlops, record_attention
 from tsp_trainer.tools.host_sync import HostSyncCounter
 from tsp_trainer.tools.memory import LiveTensorMemory
@@ -314,7 +314,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
              loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
              offload_activations: bool = False, checkpoint_replay_keeps: str = "all",
-             attention_chunk_tokens: int | str = "auto") -> StepResult:
+             attention_chunk_tokens: int | str = "auto", checkpoint_segment_blocks: int = 1) -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
@@ -323,7 +323,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     offload_activations: `train.offload_activations` (model/offload.py around the blocks, its host
     copies counted apart: `host_copies_on_host`);
     checkpoint_replay_keeps: TSP's `parallel.checkpoint_replay_keeps` (under checkpointing);
-    attention_chunk_tokens: TSP's `parallel.attention_chunk_tokens` (K/V in chunks)."""
+    attention_chunk_tokens: TSP's `parallel.attention_chunk_tokens` (K/V in chunks);
+    checkpoint_segment_blocks: `train.checkpoint_segment_blocks` (nested checkpointing)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -358,12 +359,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
             params = list(model.parameters())
             for p in params:
                 p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does
-        if activation_checkpointing:
-            model.block_wrapper = checkpointed_block
-        if offload_activations:                   # as the trainer wraps them
-            from tsp_trainer.model.offload import ActivationOffload
-
-            model.block_wrapper = ActivationOffload(model.block_wrapper)
+        wrap_blocks(model, checkpointing=activation_checkpointing, offload=offload_activations,
+                    segment_blocks=checkpoint_segment_blocks)            # as the trainer wraps them
         batch = par.local_batch(ids, labels)      # real tensors (see the module docstring)
         mesh.ledger.reset()
         tracker = DeviceMemory()
@@ -388,7 +385,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         info = dict(par.info, world_size=world_size, degree=degree, dp=world_size // degree,
                     rank=rank, tsp_rank=mesh.tsp_rank, dp_rank=mesh.dp_rank, dtype=str(dtype),
                     activation_checkpointing=activation_checkpointing, attention=attention,
-                    offload_activations=offload_activations)
+                    offload_activations=offload_activations,
+                    checkpoint_segment_blocks=checkpoint_segment_blocks)
         if fused_calls:
             info["fused_attention_calls"] = dict(fused_calls)     # the step's kernel launches
         del model, par, params
@@ -404,18 +402,21 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
     """`run_step` at full depth (layers = cfg.num_layers), or extrapolated from runs with 1 and 2
     layers (layers=None, the default; module docstring item 2). Parameter counts and bytes are
     extrapolated the same way; the shapes are those of the run. With offload_activations the runs
-    have 2 and 3 layers (module docstring item 2)."""
+    have 2 and 3 layers (module docstring item 2); under nested checkpointing
+    (checkpoint_segment_blocks k > 1) whole segments: k and 2 k layers (2 k and 3 k with offload),
+    extrapolated per segment to ceil(L / k) of them."""
     if layers is not None and layers >= cfg.num_layers:
         return run_step(cfg, scheme, **kwargs)
     if layers is not None:
         raise ValueError(f"layers={layers}: run the full model (None or >= {cfg.num_layers}) or "
                          "let simulate extrapolate from 1 and 2 layers (layers=None)")
-    first = 2 if kwargs.get("offload_activations") else 1
-    if cfg.num_layers <= first + 1:
+    k = kwargs.get("checkpoint_segment_blocks", 1)
+    first = (2 if kwargs.get("offload_activations") else 1) * k
+    if cfg.num_layers <= first + k:
         return run_step(cfg, scheme, **kwargs)
     one = run_step(cfg.replace(num_layers=first), scheme, **kwargs)
-    two = run_step(cfg.replace(num_layers=first + 1), scheme, **kwargs)
-    extra = cfg.num_layers - first
+    two = run_step(cfg.replace(num_layers=first + k), scheme, **kwargs)
+    extra = -(-(cfg.num_layers - first) // k)
 
     def lin(a: int, b: int) -> int:
         return a + extra * (b - a)
@@ -425,13 +426,13 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
         a = one.comm.get(key, {"count": 0, "bytes": 0})
         b = two.comm.get(key, {"count": 0, "bytes": 0})
         comm[key] = {"count": lin(a["count"], b["count"]), "bytes": lin(a["bytes"], b["bytes"])}
-    info = dict(two.info, extrapolated_from_layers=[first, first + 1])
+    info = dict(two.info, extrapolated_from_layers=[first, first + k])
     if "fused_attention_calls" in two.info:
         info["fused_attention_calls"] = {k: lin(one.info["fused_attention_calls"][k], n)
                                          for k, n in two.info["fused_attention_calls"].items()}
     syncs = {k: lin(one.host_syncs.get(k, 0), two.host_syncs.get(k, 0))
              for k in sorted(set(one.host_syncs) | set(two.host_syncs))}
-    return StepResult(scheme=scheme, layers_run=first + 1, param_shapes=two.param_shapes,
+    return StepResult(scheme=scheme, layers_run=first + k, param_shapes=two.param_shapes,
                       param_bytes=lin(one.param_bytes, two.param_bytes),
                       param_count=lin(one.param_count, two.param_count), comm=comm,
                       stored_bytes=lin(one.stored_bytes, two.stored_bytes),
@@ -448,13 +449,18 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
 # the full-scale dry run (tsp-plan --dry-run)
 
 
+def _extrapolation(offload: bool, k: int) -> str:
+    first = (2 if offload else 1) * k
+    return f"extrapolated from {first} and {first + k} layers"
+
+
 def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             schemes=("tsp", "tp", "tp_sp"), head_buckets: int = 1, micro_batch: int = 1,
             activation_checkpointing: bool = True, zero_stage: int = 1, rank: int = 0,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
             offload_activations: bool = False, offload_optimizer: bool = False,
             checkpoint_replay_keeps: str = "all", gpu: str | None = None, log=None,
-            attention_chunk_tokens: int | str = "auto") -> dict:
+            attention_chunk_tokens: int | str = "auto", checkpoint_segment_blocks: int = 1) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
     equal it exactly; memory within a few %.
@@ -465,6 +471,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     state counted in host memory, as the planner does: the fake step runs no optimizer);
     checkpoint_replay_keeps: TSP's parallel.checkpoint_replay_keeps (under checkpointing);
     attention_chunk_tokens: TSP's parallel.attention_chunk_tokens (K/V in chunks);
+    checkpoint_segment_blocks: train.checkpoint_segment_blocks (nested checkpointing);
     gpu: a hardware profile name ("h100"): the planner's reserve for it (plan/reserved.py: buffers
     the libraries allocate beside the tensors, which fake tensors do not show) is reported and
     `device_total` = the measured tensors + that reserve, comparable with the planner's total.
@@ -486,8 +493,8 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
               "offload_activations": offload_activations, "offload_optimizer": offload_optimizer,
               "checkpoint_replay_keeps": checkpoint_replay_keeps, "gpu": gpu,
               "attention_chunk_tokens": attention_chunk_tokens,
-              "layers": "all" if full_depth else (
-                  f"extrapolated from {'2 and 3' if offload_activations else '1 and 2'} layers"),
+              "checkpoint_segment_blocks": checkpoint_segment_blocks,
+              "layers": "all" if full_depth else _extrapolation(offload_activations, checkpoint_segment_blocks),
               "schemes": {}}
     for scheme in schemes:
         if log:
@@ -502,8 +509,10 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
                        micro_batch=micro_batch, dtype=torch.bfloat16, head_buckets=nb,
                        activation_checkpointing=activation_checkpointing, rank=rank,
                        attention=attention, tsp_recompute=mode,
-                       offload_activations=offload_activations, checkpoint_replay_keeps=keeps, **chunking)
+                       offload_activations=offload_activations, checkpoint_replay_keeps=keeps,
+                       checkpoint_segment_blocks=checkpoint_segment_blocks, **chunking)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
+                        checkpoint_segment_blocks=checkpoint_segment_blocks,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
                         micro_batch=micro_batch, tsp_recompute=mode, replay_keeps=keeps,
                         offload_activations=offload_activations, offload_optimizer=offload_optimizer,
@@ -639,6 +648,7 @@ def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool =
                          zero_stage=lay.zero_stage, rank=rank, attention="cuda",
                          tsp_recompute=lay.tsp_recompute, offload_activations=lay.offload_activations,
                          checkpoint_replay_keeps=lay.replay_keeps,
+                         checkpoint_segment_blocks=lay.checkpoint_segment_blocks,
                          offload_optimizer=lay.offload_optimizer, gpu=hw.name, log=log,
                          attention_chunk_tokens=lay.attention_chunk_tokens)
         runs[rank] = report["schemes"]["tsp"]

@@ -24,14 +24,20 @@ from tsp_trainer.observability.flops import (BACKWARD_COST, BLOCK_PIECES, PIECES
 from tsp_trainer.plan.layout import Layout, planned_scheme
 
 
-def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset()) -> dict[str, int]:
+def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset(), cfg_layers: int = 0) -> dict[str, float]:
     """How many times one micro-step runs each piece's forward under `layout` (module docstring).
-    tiled: which of a baseline's "mlp" and "loss" take their tokens in chunks (`baseline_tiling`)."""
+    tiled: which of a baseline's "mlp" and "loss" take their tokens in chunks (`baseline_tiling`).
+    cfg_layers: the model's layers, for nested checkpointing's extra forwards (a fraction of a
+    run per block piece: `nested_forward_share`; 0 = no nesting counted)."""
     runs = dict.fromkeys(PIECES, 1)
     tsp = layout.scheme == "tsp"
     if layout.activation_checkpointing:
         for piece in checkpoint_replay(layout, tiled):
             runs[piece] += 1
+        nested = nested_forward_share(layout, cfg_layers)
+        if nested:                                   # each segment re-runs all but its last block
+            for piece in BLOCK_PIECES:
+                runs[piece] += nested
     if not tsp and "mlp" in tiled:                   # a tiled MLP saves only its input
         runs["gate_up"] += 1
     if not tsp and "loss" in tiled:                  # a tiled loss rebuilds each chunk's logits
@@ -50,6 +56,14 @@ def forward_runs(layout: Layout, tiled: frozenset[str] = frozenset()) -> dict[st
     elif s_p > 1:                                    # context attention recomputes its core
         runs["core"] += 1
     return runs
+
+
+def nested_forward_share(layout: Layout, num_layers: int) -> float:
+    """The share of the L blocks nested checkpointing (checkpoint_segment_blocks k > 1) runs
+    forward once more: (L - ceil(L / k)) / L, 0 without nesting."""
+    if num_layers < 1 or not layout.activation_checkpointing or layout.checkpoint_segment_blocks == 1:
+        return 0
+    return layout.nested_forward_blocks(num_layers) / num_layers
 
 
 def checkpoint_replay(layout: Layout, tiled: frozenset[str] = frozenset()) -> tuple[str, ...]:
@@ -94,7 +108,7 @@ def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
     of the memory-bound elementwise kernels (`elementwise_bytes_per_token`). chunks: as
     `executed_pieces`."""
     tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element, **(chunks or {}))
-    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled)
+    f, runs = forward_pieces(cfg, seq_len), forward_runs(layout, tiled, cfg.num_layers)
     gemm = sum(v for p, v in executed_pieces(cfg, layout, seq_len, bytes_per_element, chunks).items()
                if p != "core")
     return {"gemm": gemm, "attention_forward": f["core"] * runs["core"],
@@ -110,7 +124,7 @@ def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_elem
     softmax, their gradient written: 3 V x 4 bytes."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
     per_pass = 10 * h + 2 * (cfg.num_heads * cfg.head_dim + cfg.kv_hidden_size) + 3 * inter
-    passes = 3 + (1 if layout.activation_checkpointing else 0)
+    passes = 3 + (1 if layout.activation_checkpointing else 0) + nested_forward_share(layout, cfg.num_layers)
     return float(cfg.num_layers * per_pass * passes * bytes_per_element + 3 * cfg.vocab_size * 4)
 
 
@@ -119,7 +133,7 @@ def recompute_runs(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_ele
     """The forward re-runs of each piece under `layout` (`forward_runs` - 1): the `recompute`
     argument of observability/flops.py `flops_per_token`. chunks: as `executed_pieces`."""
     tiled = baseline_tiling(cfg, layout, seq_len, bytes_per_element, **(chunks or {}))
-    return {p: runs - 1 for p, runs in forward_runs(layout, tiled).items()}
+    return {p: runs - 1 for p, runs in forward_runs(layout, tiled, cfg.num_layers).items()}
 
 
 def hardware_flops_per_token(cfg: ModelConfig, layout: Layout, seq_len: int,
@@ -140,6 +154,7 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
                                  ("parallel.tsp_recompute", p.tsp_recompute),
                                  ("parallel.checkpoint_replay_keeps",
                                   p.checkpoint_replay_keeps if cfg.train.activation_checkpointing else None),
+                                 ("train.checkpoint_segment_blocks", cfg.train.checkpoint_segment_blocks),
                                  ("parallel.head_buckets", p.head_buckets)) if v == "auto"]
     if unresolved:
         raise ValueError(f"{', '.join(unresolved)}=auto: the FLOPs need the resolved layout "
@@ -148,6 +163,8 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
     tsp = p.scheme == "tsp"
     return Layout(planned_scheme(p.scheme), p.tsp_degree, activation_checkpointing=cfg.train.activation_checkpointing,
                   offload_activations=cfg.train.offload_activations,
+                  checkpoint_segment_blocks=cfg.train.checkpoint_segment_blocks
+                  if cfg.train.activation_checkpointing else 1,
                   head_buckets=p.head_buckets if tsp else 1,
                   tsp_recompute=p.tsp_recompute if tsp else "full",
                   replay_keeps=p.checkpoint_replay_keeps if tsp and cfg.train.activation_checkpointing
@@ -166,4 +183,4 @@ def run_recompute(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> dic
 
 __all__ = ["BACKWARD_COST", "BLOCK_PIECES", "PIECES", "checkpoint_replay", "elementwise_bytes_per_token",
            "executed_by_family", "executed_pieces", "forward_pieces",
-           "forward_runs", "hardware_flops_per_token", "recompute_runs", "run_flops_layout", "run_recompute"]
+           "forward_runs", "hardware_flops_per_token", "nested_forward_share", "recompute_runs", "run_flops_layout", "run_recompute"]

@@ -31,6 +31,11 @@ REPLAY_KEEPS = typing.get_args(ReplayKeeps)     # parallel.checkpoint_replay_kee
 # ablation's last row) until the planner's model of them agrees with the dry run
 PLANNED_REPLAY_KEEPS = ("all",)
 
+# train.checkpoint_segment_blocks values the longest-context search and `auto` try (1 = per-block
+# checkpointing): a segment of k blocks regains k - 1 block inputs on the GPU in backward, so
+# only small k pay off against HBM
+NESTING_CANDIDATES = (1, 2, 3, 4, 8)
+
 # the short marker of a tsp_recompute other than full in layout labels and tables
 RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
 # the label mark of a checkpoint_replay_keeps other than all (TSP under checkpointing)
@@ -66,6 +71,9 @@ class Layout:
     loss_chunk_tokens: int | str = "auto"  # parallel.loss_chunk_tokens (UNTILED: one chunk)
     mlp_chunk_tokens: int | str = "auto"   # parallel.mlp_chunk_tokens (UNTILED: one chunk)
     attention_chunk_tokens: int | str = "auto"   # tsp: parallel.attention_chunk_tokens (UNTILED: one)
+    # train.checkpoint_segment_blocks: AC keeps every k-th block input only, each segment of k
+    # blocks re-run forward in backward (model/activation_checkpoint.py); 1 = per-block AC
+    checkpoint_segment_blocks: int = 1
     # planner-only, for the ablation table: False keeps a tiled TSP layer's [N/D, h] output and
     # dX accumulators in fp32, as an untiled layer has them (the trainer puts them in the
     # activation dtype whenever the MLP's tokens are tiled)
@@ -84,6 +92,10 @@ class Layout:
         if self.offload_optimizer and self.zero_stage == 0:     # config/validate.py's rule
             raise ValueError("offload_optimizer with zero_stage=0: DeepSpeed offloads the optimizer "
                              "only under ZeRO 1 or 2; use zero_stage 1 or 2")
+        k = self.checkpoint_segment_blocks
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k > 1 and not self.activation_checkpointing):
+            raise ValueError(f"checkpoint_segment_blocks={k!r} must be an integer >= 1, and 1 without "
+                             "activation checkpointing (the trainer's rule)")
         if self.scheme == "tp_x_sp":
             t, s, _ = self.axes
             if t * s != self.degree:
@@ -175,6 +187,8 @@ class Layout:
                 parts.append(RECOMPUTE_MARK[self.tsp_recompute])
             if self.activation_checkpointing and self.replay_keeps != "all":
                 parts.append(REPLAY_MARK[self.replay_keeps])
+        if self.checkpoint_segment_blocks > 1:
+            parts.append(f"nest={self.checkpoint_segment_blocks}")
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
             parts.append("offload")
@@ -194,6 +208,16 @@ class Layout:
             marks.append("fp32acc")
         return marks
 
+    def kept_block_inputs(self, num_layers: int) -> int:
+        """Block inputs AC keeps through the step: one per segment of checkpoint_segment_blocks
+        blocks (every layer's under per-block AC)."""
+        return -(-num_layers // self.checkpoint_segment_blocks)
+
+    def nested_forward_blocks(self, num_layers: int) -> int:
+        """Block forwards nesting adds per micro-step: each segment re-runs its blocks but the
+        last (non-reentrant checkpointing stops once the last inner input is rebuilt)."""
+        return num_layers - self.kept_block_inputs(num_layers)
+
     @property
     def chunks(self) -> dict:
         """The chunk settings as the FLOP and activation models take them."""
@@ -204,4 +228,4 @@ class Layout:
         return asdict(self)
 
 
-__all__ = ["PLANNED_REPLAY_KEEPS", "planned_scheme", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]
+__all__ = ["NESTING_CANDIDATES", "PLANNED_REPLAY_KEEPS", "planned_scheme", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]

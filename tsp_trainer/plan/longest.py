@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
-from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS
+from tsp_trainer.plan.layout import NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -46,36 +46,45 @@ class Longest:
 def _predictions(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
                  global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
                  offload: bool, tsp_recompute: str, offload_optimizer: bool,
-                 fields: dict | None, replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> list[Prediction]:
+                 fields: dict | None, replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
+                 segments: tuple[int, ...] = NESTING_CANDIDATES) -> list[Prediction]:
     """Every candidate layout of `scheme` at seq_len, predicted (offload: all of them offload
-    their activations, none otherwise)."""
+    their activations, none otherwise; checkpointed ones under each of `segments`, nested
+    checkpointing's checkpoint_segment_blocks)."""
     model = cfg.replace(max_seq_len=max(cfg.max_seq_len, seq_len))
     layouts = candidate_layouts(model, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
                                 micro_batches=(1,), tsp_recompute=(tsp_recompute,),
                                 offload_optimizer=offload_optimizer, offload_activations=(offload,),
-                                fields=fields, replay_keeps=replay_keeps)
+                                fields=fields, replay_keeps=replay_keeps, segments=segments)
     return [predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec,
                     assumptions=assumptions) for lay in layouts]
 
 
 def _least_memory(preds: list[Prediction]) -> Prediction | None:
-    """The fitting prediction with the least GPU memory, if any fits."""
+    """The fitting prediction with the least GPU memory, if any fits; among equal peaks the one
+    with the least nesting (checkpoint_segment_blocks) and host memory."""
     fitting = [p for p in preds if p.fits]
-    return min(fitting, key=lambda p: p.memory["total"]) if fitting else None
+    return min(fitting, key=_memory_key) if fitting else None
+
+
+def _memory_key(p: Prediction) -> tuple:
+    """GPU peak, then nesting (a peer's layout has none), then host memory."""
+    return (p.memory["total"], getattr(p.layout, "checkpoint_segment_blocks", 1), p.memory["host_per_node"])
 
 
 def _fitting(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwareProfile, world: int,
              global_batch: int, prec: Precision, assumptions: Assumptions, max_degree: int,
              offload: bool, tsp_recompute: str = "full",
              offload_optimizer: bool = False, fields: dict | None = None,
-             replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> Prediction | None:
+             replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
+             segments: tuple[int, ...] = NESTING_CANDIDATES) -> Prediction | None:
     """The layout of `scheme` with the least GPU memory at seq_len, if one fits (HBM and host)."""
     return _least_memory(_predictions(cfg, scheme, seq_len, hw=hw, world=world, global_batch=global_batch,
                                       prec=prec, assumptions=assumptions, max_degree=max_degree,
                                       offload=offload, tsp_recompute=tsp_recompute,
                                       offload_optimizer=offload_optimizer, fields=fields,
-                                      replay_keeps=replay_keeps))
+                                      replay_keeps=replay_keeps, segments=segments))
 
 
 def _bound(preds: list[Prediction]) -> str:
@@ -89,14 +98,17 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
                     assumptions: Assumptions = Assumptions(), max_degree: int = 64,
                     offload: bool = False, granule: int = 1024, tsp_recompute: str = "full",
                     offload_optimizer: bool = False, fields: dict | None = None,
-                    replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> Longest:
+                    replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
+                    segments: tuple[int, ...] = NESTING_CANDIDATES) -> Longest:
     """Largest multiple of `granule` tokens that some layout of `scheme` fits (doubling, then
     bisection); TSP layouts with `tsp_recompute` (selective or none: nothing with activation
     offload, the trainer refuses the pair); `offload`: every layout offloads its activations
     (with or without activation checkpointing); `offload_optimizer`: AdamW's state in host memory
     (ZeRO-Offload) in every layout; `fields`: Layout fields set on every layout (the ablation's
     switches: loss_chunk_tokens, mlp_chunk_tokens, tiled_accumulators); `replay_keeps`: the
-    values of TSP's checkpoint_replay_keeps its checkpointed layouts take (default all only: layout.PLANNED_REPLAY_KEEPS)."""
+    values of TSP's checkpoint_replay_keeps its checkpointed layouts take (default all only: layout.PLANNED_REPLAY_KEEPS);
+    `segments`: the checkpoint_segment_blocks values they take (nested checkpointing; default
+    layout.NESTING_CANDIDATES, (1,) for per-block checkpointing only)."""
     world = nodes * hw.gpus_per_node
     if offload and scheme == "tsp" and tsp_recompute != "full":
         return Longest(scheme, 0, None, refused=f"tsp_recompute={tsp_recompute} is refused with "
@@ -106,7 +118,7 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
         return _predictions(cfg, scheme, seq_len, hw=hw, world=world, global_batch=global_batch,
                             prec=prec, assumptions=assumptions, max_degree=max_degree, offload=offload,
                             tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
-                            fields=fields, replay_keeps=replay_keeps)
+                            fields=fields, replay_keeps=replay_keeps, segments=segments)
 
     seq_len, best, bound = search_longest(predictions, granule)
     return Longest(scheme, seq_len, best, bound=bound)

@@ -59,15 +59,16 @@ def ranking_key(p: Prediction, capacity: float):
     communication ties across recompute modes; where compute and transfers share the cores, as on
     CPU, the mode that recomputes least is the fastest), then no activation offload (its copies
     hidden behind compute tie with keeping the activations, and they still take PCIe and host
-    memory), then less memory."""
+    memory), then less nesting (checkpoint_segment_blocks), then less memory."""
     return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"],
-            p.layout.offload_activations, p.memory["total"])
+            p.layout.offload_activations, p.layout.checkpoint_segment_blocks, p.memory["total"])
 
 
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
                     checkpointing=(False, True), buckets: tuple[int, ...] | None = None,
                     offload: tuple[bool, ...] | None = None,
-                    replay: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> list[Layout]:
+                    replay: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
+                    segments: tuple[int, ...] = (1,)) -> list[Layout]:
     """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
     takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
     buckets, so the baselines vary checkpointing alone), under each of `replay` (what TSP's
@@ -75,7 +76,8 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
     nothing, and the first of `replay` stands), and under each of `offload` (activation offload
     off / on; None: base's own). A combination the trainer refuses (Layout's rules: no selective
     or none recompute with checkpointing or offload) is left out. buckets=None: every divisor of
-    the K/V heads per weight shard."""
+    the K/V heads per weight shard. segments: the checkpoint_segment_blocks values taken under
+    checkpointing (nested checkpointing; 1 without it)."""
     tsp = base.scheme == "tsp"
     modes = recompute if tsp else ("full",)
     counts = (buckets or _buckets(cfg, base.degree)) if tsp else (1,)
@@ -86,12 +88,13 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
             for ac in checkpointing:
                 for keeps in (replay if tsp and ac else replay[:1]):
                     for off in offloads:
-                        try:
-                            out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
-                                               head_buckets=nb, offload_activations=off,
-                                               replay_keeps=keeps))
-                        except ValueError:                      # refused by the trainer
-                            continue
+                        for k in (segments if ac else (1,)):
+                            try:
+                                out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
+                                                   head_buckets=nb, offload_activations=off,
+                                                   replay_keeps=keeps, checkpoint_segment_blocks=k))
+                            except ValueError:                  # refused by the trainer
+                                continue
     return out
 
 
@@ -107,14 +110,15 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       offload_optimizer: bool = False,
                       offload_activations: tuple[bool, ...] = (False, True),
                       fields: dict | None = None,
-                      replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS) -> list[Layout]:
+                      replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
+                      segments: tuple[int, ...] = (1,)) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
     activation checkpointing, head-bucket count and activation offload (`offload_activations`)
     the trainer takes (`memory_variants`), and under checkpointing each of `replay_keeps` (TSP's
     checkpoint_replay_keeps). `offload_optimizer`: every layout offloads (ZeRO 1 and 2 only, as
     the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
-    tiled_accumulators)."""
+    tiled_accumulators). segments: the checkpoint_segment_blocks values of checkpointed layouts."""
     rejected = rejected if rejected is not None else {}
     if offload_optimizer:
         zero_stages = tuple(z for z in zero_stages if z >= 1)
@@ -144,7 +148,8 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                                           offload_optimizer=offload_optimizer,
                                           **extra, **(fields or {}))
                             out += memory_variants(cfg, base, recompute=tsp_recompute,
-                                                   offload=offload_activations, replay=replay_keeps)
+                                                   offload=offload_activations, replay=replay_keeps,
+                                                   segments=segments)
     return out
 
 
