@@ -164,11 +164,17 @@ class StepRunner:
     def memory_step(self) -> None:
         if self.ledger is not None:
             self.ledger.reset()
-        with executed_flops() as flops:
-            self.peak, (self.loss_sum, self.total) = _tracked(self.fwd_bwd, self.params, self.batch,
-                                                              self.device)
-        self.flops = flops.get_total_flops()
+        self.peak, (self.loss_sum, self.total) = _tracked(self.fwd_bwd, self.params, self.batch, self.device)
         self._update()
+        # FLOPs from one more forward + backward, untracked and not applied: FlopCounterMode's
+        # dispatch keeps tensors alive that the tracked step must not see (checkpointed replays);
+        # the ledger keeps this step's records, the same ops
+        if self.ledger is not None:
+            self.ledger.reset()
+        with executed_flops() as flops:
+            self.fwd_bwd()
+        self.flops = flops.get_total_flops()
+        self.opt.zero_grad(set_to_none=False)
 
     def step(self) -> float:
         if self.ledger is not None:
