@@ -17,7 +17,8 @@ import torch
 
 from tests.distributed.test_ulysses_parity import CFGS as ULYSSES_CFGS
 from tests.distributed.test_ulysses_parity import SEQ, SEED, TOL, _positions
-from tests.distributed.trainer_cases import assert_matches_reference, reference_run, train_rank
+from tests.distributed.trainer_cases import (assert_matches_reference, assert_resume_as_matches_uninterrupted,
+                                              reference_run, train_rank)
 from tests.distributed.tsp_cases import init_model, make_batch
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.engine.zero_state import zero3_full_on_owner, zero3_partition_of
@@ -214,21 +215,7 @@ def test_resume_under_zero3(first, then, tmp_path):
     the same losses (rtol 1e-6) and final weights (the tolerances of
     tests/distributed/test_trainer.py). tsp <-> ulysses (ZeRO-3) in the default suite:
     tests/distributed/test_ulysses_parity.py test_resume_across_schemes."""
-    common = ["train.steps=5", "checkpoint.keep_last=5"]
-    full = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={first}", "checkpoint.every=3",
-                                                 f"train.output_dir={tmp_path / 'a'}"], timeout=600)
-    step3 = tmp_path / "a" / "checkpoints" / "step_00000003"
-    resumed = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={then}", f"train.resume={step3}",
-                                                    f"train.output_dir={tmp_path / 'b'}"], timeout=600)
-    assert resumed[0]["step"] == 5
-    assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][3:], rel=1e-6)
-    close, total = 0, 0
-    for name, w in full[0]["weights"].items():
-        got = resumed[0]["weights"][name]
-        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-4, msg=name)
-        close += int(((got - w).abs() <= 1e-6 + 1e-5 * w.abs()).sum())
-        total += w.numel()
-    assert close / total > 0.999
+    assert_resume_as_matches_uninterrupted(first, then, tmp_path)
 
 
 @pytest.mark.slow
