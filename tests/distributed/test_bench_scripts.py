@@ -72,18 +72,20 @@ def test_offload_cost_reports_the_ratio_with_its_range(tmp_path):
 def test_step_time_table_runs_each_cell_and_tables_median_and_range(tmp_path):
     """experiments/step_time_table.py: one tsp-bench launch per (degree, length, mode) and round,
     each launch the median [min-max] of its interleaved TSP/TP step ratios, a cell the median
-    [min-max] of its launches, tabled one row per run."""
+    [min-max] of its launches, tabled one row per run. One real launch; the combination of
+    launches on that launch's cell twice and on made-up cells."""
     out = tmp_path / "t.json"
     script = load_experiment("step_time_table")
-    assert script.main(["--degrees", "2", "--seq-lens", "64", "--modes", "full", "--launches", "2",
+    assert script.main(["--degrees", "2", "--seq-lens", "64", "--modes", "full", "--launches", "1",
                         "--steps", "3", "--json", str(out)]) == 0
-    cells = json.loads(out.read_text())["cells"]
-    assert [(c["degree"], c["seq_len"], c["mode"], c["launches"]) for c in cells] == [(2, 64, "full", 2)]
-    assert cells[0]["ratio"]["repeats"] == 2
-    for c in [cells[0], *cells[0]["per_launch"]]:
+    (launch,) = json.loads(out.read_text())["cells"]
+    assert (launch["degree"], launch["seq_len"], launch["mode"]) == (2, 64, "full")
+    cell = script.combine([launch, launch])
+    assert cell["launches"] == 2 and cell["ratio"]["repeats"] == 2
+    for c in [cell, *cell["per_launch"]]:
         r = c["ratio"]
         assert r["min"] <= r["median"] <= r["max"] and c["tsp_s"] > 0 < c["tp_s"]
-    assert [c["ratio"]["repeats"] for c in cells[0]["per_launch"]] == [3, 3]
+    assert [c["ratio"]["repeats"] for c in cell["per_launch"]] == [3, 3]
     fake = [{"degree": 4, "seq_len": 8192, "mode": "none", "steps": 3, "tsp_s": 2.5, "tp_s": 2.0,
              "ratio": {"median": 1.25, "min": 1.2, "max": 1.31, "repeats": 3}}]
     assert script.table(fake, ["none"]).splitlines() == [

@@ -8,9 +8,9 @@ and exact retrieval of a 3-token key ~1/900. Copying the key comes with a phase 
 induction circuit) after ~1,000-1,250 steps (recipes/tiny_passkey.yaml's run: accuracy 0.00 at step
 1,000, 0.60 at 1,250, 0.97 at 1,500 at length 128), minutes on 2 shared cores: the slow variant
 trains 1,500 steps and requires exact retrieval far above chance. The default-suite variant trains
-150 steps (under a minute) and checks only that the metric responds: the key tokens' loss falls
-from the untrained model's and the key tokens become digits (token accuracy above chance), not
-that the key is retrieved."""
+100 steps and checks only that the metric responds: the key tokens' loss falls from the untrained
+model's (measured to 0.35 of it; required below 0.5) and the key tokens become digits (token
+accuracy measured 0.29; required 0.15, chance ~0.1), not that the key is retrieved."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _token_accuracy(result) -> float:
 
 
 def test_passkey_metric_responds_to_a_short_training(corpus):
-    before, after = run_on_ranks(_train_and_score, 1, corpus, 150, timeout=400)[0]
+    before, after = run_on_ranks(_train_and_score, 1, corpus, 100, timeout=400)[0]
     b, a = _cells(before), _cells(after)
     for depth in (0.0, 0.5, 1.0):           # untrained: ~ln(1024) = 6.9 nats; digits known: ~2.3
         assert a[depth].key_nll < 0.5 * b[depth].key_nll, (depth, b[depth].key_nll, a[depth].key_nll)

@@ -2,9 +2,15 @@
 everything: Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral), a prime
 vocabulary (tied and untied), K/V heads fewer than D (MQA, GQA 8/2), built with transformers' own config classes and
 saved with save_pretrained; and their one-process references (logits, loss, gradients, a 3-step
-AdamW replay, document masking) computed by transformers itself."""
+AdamW replay, document masking) computed by transformers itself. `saved` and `shared_reference`
+make each shape's folder and reference once per test session, for the D = 1 and the D = 2, 4
+tests alike (read-only)."""
 
 from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -114,3 +120,28 @@ def reference(folder, ids, labels) -> dict:
         opt.zero_grad()
     out["weights"] = our_names({n: t.detach().clone() for n, t in hf.state_dict().items()})
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _session_root() -> Path:
+    return Path(tempfile.mkdtemp(prefix="tsp_hf_shapes_"))
+
+
+@functools.lru_cache(maxsize=None)
+def saved(shape: str) -> Path:
+    """`save_tiny(folder, shape)` once per test session (seeded: the same files wherever it is
+    written), in one root folder with a subfolder per shape. Tests only read it."""
+    folder = _session_root() / shape
+    save_tiny(folder, shape)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def shared_reference(shape: str) -> dict:
+    """`reference` of the `saved` folder on `batch` of its vocabulary, once per test session.
+    Tests only read it."""
+    from tsp_trainer.config.hf_model import model_config_from_hf
+
+    folder = saved(shape)
+    ids, labels = batch(model_config_from_hf(folder).vocab_size)
+    return reference(str(folder), ids, labels)

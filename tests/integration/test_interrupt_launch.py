@@ -1,6 +1,8 @@
 """Ctrl-C as a terminal sends it: SIGINT to tsp-launch's whole process group (the launcher and
 every rank) mid-run. Every rank saves the step it reached and exits 130 with no traceback, the
-launcher says what the ranks did, and train.resume=auto continues from that checkpoint exactly."""
+launcher says what the ranks did, and train.resume=auto continues from that checkpoint exactly.
+The uninterrupted reference run is also test_tsp_launch.py's good run through Accelerate's
+launcher."""
 
 import json
 import os
@@ -25,7 +27,10 @@ def _launch(args: list[str], **kwargs):
 def test_ctrl_c_to_the_process_group_checkpoints_the_step_and_resume_is_exact(tmp_path):
     command, options = _launch(["train.steps=12", f"train.output_dir={tmp_path / 'reference'}"])
     reference = subprocess.run(command, capture_output=True, timeout=600, **options)
+    # a good run through recipes/tiny_cpu.yaml's tsp-launch line: done, its last step saved
     assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "tsp-train: done: 12 steps" in reference.stdout
+    assert (tmp_path / "reference" / "checkpoints" / "latest").read_text().strip() == "step_00000012"
 
     out = tmp_path / "run"
     command, options = _launch(["train.steps=200", f"train.output_dir={out}"])

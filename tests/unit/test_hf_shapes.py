@@ -89,12 +89,12 @@ def test_shape_at_d1_equals_transformers(tmp_path, shape):
     same family (transformers' logits of the exported trained weights are ours)."""
     from transformers import AutoModelForCausalLM
 
-    hf_shapes.save_tiny(tmp_path / "src", shape)
-    cfg = model_config_from_hf(tmp_path / "src")
+    src = hf_shapes.saved(shape)
+    cfg = model_config_from_hf(src)
     ids, labels = hf_shapes.batch(cfg.vocab_size)
-    ref = hf_shapes.reference(str(tmp_path / "src"), ids, labels)
+    ref = hf_shapes.shared_reference(shape)
     ours = Transformer(cfg)
-    ours.load_state_dict(dict(load_hf_state_dict(tmp_path / "src", cfg)))
+    ours.load_state_dict(dict(load_hf_state_dict(src, cfg)))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref["logits"], **TOL)
     loss = ours.loss(ids, labels)
@@ -120,7 +120,7 @@ def test_shape_at_d1_equals_transformers(tmp_path, shape):
         torch.testing.assert_close(trained[name], w, rtol=0, atol=3e-6, msg=lambda m: f"AdamW {name}: {m}")
     out = save_hf_folder(trained, cfg, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    src, dst = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "src", out))
+    src, dst = (json.loads((p / "config.json").read_text()) for p in (src, out))
     for key in ("model_type", "attention_bias", "tie_word_embeddings", "num_key_value_heads"):
         assert src.get(key) == dst.get(key), key
     # head_dim: written explicitly, equal to the source's (Qwen2's config leaves it derived)

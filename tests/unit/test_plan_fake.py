@@ -7,6 +7,9 @@ run."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import pytest
 import torch
 
@@ -30,6 +33,19 @@ SELECTIVE = [("tsp", 2, {"head_buckets": 2, "tsp_recompute": "selective"}),
              ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "selective"}),
              ("tsp", 2, {"head_buckets": 2, "tsp_recompute": "none"}),
              ("tsp", 4, {"head_buckets": 1, "tsp_recompute": "none"})]
+
+
+def _step(cfg: ModelConfig, scheme: str, **kw):
+    """run_step, once per distinct step in this module (its arguments with their defaults filled
+    in): the selective and no-recompute tests read the matrix's runs of the same layout."""
+    bound = inspect.signature(run_step).bind(cfg, scheme, **kw)
+    bound.apply_defaults()
+    return _cached_step(tuple(bound.arguments.items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_step(arguments: tuple):
+    return run_step(**dict(arguments))
 
 
 def _layout(scheme: str, degree: int, kw: dict, **extra) -> Layout:
@@ -57,8 +73,8 @@ LAYOUTS = ([(c, ac, ("bf16", "fp32")[(i + ac) % 2]) for i, c in enumerate(CASES)
 def test_analytic_model_matches_the_code_on_fake_tensors(case, dtype, ac):
     scheme, degree, kw = case
     prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
-    res = run_step(CFG, scheme, world_size=2 * degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
-                   activation_checkpointing=ac, rank=0, **kw)
+    res = _step(CFG, scheme, world_size=2 * degree, degree=degree, seq_len=SEQ, dtype=torch_dtype,
+                activation_checkpointing=ac, rank=0, **kw)
     layout = _layout(scheme, degree, kw, dp=2, activation_checkpointing=ac)
     comm = {k: {"count": v["count"], "bytes": v["bytes"]}
             for k, v in model_parallel_comm(CFG, layout, SEQ, prec).items()}
@@ -77,8 +93,12 @@ BIG_VOCAB = CFG.replace(vocab_size=16_384)
 TILED = [("tsp", 2, {}), ("tp", 2, {}), ("tp_sp", 2, {}), ("sp", 2, {})]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("case", TILED, ids=[_ids(c) for c in TILED])
+# Pairwise with the dtype, as LAYOUTS: the schemes take bf16 and fp32 in turn (the dtype scales
+# the terms; the chunked [64, V/T] logits block is fp32 in both).
+TILED_DTYPES = [(c, ("bf16", "fp32")[i % 2]) for i, c in enumerate(TILED)]
+
+
+@pytest.mark.parametrize("case,dtype", TILED_DTYPES, ids=[f"{_ids(c)}-{d}" for c, d in TILED_DTYPES])
 def test_the_loss_phase_model_follows_the_chunk(case, dtype):
     scheme, degree, kw = case
     prec, torch_dtype = (BF16, torch.bfloat16) if dtype == "bf16" else (FP32, torch.float32)
@@ -101,9 +121,13 @@ TILED_MLP = [(("tsp", 2, {}), False), (("tsp", 2, {}), True), (("tsp", 4, {}), F
              (("tp", 2, {}), False), (("tp_sp", 2, {}), True), (("sp", 2, {}), False)]
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("case,ac", TILED_MLP,
-                         ids=[f"{_ids(c)}-{'AC' if ac else 'noAC'}" for c, ac in TILED_MLP])
+# Pairwise with the dtype: the cases take bf16 and fp32 in turn, so TSP's chunked MLP (its
+# accumulators in the activation dtype) runs in both, and so does activation checkpointing.
+TILED_MLP_DTYPES = [(c, ac, ("bf16", "fp32")[i % 2]) for i, (c, ac) in enumerate(TILED_MLP)]
+
+
+@pytest.mark.parametrize("case,ac,dtype", TILED_MLP_DTYPES,
+                         ids=[f"{_ids(c)}-{'AC' if ac else 'noAC'}-{d}" for c, ac, d in TILED_MLP_DTYPES])
 def test_the_mlp_phase_model_follows_the_chunk(case, ac, dtype):
     scheme, degree, kw = case
     step = dict(world_size=degree, degree=degree, seq_len=SEQ, activation_checkpointing=ac, rank=0,
@@ -125,7 +149,7 @@ def test_selective_keeps_its_items_and_not_the_gathered_kv(degree, buckets):
     bytes per layer: the attention kernel's views of the gathered K/V are dropped (keeping them
     would add a whole layer's gathered K/V, 2 e S h_kv per layer, several times the margin)."""
     kw = dict(world_size=2 * degree, degree=degree, seq_len=SEQ, head_buckets=buckets, rank=0)
-    full, sel = (run_step(CFG, "tsp", tsp_recompute=mode, **kw) for mode in ("full", "selective"))
+    full, sel = (_step(CFG, "tsp", tsp_recompute=mode, **kw) for mode in ("full", "selective"))
     kept = tsp_selective_saved(CFG, Layout("tsp", degree, head_buckets=buckets, tsp_recompute="selective"),
                                SEQ, BF16)
     gathered_kv = 2 * 2 * SEQ * CFG.kv_hidden_size
@@ -140,7 +164,7 @@ def test_recompute_none_keeps_exactly_the_mlp_gate_and_up_beyond_selective(degre
     pre-activations, [B S/D, I/D] each in the activation dtype (`tsp_mlp_kept`: 2 e B S/D I per
     layer), to 64 bytes per layer; the communication is selective's."""
     kw = dict(world_size=2 * degree, degree=degree, seq_len=SEQ, head_buckets=buckets, rank=0)
-    sel, none = (run_step(CFG, "tsp", tsp_recompute=mode, **kw) for mode in ("selective", "none"))
+    sel, none = (_step(CFG, "tsp", tsp_recompute=mode, **kw) for mode in ("selective", "none"))
     kept = tsp_mlp_kept(CFG, Layout("tsp", degree, head_buckets=buckets, tsp_recompute="none"), SEQ, BF16)
     assert kept == 2 * 2 * (SEQ // degree) * CFG.intermediate_size
     assert abs((none.stored_bytes - sel.stored_bytes) - CFG.num_layers * kept) <= 64 * CFG.num_layers
