@@ -133,6 +133,14 @@ def test_nan_on_one_rank_skips_the_offloaded_update(tmp_path):
                                tmp_path)
 
 
+def test_nan_on_one_rank_skips_the_offloaded_zero3_update(tmp_path):
+    """ulysses D=2 under ZeRO-3, optimizer on the host: step 3's loss is NaN on rank 1 only; every
+    rank skips the CPU update (counted), and with a constant learning rate the weights after 3
+    steps equal those after 2 clean steps."""
+    assert_nan_step_is_skipped(2, ["optim.warmup_steps=0", "optim.min_lr=3e-3", "parallel.scheme=ulysses",
+                                   "parallel.tsp_degree=2"] + OFFLOAD, tmp_path)
+
+
 def test_cpu_adam_step_counter_replay_makes_a_restored_optimizer_bitwise():
     """DeepSpeedCPUAdam's op multiplies beta^t by beta once per step in fp32; an optimizer restored
     at step t would recompute them with pow() (one rounding instead of t) and update differently
