@@ -99,12 +99,16 @@ def test_offloaded_zero3_resume_equals_uninterrupted(scheme, world, tmp_path):
         assert torch.equal(resumed["weights"][name], w), name
 
 
-def test_tsp_checkpoint_resumes_as_offloaded_zero3_ulysses(tmp_path):
+@pytest.mark.parametrize("first,first_overrides,then,then_overrides",
+                         [("tsp", [], "ulysses", OFFLOAD), ("ulysses", OFFLOAD, "tsp", [])])
+def test_resume_across_schemes_into_and_out_of_offloaded_zero3(first, first_overrides, then,
+                                                              then_overrides, tmp_path):
     """A tsp checkpoint (ZeRO-1, torch AdamW on the device) resumed as ulysses under ZeRO-3 with
-    the optimizer on the host trains steps 4 and 5 like the uninterrupted tsp run (losses rtol
-    1e-6, weights with the tolerances of test_trainer.py: the CPU Adam update differs from torch's
-    by a few fp32 ulps)."""
-    assert_resume_as_matches_uninterrupted("tsp", "ulysses", tmp_path, then_overrides=OFFLOAD)
+    the optimizer on the host, and the other way round, trains steps 4 and 5 like the
+    uninterrupted run (DP 2 x D 2; losses rtol 1e-6, weights with the tolerances of
+    test_trainer.py: the CPU Adam update differs from torch's by a few fp32 ulps)."""
+    assert_resume_as_matches_uninterrupted(first, then, tmp_path, first_overrides=first_overrides,
+                                           then_overrides=then_overrides)
 
 
 def test_offloaded_resume_equals_uninterrupted(tmp_path):

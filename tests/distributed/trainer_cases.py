@@ -151,18 +151,20 @@ def reference_run(overrides, *, dp_degree: int):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def assert_resume_as_matches_uninterrupted(first: str, then: str, tmp_path, then_overrides=()) -> None:
-    """A 5-step run of parallel.scheme=`first` on 4 ranks (the recipe's DP 2 x D 2) saves step 3;
-    resuming it as `then` (with `then_overrides`) trains steps 4 and 5 like the uninterrupted run:
-    the same losses (rtol 1e-6: fp32 summation order) and final weights (the tolerances of
-    test_trainer.py)."""
+def assert_resume_as_matches_uninterrupted(first: str, then: str, tmp_path, first_overrides=(),
+                                           then_overrides=()) -> None:
+    """A 5-step run of parallel.scheme=`first` (with `first_overrides`) on 4 ranks (the recipe's
+    DP 2 x D 2) saves step 3; resuming it as `then` (with `then_overrides`) trains steps 4 and 5
+    like the uninterrupted run: the same losses (rtol 1e-6: fp32 summation order) and final
+    weights (the tolerances of test_trainer.py)."""
     import pytest
 
     from tests.helpers.dist import run_on_ranks
 
     common = ["train.steps=5", "checkpoint.keep_last=5"]
     full = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={first}", "checkpoint.every=3",
-                                                 f"train.output_dir={tmp_path / 'a'}"], timeout=600)
+                                                 f"train.output_dir={tmp_path / 'a'}", *first_overrides],
+                        timeout=600)
     step3 = tmp_path / "a" / "checkpoints" / "step_00000003"
     resumed = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={then}", f"train.resume={step3}",
                                                     f"train.output_dir={tmp_path / 'b'}", *then_overrides],
