@@ -1,6 +1,7 @@
 """zero.offload_optimizer=cpu through the whole Trainer on CPU ranks (gloo, DS_ACCELERATOR=cpu):
-DeepSpeed's ZeRO-Offload with its DeepSpeedCPUAdam against the single-process torch AdamW
-reference, and a resume from a checkpoint saved with the optimizer state on the host.
+DeepSpeed's ZeRO-Offload with its DeepSpeedCPUAdam, under ZeRO 1/2 (the dp axis) and ZeRO-3
+(schemes sp and ulysses, every rank), against the single-process torch AdamW reference, and
+resumes from checkpoints saved with the optimizer state on the host.
 
 DeepSpeedCPUAdam is a C++ op that DeepSpeed builds with g++ on first use, into
 TORCH_EXTENSIONS_DIR (tests/conftest.py: one folder per test session, unless the environment
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from tests.distributed.fault_cases import assert_nan_step_is_skipped
-from tests.distributed.trainer_cases import assert_matches_reference, reference_run, train_rank
+from tests.distributed.trainer_cases import (assert_matches_reference, assert_resume_as_matches_uninterrupted,
+                                             reference_run, train_rank)
 from tests.helpers.dist import run_on_ranks
 
 # slow: the op's build alone (150-160 s of g++ CPU time) is beyond the default suite's budget; the
@@ -22,6 +24,10 @@ from tests.helpers.dist import run_on_ranks
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 OFFLOAD = ["zero.offload_optimizer=cpu"]
+# A resume at step 5 updates at step 6 first: DeepSpeedCPUAdam's fp32 beta2^6 built by 6
+# multiplications by 0.95 differs from pow(0.95, 6) (steps 1-5 agree), so only a resume that
+# replays the step counter (engine/zero_state.py replay_cpu_adam_steps) continues bit for bit.
+RESUME_AT = 5
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,19 +61,69 @@ def test_offloaded_adam_matches_single_process(world, layout):
     assert_matches_reference(outs, reference)
 
 
-def test_offloaded_resume_equals_uninterrupted(tmp_path):
-    """TSP D=2, ZeRO-2, optimizer on the host: a 6-step run saving every 3 steps, and a resume of its
-    step-3 checkpoint, give the same steps 4-6 bit for bit (losses and weights): the moments and
-    fp32 master come back from the layout-free state into the host partition, and DeepSpeedCPUAdam's
-    beta^t products are rebuilt (engine/zero_state.py replay_cpu_adam_steps)."""
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scheme", ["ulysses", "sp"])
+def test_offloaded_zero3_matches_single_process(scheme, world):
+    """sp / ulysses with zero.stage left to auto (ZeRO-3 over every rank: D 2, and dp 2 on 4 ranks)
+    and the optimizer on the host: DeepSpeed's ZeRO-3 steps DeepSpeedCPUAdam on host fp32
+    partitions, and 4 steps equal one process with torch AdamW on the same global batches, with
+    the tolerances of test_offloaded_adam_matches_single_process (same CPU Adam arithmetic)."""
+    overrides = ["train.steps=4", "checkpoint.enabled=false", f"parallel.scheme={scheme}",
+                 "parallel.tsp_degree=2"] + OFFLOAD
+    reference = reference_run(overrides, dp_degree=world // 2)
+    outs = run_on_ranks(train_rank, world, overrides, timeout=600)
+    assert outs[0]["dp_world_size"] == world                       # ZeRO-3: partitions over all ranks
+    assert outs[0]["zero_optimizer"] == {"wrapper": "DeepSpeedZeroOptimizer_Stage3",
+                                         "optimizer": "DeepSpeedCPUAdam", "offloaded": True}
+    assert_matches_reference(outs, reference)
+
+
+@pytest.mark.parametrize("scheme,world", [("ulysses", 2), ("sp", 4)])
+def test_offloaded_zero3_resume_equals_uninterrupted(scheme, world, tmp_path):
+    """ZeRO-3 with the optimizer on the host: a 7-step run saving at step 5, and a resume of that
+    checkpoint, give the same steps 6-7 bit for bit (losses and weights): the host fp32 master and
+    moments partitions come back from the layout-free state, and DeepSpeedCPUAdam's beta^t
+    products are rebuilt (RESUME_AT: where fp32 0.95^6 by products differs from pow's, so the
+    resume is exact only with the replay)."""
     def run(out, resume="none", every=0):
-        return run_on_ranks(train_rank, 2, ["train.steps=6", f"checkpoint.every={every}",
+        return run_on_ranks(train_rank, world, [
+            f"train.steps={RESUME_AT + 2}", f"checkpoint.every={every}", f"train.resume={resume}",
+            f"train.output_dir={tmp_path / out}", f"parallel.scheme={scheme}",
+            "parallel.tsp_degree=2"] + OFFLOAD, timeout=600)[0]
+
+    full = run("a", every=RESUME_AT)
+    resumed = run("b", resume=tmp_path / "a" / "checkpoints" / f"step_{RESUME_AT:08d}")
+    assert resumed["zero_optimizer"]["offloaded"]
+    assert resumed["losses"] == full["losses"][RESUME_AT:]
+    for name, w in full["weights"].items():
+        assert torch.equal(resumed["weights"][name], w), name
+
+
+@pytest.mark.parametrize("first,first_overrides,then,then_overrides",
+                         [("tsp", [], "ulysses", OFFLOAD), ("ulysses", OFFLOAD, "tsp", [])])
+def test_resume_across_schemes_into_and_out_of_offloaded_zero3(first, first_overrides, then,
+                                                              then_overrides, tmp_path):
+    """A tsp checkpoint (ZeRO-1, torch AdamW on the device) resumed as ulysses under ZeRO-3 with
+    the optimizer on the host, and the other way round, trains steps 4 and 5 like the
+    uninterrupted run (DP 2 x D 2; losses rtol 1e-6, weights with the tolerances of
+    test_trainer.py: the CPU Adam update differs from torch's by a few fp32 ulps)."""
+    assert_resume_as_matches_uninterrupted(first, then, tmp_path, first_overrides=first_overrides,
+                                           then_overrides=then_overrides)
+
+
+def test_offloaded_resume_equals_uninterrupted(tmp_path):
+    """TSP D=2, ZeRO-2, optimizer on the host: a 7-step run saving at step 5, and a resume of that
+    checkpoint, give the same steps 6-7 bit for bit (losses and weights): the moments and fp32
+    master come back from the layout-free state into the host partition, and DeepSpeedCPUAdam's
+    beta^t products are rebuilt (engine/zero_state.py replay_cpu_adam_steps; RESUME_AT)."""
+    def run(out, resume="none", every=0):
+        return run_on_ranks(train_rank, 2, [f"train.steps={RESUME_AT + 2}", f"checkpoint.every={every}",
                                             f"train.resume={resume}", f"train.output_dir={tmp_path / out}",
                                             "zero.stage=2"] + OFFLOAD)[0]
 
-    full = run("a", every=3)
-    resumed = run("b", resume=tmp_path / "a" / "checkpoints" / "step_00000003")
-    assert resumed["losses"] == full["losses"][3:]
+    full = run("a", every=RESUME_AT)
+    resumed = run("b", resume=tmp_path / "a" / "checkpoints" / f"step_{RESUME_AT:08d}")
+    assert resumed["losses"] == full["losses"][RESUME_AT:]
     for name, w in full["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name
 
@@ -79,6 +135,14 @@ def test_nan_on_one_rank_skips_the_offloaded_update(tmp_path):
     after 3 steps equal those after 2 clean steps."""
     assert_nan_step_is_skipped(2, ["optim.warmup_steps=0", "optim.min_lr=3e-3", "zero.stage=1"] + OFFLOAD,
                                tmp_path)
+
+
+def test_nan_on_one_rank_skips_the_offloaded_zero3_update(tmp_path):
+    """ulysses D=2 under ZeRO-3, optimizer on the host: step 3's loss is NaN on rank 1 only; every
+    rank skips the CPU update (counted), and with a constant learning rate the weights after 3
+    steps equal those after 2 clean steps."""
+    assert_nan_step_is_skipped(2, ["optim.warmup_steps=0", "optim.min_lr=3e-3", "parallel.scheme=ulysses",
+                                   "parallel.tsp_degree=2"] + OFFLOAD, tmp_path)
 
 
 def test_cpu_adam_step_counter_replay_makes_a_restored_optimizer_bitwise():

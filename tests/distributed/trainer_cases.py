@@ -90,7 +90,17 @@ def train_rank(rank, world, overrides, return_weights=True):
     return {"losses": [h["train/loss"] for h in history], "grad_norms": [h["train/grad_norm"] for h in history],
             "skipped": [h["train/skipped"] for h in history], "weights": weights if rank == 0 else None,
             "dp_world_size": trainer.engine.dp_world_size, "step": trainer.state.step,
+            "zero_optimizer": _zero_optimizer(trainer.engine),
             "recompute": getattr(trainer.par.model.layers[0].self_attn, "recompute", None)}
+
+
+def _zero_optimizer(engine) -> dict:
+    """What DeepSpeed steps: its ZeRO wrapper's class, the optimizer it wraps, and whether the
+    fp32 partitions live on the host (ZeRO 1/2 say so in `cpu_offload`, ZeRO-3 in
+    `offload_optimizer`)."""
+    zero = engine.optimizer
+    return {"wrapper": type(zero).__name__, "optimizer": type(engine.basic_optimizer).__name__,
+            "offloaded": bool(getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False))}
 
 
 def assert_matches_reference(outs, reference) -> None:
@@ -141,20 +151,24 @@ def reference_run(overrides, *, dp_degree: int):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def assert_resume_as_matches_uninterrupted(first: str, then: str, tmp_path) -> None:
-    """A 5-step run of parallel.scheme=`first` on 4 ranks (the recipe's DP 2 x D 2) saves step 3;
-    resuming it as `then` trains steps 4 and 5 like the uninterrupted run: the same losses (rtol
-    1e-6: fp32 summation order) and final weights (the tolerances of test_trainer.py)."""
+def assert_resume_as_matches_uninterrupted(first: str, then: str, tmp_path, first_overrides=(),
+                                           then_overrides=()) -> None:
+    """A 5-step run of parallel.scheme=`first` (with `first_overrides`) on 4 ranks (the recipe's
+    DP 2 x D 2) saves step 3; resuming it as `then` (with `then_overrides`) trains steps 4 and 5
+    like the uninterrupted run: the same losses (rtol 1e-6: fp32 summation order) and final
+    weights (the tolerances of test_trainer.py)."""
     import pytest
 
     from tests.helpers.dist import run_on_ranks
 
     common = ["train.steps=5", "checkpoint.keep_last=5"]
     full = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={first}", "checkpoint.every=3",
-                                                 f"train.output_dir={tmp_path / 'a'}"], timeout=600)
+                                                 f"train.output_dir={tmp_path / 'a'}", *first_overrides],
+                        timeout=600)
     step3 = tmp_path / "a" / "checkpoints" / "step_00000003"
     resumed = run_on_ranks(train_rank, 4, common + [f"parallel.scheme={then}", f"train.resume={step3}",
-                                                    f"train.output_dir={tmp_path / 'b'}"], timeout=600)
+                                                    f"train.output_dir={tmp_path / 'b'}", *then_overrides],
+                           timeout=600)
     assert resumed[0]["step"] == 5
     assert resumed[0]["losses"] == pytest.approx(full[0]["losses"][3:], rel=1e-6)
     close, total = 0, 0

@@ -218,17 +218,20 @@ def test_zero_stage():
     raises("train.nonfinite='skip' needs zero.stage 1 or 2", validate_config, valid(zero__stage=0))
 
 
-def test_optimizer_offload_needs_zero_1_or_2():
+def test_optimizer_offload_needs_a_zero_partition():
     message = raises("zero.offload_optimizer='cpu' with zero.stage=0", validate_config,
                      valid(zero__stage=0, zero__offload_optimizer="cpu", train__nonfinite="stop"))
-    assert "use zero.stage 1 or 2, or zero.offload_optimizer='none'" in message
+    assert "offloaded only under ZeRO 1, 2 or 3" in message and "\n" not in message
+    assert "or zero.offload_optimizer='none'" in message
     for stage in (1, 2):
         validate_config(valid(zero__stage=stage, zero__offload_optimizer="cpu"))
-    # ZeRO-3 (sp and ulysses, explicit or auto) with the optimizer offloaded: not run
-    for stage in (3, "auto"):
-        message = raises(f"zero.offload_optimizer='cpu' with zero.stage={stage}", validate_config,
-                         valid(zero__stage=stage, zero__offload_optimizer="cpu", parallel__scheme="ulysses"))
-        assert "offloaded only under ZeRO 1 or 2" in message
+    # ZeRO-3 (sp and ulysses, explicit or auto) with the optimizer offloaded: DeepSpeed's ZeRO-3 offload
+    for scheme in ("sp", "ulysses"):
+        for stage in (3, "auto"):
+            validate_config(valid(zero__stage=stage, zero__offload_optimizer="cpu", parallel__scheme=scheme))
+    # stage 3 where ZeRO-3 is not used is refused whether offloaded or not
+    raises("zero.stage=3 with parallel.scheme='tsp'", validate_config,
+           valid(zero__stage=3, zero__offload_optimizer="cpu"))
     raises("zero.offload_optimizer='nvme' is not one of 'none', 'cpu'", validate_config,
            valid(zero__offload_optimizer="nvme"))
 

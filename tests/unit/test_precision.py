@@ -103,6 +103,12 @@ def test_optimizer_offload_config_is_deepspeeds_zero_offload():
     assert cfg["zero_optimization"]["stage"] == 2
     # else Accelerate swaps our DeepSpeedCPUAdam for one in Adam (L2) mode (engine/deepspeed.py)
     assert cfg["zero_force_ds_cpu_optimizer"] is False
+    # ZeRO-3 (sp, ulysses): the same offload beside its partitioning settings
+    zero3 = ds_config(**{**common, "zero_stage": 3}, offload_optimizer=True)
+    assert zero3["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero3["zero_optimization"]["stage"] == 3
+    assert zero3["zero_optimization"]["stage3_param_persistence_threshold"] == 0
+    assert zero3["zero_force_ds_cpu_optimizer"] is False
 
 
 def test_bf16_without_zero_is_refused():

@@ -22,7 +22,9 @@ loading writes back this rank's fragment with DeepSpeed's `safe_set_full_*` (no 
 Under ZeRO stage 0 the torch optimizer holds the moments per parameter and is read directly.
 ZeRO-3 (sp, ulysses) partitions the weights too, over every rank: each tensor, weights included, is
 assembled on its writer by one reduce over all ranks (engine/zero_state.py zero3_full_on_owner),
-every rank taking part for every parameter, and loading writes this rank's partitions.
+every rank taking part for every parameter, and loading writes this rank's partitions. With
+zero.offload_optimizer=cpu the fp32 master and moments ZeRO keeps (all stages) are host tensors,
+read and written by the same accessors.
 Loading copies values (no arithmetic), so a resume under the same layout continues bit for bit.
 
 Must not import trainer; its DeepSpeed calls live in engine/zero_state.py (imported lazily there).
@@ -255,9 +257,11 @@ def load_layout_free_state(folder: Path, par: Parallelized, optimizer: torch.opt
 
 
 def _load_zero3(par: Parallelized, optimizer, params: dict, weights: dict, state: dict, extra: dict) -> None:
-    """ZeRO-3: this rank's partitions of the weights, fp32 master and moments (no collective)."""
+    """ZeRO-3: this rank's partitions of the weights, fp32 master and moments (no collective);
+    with the optimizer offloaded (DeepSpeedCPUAdam) its step counter replayed too."""
     if extra["moments"]:
         zero3_init_adam_state(optimizer, params.values(), extra["adam_steps"], extra["moments"])
+        replay_cpu_adam_steps(optimizer, max(extra["adam_steps"], default=0))
     with torch.no_grad():
         for name, p in params.items():
             zero3_load(p, weights[name], state.get(f"fp32/{name}", weights[name]),

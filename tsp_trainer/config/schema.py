@@ -279,7 +279,8 @@ class ZeroSection:
     offload_optimizer: OffloadOptimizer = setting(
         "none", doc="cpu: DeepSpeed's ZeRO-Offload keeps the fp32 master weights, AdamW moments and "
                     "the fp32 gradient partition in pinned host memory and runs the update with "
-                    "DeepSpeedCPUAdam; needs zero.stage 1 or 2 (docs/long_context/optimizer_offload.md)")
+                    "DeepSpeedCPUAdam; needs zero.stage 1, 2 or 3 (3: sp and ulysses, whose fp32 "
+                    "gradient partition goes to the host too; docs/long_context/optimizer_offload.md)")
 
 
 @dataclass(frozen=True)

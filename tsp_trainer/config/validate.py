@@ -258,16 +258,14 @@ def _check_zero(stage: Any, scheme: str) -> None:
 
 
 def check_optimizer_offload(zero: ZeroSection, scheme: str) -> None:
-    """ZeRO-Offload moves the fp32 partition that ZeRO 1/2 build (master weights, AdamW moments,
+    """ZeRO-Offload moves the fp32 partition that ZeRO 1-3 build (master weights, AdamW moments,
     fp32 gradients) to the host; ZeRO-0 builds none, so DeepSpeedCPUAdam would meet device weights.
-    ZeRO-3's offload keeps its partitions elsewhere, which the checkpoints do not read."""
+    Stage 3 is refused for the schemes other than sp and ulysses before this (_check_zero)."""
     stage = resolved_zero_stage(zero.stage, scheme)
-    if zero.offload_optimizer == "cpu" and stage in (0, 3):
-        raise ValueError(f"zero.offload_optimizer='cpu' with zero.stage={zero.stage}"
-                         + (f" (parallel.scheme={scheme})" if zero.stage == "auto" else "")
-                         + ": the optimizer is offloaded only under ZeRO 1 or 2"
-                         + (" (stage 0 keeps no fp32 partition to move to the host)" if stage == 0 else "")
-                         + "; use zero.stage 1 or 2, or zero.offload_optimizer='none'")
+    if zero.offload_optimizer == "cpu" and stage == 0:
+        raise ValueError("zero.offload_optimizer='cpu' with zero.stage=0: the optimizer is offloaded only "
+                         "under ZeRO 1, 2 or 3 (stage 0 keeps no fp32 partition to move to the host); "
+                         "use zero.stage 1, 2 (or 3 for sp and ulysses), or zero.offload_optimizer='none'")
 
 
 def check_precision(*, zero_stage: int, bf16: bool) -> None:

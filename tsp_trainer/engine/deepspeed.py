@@ -60,7 +60,9 @@ def ds_config(*, micro_batch: int, grad_accum: int, dp_degree: int, zero_stage: 
     DeepSpeed 0.19.8 then runs its ZeRO optimizer at stage 1 and 2 alike (bf16 + ZeRO-1 too,
     engine.py _do_optimizer_sanity_check): the fp32 master partition, its gradient and the AdamW
     moments live on the host; under bf16 the reduced gradients still accumulate in an fp32
-    partition on the device (n / dp elements) before each step copies them to the host."""
+    partition on the device (n / dp elements) before each step copies them to the host. Under
+    ZeRO-3 (stage3.py) the same keys put the fp32 master, moments and the fp32 gradient partition
+    (n / world elements, reduced into on the host) there; only the weight partition stays."""
     zero = {"stage": zero_stage, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7}
     if zero_stage == 3:
         zero.update(ZERO3_SETTINGS)

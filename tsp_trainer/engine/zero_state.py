@@ -118,7 +118,10 @@ def replay_cpu_adam_steps(optimizer, step: int) -> None:
 # (fp32_partitioned_groups_flat), whose optimizer state the torch optimizer keeps while its
 # param_groups hold no parameter between steps. The safe_get/set_local_* helpers read and write
 # this rank's slice; the full-tensor setters slice the value without the padding and fail on the
-# last rank when W does not divide n, so the slices are cut here.
+# last rank when W does not divide n, so the slices are cut here. With zero.offload_optimizer=cpu
+# the flat fp32 partitions and their state are host tensors (stepped by DeepSpeedCPUAdam, its
+# "step" a Python int): the same helpers read them (the getters copy to the compute device) and
+# write them in place.
 
 
 def is_zero3(p: torch.nn.Parameter) -> bool:

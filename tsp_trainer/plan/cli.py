@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-offload-optimizer", choices=typing.get_args(OffloadOptimizer), default="none",
                    help="the trainer's zero.offload_optimizer: none (default) or cpu (DeepSpeed's "
                         "ZeRO-Offload: the fp32 master and AdamW moments in pinned host memory, the "
-                        "update on the CPU; costs PCIe and CPU time per step; ZeRO 1 or 2 only)")
+                        "update on the CPU; costs PCIe and CPU time per step; ZeRO 1 or 2 for TSP and the "
+                        "baselines, ZeRO-3 for the ulysses and sp peers)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="PNG chart of the layout ranking (not with --max-seq-len, --ablation or --dry-run)")
