@@ -52,7 +52,7 @@ from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import (CPU_ADAM_BYTES, Assumptions, Prediction, compute_seconds_per_token,
                                       efficiencies, exceeded_limits, host_bytes_per_node)
 from tsp_trainer.plan.reserved import ReserveAssumptions, flash_gqa_dkv_expanded_bytes, nccl_buffer_bytes
-from tsp_trainer.plan.state import FP32_BYTES, offloaded_optimizer_bytes
+from tsp_trainer.plan.state import FP32_BYTES, zero3_gathered_bytes, zero3_state_bytes
 
 PEER_SCHEMES = ("ulysses", "upipe", "sp_zero3")
 PLANNER_ONLY = "planner only"
@@ -137,10 +137,6 @@ def peer_shapes_ok(cfg: ModelConfig, scheme: str, degree: int, seq_len: int) -> 
 
 def _n_params(cfg: ModelConfig) -> int:
     return cfg.num_params()
-
-
-def _layer_params(cfg: ModelConfig) -> int:
-    return cfg.attn_sharded_params + cfg.mlp_sharded_params + cfg.replicated_biases + 2 * cfg.hidden_size
 
 
 def _kv_heads_local(cfg: ModelConfig, lay: PeerLayout) -> int:
@@ -245,15 +241,12 @@ def peer_memory(cfg: ModelConfig, lay: PeerLayout, seq_len: int, prec: Precision
     e, h, L = prec.act, cfg.hidden_size, cfg.num_layers
     n_all, world = _n_params(cfg), lay.world
     n = lay.micro_batch * seq_len // lay.degree
-    params = -(-n_all * prec.weight // world)
-    grads = 0 if lay.offload_optimizer else -(-n_all * FP32_BYTES // world)
-    optimizer = 0 if lay.offload_optimizer else -(-n_all * prec.optimizer // world)
-    host_optimizer = offloaded_optimizer_bytes(n_all, world, prec) if lay.offload_optimizer else 0
-    p_layer = _layer_params(cfg)
+    state = zero3_state_bytes(n_all, world, prec, offload_optimizer=lay.offload_optimizer)
+    params, grads, optimizer = state["params"], state["grads"], state["optimizer"]
+    host_optimizer = state["host_optimizer"]
     # the layer in use and the one prefetched (bf16), and in backward the layer's bf16 gradients
     # before their reduce-scatter; the embedding / LM head gathered for the loss
-    gathered_fwd = 2 * p_layer * prec.weight
-    gathered_bwd = 3 * p_layer * prec.weight
+    gathered_fwd, gathered_bwd = zero3_gathered_bytes(cfg, prec)
     head_w = cfg.vocab_size * h * prec.weight
     lt = _layer_terms(cfg, lay, seq_len, prec)
     block_in = e * n * h
