@@ -94,7 +94,10 @@ class Layout:
                              "sp and ulysses (planned as sp) only; use zero_stage 0, 1 or 2")
         if self.offload_optimizer and self.zero_stage == 0:     # config/validate.py's rule
             raise ValueError("offload_optimizer with zero_stage=0: DeepSpeed offloads the optimizer "
-                             "only under ZeRO 1, 2 or 3; use zero_stage 1, 2 or 3")
+                             "only under ZeRO 1 or 2; use zero_stage 1 or 2")
+        if self.offload_optimizer and self.zero_stage == 3:     # config/validate.py's rule
+            raise ValueError("offload_optimizer with zero_stage=3: the trainer runs ZeRO-Offload "
+                             "under ZeRO 1 or 2 only; use zero_stage 1 or 2")
         k = self.checkpoint_segment_blocks
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k > 1 and not self.activation_checkpointing):
             raise ValueError(f"checkpoint_segment_blocks={k!r} must be an integer >= 1, and 1 without "
