@@ -1,5 +1,6 @@
 """The peers' planner layouts (plan/peers.py): ulysses (the ALST stack), upipe (head-chunked
-Ulysses), sp_zero3 (FSDP + context parallelism). Planner only: the trainer does not run them."""
+Ulysses), sp_zero3 (FSDP + context parallelism), the peers' own stacks as the planner models them
+(the trainer runs them on its model code as ulysses, head chunks and sp under ZeRO-3)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ One training step = forward + backward of the summed token loss over the global 
 preallocated (zeros), so the tracked forward + backward sees only activations and transients;
 AdamW then creates its moments. The memory step also counts the FLOPs the rank executes
 (`executed_flops`). The ledger is reset before every step and the last step's records are kept;
-timed steps run without the memory tracker.
+timed steps run without the memory tracker. `sp` and `ulysses` run under DeepSpeed ZeRO-3 as the
+trainer runs them (bench/zero3.py, the same interface) unless the job says zero_stage 0.
 """
 
 from __future__ import annotations
