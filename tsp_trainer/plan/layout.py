@@ -17,7 +17,7 @@ SCHEMES = tuple(s for s in typing.get_args(Scheme) if s != "ulysses")
 
 def planned_scheme(scheme: str) -> str:
     """The Layout scheme that models a run of parallel.scheme=`scheme` (auto settings, logged
-    FLOPs). ulysses holds what sp holds (whole weights, S/D tokens) and its attention's
+    FLOPs). ulysses holds what sp holds (the same weights and state, S/D tokens) and its attention's
     full-sequence q/k/v/o of D-th of the heads stand in for sp's gathered K/V (the same order);
     sp's backward also re-runs the attention forward, which ulysses does not."""
     return "sp" if scheme == "ulysses" else scheme
