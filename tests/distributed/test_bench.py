@@ -63,7 +63,9 @@ def test_bench_takes_the_trainers_dtype(tmp_path):
         docs[dtype] = {r["scheme"]: r for r in json.loads(out.read_text())["schemes"]}
     for scheme in ("tsp", "sp"):
         assert docs["bf16"][scheme]["comm_formula_match"] is True
-        assert docs["bf16"][scheme]["param_bytes"] * 2 == docs["fp32"][scheme]["param_bytes"]
+    assert docs["bf16"]["tsp"]["param_bytes"] * 2 == docs["fp32"]["tsp"]["param_bytes"]
+    # sp under ZeRO-3: the weights' partition in bf16 (fp32) beside its fp32 master copy
+    assert docs["bf16"]["sp"]["param_bytes"] * 4 == docs["fp32"]["sp"]["param_bytes"] * 3
 
 
 def test_interleaved_launch_equals_separate_launches_and_profiles(tmp_path, capsys):
@@ -140,7 +142,10 @@ def test_ulysses_agrees_with_the_alst_stack_and_its_closed_form(world, schemes, 
     processes) on the bench's weights and batch: our `ulysses` gives its loss within 1e-5 relative
     (fp32; at D = 4 the tiny model's 2 K/V heads are repeated by both), executes the same FLOPs
     within 1% (transformers adds its rotary matmul), and its ledger equals the closed form, the
-    all-to-alls included. Every scheme of the run starts from the same loss."""
+    all-to-alls included. Every scheme of the run starts from the same loss. `sp` and `ulysses`
+    run under ZeRO-3 as the trainer runs them: the bytes DeepSpeed hands to torch.distributed's
+    all-gather and reduce-scatter in a forward + backward equal Zero3Traffic's closed form, and
+    each rank holds 1/D of the weights (its fp32 partition and master copy)."""
     from tsp_trainer.parallel.baselines.comm_model import ulysses_all_to_all_bytes
 
     out = tmp_path / "bench.json"
@@ -158,5 +163,12 @@ def test_ulysses_agrees_with_the_alst_stack_and_its_closed_form(world, schemes, 
     a2a = {k: v for k, v in ours["comm_by_tag"].items() if k.startswith("all_to_all/")}
     assert a2a == ulysses_all_to_all_bytes(model_config("tiny"), degree=world, batch=1, seq_len=32)
     assert abs(ours["flops"] - alst["flops"]) < 0.01 * alst["flops"]
-    # ZeRO-3 holds 1/D of every weight (and its master copy, gradient and moments); ours all of them
-    assert alst["state_bytes"] < ours["state_bytes"] and alst["peak_act_bytes"] > 0
+    for name in ("ulysses", "sp") if world == 2 else ("ulysses",):
+        row = rows[name]
+        assert row["layout"].endswith(" Z3"), name
+        measured, closed = row["zero3_measured"], row["zero3_closed_form"]
+        assert measured == closed and row["zero3_match"] is True, name
+        assert closed["all_gather"] > 0 and closed["reduce_scatter"] > 0, name
+        # the reduce-scatter's input is every fp32 gradient padded to D x ceil(n / D): D x a partition
+        assert row["param_bytes"] == 2 * closed["reduce_scatter"] // world, name
+    assert alst["peak_act_bytes"] > 0

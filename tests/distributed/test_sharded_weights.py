@@ -4,12 +4,12 @@ axis x dp (parallel/sharded_weights.py): parity with one process on loss, logits
 on 1, 2 and 4 gloo ranks; GQA with K/V heads fewer than the degree, tied embeddings and per-head
 norms (qwen3), document masking on and off, checkpointed blocks, loss and MLP in chunks. The
 ledger's ZeRO-3 records (Zero3Traffic's closed form) equal the bytes DeepSpeed hands to
-torch.distributed's all_gather_into_tensor and reduce_scatter_tensor. All cases of one world size
+torch.distributed's all_gather_into_tensor and reduce_scatter_tensor (engine/zero3_bytes.py, the
+counter tsp-bench reports). All cases of one world size
 run in one fork."""
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import pytest
@@ -25,6 +25,7 @@ from tsp_trainer.engine.zero_state import zero3_full_on_owner, zero3_partition_o
 from tests.helpers.dist import run_on_ranks
 from tsp_trainer.engine.deepspeed import ds_config, mark_gather_units, skip_cpu_shm_build
 from tsp_trainer.engine.ulysses import distributed_attention
+from tsp_trainer.engine.zero3_bytes import ZeroCollectiveBytes
 from tsp_trainer.model import Transformer
 from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
@@ -51,7 +52,6 @@ CASES = [("ulysses", "mha", None, False, {}), ("ulysses", "gqa", True, False, {}
 # heads fewer than D, documents, checkpointed blocks, chunks, tied embeddings, both schemes
 QUICK = [("ulysses", "gqa", True, True, {"loss_chunk_tokens": 5, "mlp_chunk_tokens": 3}),
          ("ulysses", "qwen3", None, False, {}), ("sp", "gqa", False, True, {}), ("sp", "odd", True, False, {})]
-COUNTED = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 1}   # op -> the full tensor's argument
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,22 +90,6 @@ def _checkpoint_round_trip(model, world, expected: dict) -> list[str]:
     return bad
 
 
-def _count_zero3_bytes() -> collections.Counter:
-    """Wrap torch.distributed's all_gather_into_tensor (its output counted) and reduce_scatter_tensor
-    (its input) in this forked rank, before DeepSpeed's comm backend binds them: the counter fills
-    with the bytes of every call ZeRO-3 makes."""
-    counted: collections.Counter = collections.Counter()
-    for name, index in COUNTED.items():
-        real = getattr(torch.distributed, name)
-
-        def counting(*args, _real=real, _name=name, _index=index, **kwargs):
-            full = (list(args) + list(kwargs.values()))[_index]
-            counted[_name] += full.numel() * full.element_size()
-            return _real(*args, **kwargs)
-        setattr(torch.distributed, name, counting)
-    return counted
-
-
 def _engine(model, mesh):
     import deepspeed
 
@@ -122,7 +106,7 @@ def _sharded_rank(rank, world, cases, refs):
     from deepspeed.utils import safe_get_full_grad
 
     skip_cpu_shm_build()
-    counted = _count_zero3_bytes()
+    counter = ZeroCollectiveBytes().install()          # before DeepSpeed's comm backend binds the ops
     mesh = build_mesh(world)
     out = []
     for (scheme, cfg_name, docs, checkpointing, options), ref in zip(cases, refs, strict=True):
@@ -137,12 +121,13 @@ def _sharded_rank(rank, world, cases, refs):
         round_trip_bad = _checkpoint_round_trip(model, mesh.world, ref["weights"])
         ids, labels, pos = par.local_batch(ref["ids"], ref["labels"],
                                            None if docs is None else _positions(docs).documents)
-        counted.clear()
-        loss_sum, count = engine.module.loss_sum(ids, labels, pos)
-        total = global_count(count, par.token_comms)
-        # DeepSpeed averages the gradients over its W data-parallel ranks
-        engine.backward(loss_sum * world / total)
-        measured = dict(counted)
+        counter.reset()
+        with counter.counting():
+            loss_sum, count = engine.module.loss_sum(ids, labels, pos)
+            total = global_count(count, par.token_comms)
+            # DeepSpeed averages the gradients over its W data-parallel ranks
+            engine.backward(loss_sum * world / total)
+        measured = dict(counter.bytes)
         mesh.ledger.reset()
         traffic.record(checkpointed=checkpointing)
         ledger = mesh.ledger.summary()
@@ -183,8 +168,8 @@ def _check_parity(world: int, cases: list) -> None:
                                            msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
             ledger = {k: v["bytes"] for k, v in out["ledger"].items()}
             gathered = ledger["all_gather/zero3.params"] + ledger["all_gather/zero3.params.backward"]
-            assert out["measured"].get("all_gather_into_tensor", 0) == gathered, where
-            assert out["measured"]["reduce_scatter_tensor"] == ledger["reduce_scatter/zero3.grads"], where
+            assert out["measured"].get("all_gather", 0) == gathered, where
+            assert out["measured"]["reduce_scatter"] == ledger["reduce_scatter/zero3.grads"], where
             assert gathered > 0 if world > 1 else gathered == 0, where
             assert out["round_trip_bad"] == [], where
 

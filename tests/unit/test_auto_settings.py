@@ -248,3 +248,36 @@ def test_checkpoint_replay_keeps_auto_is_all_and_the_lean_values_are_explicit():
         chosen(between)
     explicit = load_config(None, args + ["parallel.checkpoint_replay_keeps=attention"])
     assert chosen(between, explicit) == "attention"
+
+
+@pytest.mark.parametrize("scheme", ["sp", "ulysses"])
+def test_auto_plans_a_zero3_run_with_its_state_sharded_over_every_rank(scheme):
+    """sp and ulysses run under ZeRO-3 (zero.stage auto): `auto` plans them with the state of the
+    peers' model (plan/state.py zero3_state_bytes), each rank's weights, gradients and AdamW state
+    1/W of the model's over the W = D x dp ranks, plus the layers' weights gathered for use; the
+    choice's predicted peak is that layout's, below the ZeRO-2 plan of the same run (whole weights
+    on every rank)."""
+    from dataclasses import replace
+
+    from tsp_trainer.plan.peers import head_chunk_saving
+    from tsp_trainer.plan.state import param_count, zero3_gathered_bytes
+
+    cfg = _cfg(f"parallel.scheme={scheme}", "train.memory_budget_gib=64", "parallel.tsp_recompute=full",
+               "train.activation_checkpointing=auto")
+    model, world = cfg.model.to_model_config(), 4
+    lay = run_layout(cfg, world)
+    assert (lay.scheme, lay.zero_stage, lay.world) == ("sp", 3, 4)
+    choice = choose_auto_settings(cfg, world_size=world, cuda=False)
+    chosen = replace(lay, activation_checkpointing=choice.activation_checkpointing)
+    pred = predict(model, chosen, cfg.data.seq_len, get_profile("h100"), prec=FP32, device="cpu")
+    n = param_count(model, chosen)
+    assert pred.memory["params"] == -(-n * FP32.weight // world)            # 1/W of the weights
+    assert pred.memory["grads"] == -(-n * 4 // world)
+    assert pred.memory["optimizer"] == -(-n * FP32.optimizer // world)
+    assert pred.memory["zero3_gathered"] == zero3_gathered_bytes(model, FP32)[1]
+    chunks = choice.ulysses_head_chunks or 1
+    saving = head_chunk_saving(model, chosen, cfg.data.seq_len, chunks, FP32)
+    assert choice.peak == pred.memory["total"] - saving
+    zero2 = predict(model, replace(chosen, zero_stage=2), cfg.data.seq_len, get_profile("h100"), prec=FP32,
+                    device="cpu")
+    assert pred.memory["total"] < zero2.memory["total"]

@@ -72,6 +72,16 @@ def test_tsp_recompute_reaches_tsp_only(mode):
         _spec("--tsp-recompute partial")
 
 
+def test_sp_and_ulysses_run_under_zero3_unless_replicated_weights():
+    """The trainer's zero.stage auto: ZeRO-3 for sp and ulysses, 0 (a plain AdamW) for the schemes
+    that shard their weights over the axis; --replicated-weights keeps sp and ulysses whole."""
+    schemes = "--degree 2 --schemes tsp,tp,tp_sp,sp,ulysses"
+    assert {s: _spec(schemes).zero_stage(s) for s in ("tsp", "tp", "tp_sp", "sp", "ulysses")} == \
+        {"tsp": 0, "tp": 0, "tp_sp": 0, "sp": 3, "ulysses": 3}
+    replicated = _spec(schemes + " --replicated-weights")
+    assert [replicated.zero_stage(s) for s in ("sp", "ulysses")] == [0, 0]
+
+
 def test_defaults_resolve_tp_x_sp_layout():
     spec = _spec("--degree 2 --kv-heads 4 --seq-len 64")
     assert (spec.tp_degree, spec.sp_degree) == (1, 2)

@@ -1,5 +1,6 @@
 """The peers' planner layouts (plan/peers.py): ulysses (the ALST stack), upipe (head-chunked
-Ulysses), sp_zero3 (FSDP + context parallelism). Planner only: the trainer does not run them."""
+Ulysses), sp_zero3 (FSDP + context parallelism), the peers' own stacks as the planner models them
+(the trainer runs them on its model code as ulysses, head chunks and sp under ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tsp_trainer.config.model import model_config
 from tsp_trainer.plan import cli
 from tsp_trainer.plan.hardware import get_profile
 from tsp_trainer.plan.longest import longest_seq_len
-from tsp_trainer.plan.peers import (ALST_TABLE, PLANNER_ONLY, PeerLayout, alst_ablation,
+from tsp_trainer.plan.peers import (ALST_TABLE, PEER_STACK, PeerLayout, alst_ablation,
                                     peer_comm_seconds, peer_longest, peer_memory, peer_ranking,
                                     peer_shapes_ok, predict_peer)
 from tsp_trainer.plan.precision import BF16
@@ -114,7 +115,7 @@ def test_refusals_name_the_rule():
         PeerLayout("tsp", 8)
     assert "q heads 32 not divisible by D=3" in peer_shapes_ok(LLAMA, "ulysses", 3, 3 * 1024)
     assert "not divisible by 16" in peer_shapes_ok(LLAMA, "sp_zero3", 8, 8 * 1001)
-    assert PLANNER_ONLY in PeerLayout("ulysses", 8).label()
+    assert PEER_STACK in PeerLayout("ulysses", 8).label()
 
 
 def test_sp_with_zero3_goes_longer_than_replicated_sp():
@@ -140,7 +141,7 @@ def test_cli_lists_tsp_beside_the_peers(capsys):
     assert cli.main(["--model", "llama3_8b", "--gpu", "h100", "--nodes", "1", "--seq-len", "131072",
                      "--global-batch", "8"]) == 0
     out = capsys.readouterr().out
-    assert "TSP beside the peers" in out and f"ulysses ({PLANNER_ONLY})" in out
+    assert "TSP beside the peers" in out and f"ulysses ({PEER_STACK})" in out
 
 
 def test_cli_dry_run_refuses_a_peer(capsys):
@@ -148,4 +149,4 @@ def test_cli_dry_run_refuses_a_peer(capsys):
         cli.main(["--dry-run", "--schemes", "ulysses"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--schemes='ulysses'" in err and "planner only" in err
+    assert "--schemes='ulysses'" in err and "peer stacks the dry run does not model" in err

@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes of its own, and report it beside ours: alst = transformers' "
                         "CausalLM under DeepSpeed's Ulysses (UlyssesSPAttentionHF) and ZeRO-3 over "
                         "the D ranks (the ALST stack our `ulysses` scheme reproduces)")
+    p.add_argument("--replicated-weights", action="store_true",
+                   help="sp and ulysses with their weights whole on every rank under a plain AdamW "
+                        "(default: sharded by DeepSpeed ZeRO-3 over the D ranks, gathered for each "
+                        "use, as the trainer runs them with zero.stage auto)")
     p.add_argument("--no-hf", action="store_true", help="skip the single-process comparison with transformers")
     p.add_argument("--no-interleave", action="store_true",
                    help="launch each scheme on its own instead of all schemes in one launch with their "
@@ -94,7 +98,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
                      dtype=resolved_dtype(args.dtype, cuda=backend == "nccl"), threads=threads,
                      activation_checkpointing=args.activation_checkpointing, compare_hf=not args.no_hf,
                      seed=args.seed, interleave=not args.no_interleave, profile=args.profile,
-                     reference=args.reference)
+                     reference=args.reference, replicated_weights=args.replicated_weights)
     validate(spec, cuda_devices=cuda)
     if args.tsp_recompute == "auto":             # resolved once the rest is known to be valid
         spec = dataclasses.replace(spec, tsp_recompute=_tsp_recompute(args, model, cuda=backend == "nccl"))
@@ -136,7 +140,8 @@ def run(spec: BenchSpec, *, log=print) -> tuple[list[dict], dict | None, dict]:
     rows = _run_interleaved(spec, log) if spec.interleave else []
     for scheme in (() if spec.interleave else spec.schemes):
         log(f"[tsp-bench] {scheme}: {spec.degree} ranks, seq {spec.seq_len} ...")
-        job = {"scheme": scheme, "options": spec.options(scheme), **_common(spec)}
+        job = {"scheme": scheme, "options": spec.options(scheme), "zero_stage": spec.zero_stage(scheme),
+               **_common(spec)}
         try:
             ranks = launch.run_on_ranks(scheme_rank, spec.degree, job, backend=spec.backend,
                                         threads=spec.threads)
@@ -166,8 +171,8 @@ def _run_interleaved(spec: BenchSpec, log) -> list[dict]:
     from tsp_trainer.bench.run import interleaved_ranks
 
     log(f"[tsp-bench] {','.join(spec.schemes)} interleaved: {spec.degree} ranks, seq {spec.seq_len} ...")
-    jobs = [{"scheme": s, "options": spec.options(s), "profile": spec.profile, **_common(spec)}
-            for s in spec.schemes]
+    jobs = [{"scheme": s, "options": spec.options(s), "zero_stage": spec.zero_stage(s), "profile": spec.profile,
+             **_common(spec)} for s in spec.schemes]
     try:
         per_rank = launch.run_on_ranks(interleaved_ranks, spec.degree, jobs, backend=spec.backend,
                                        threads=spec.threads)
@@ -202,15 +207,15 @@ def _run_alst(spec: BenchSpec, log) -> dict:
 def _prewarm(spec: BenchSpec) -> None:
     """Import in the parent what every forked rank would import on its own (seconds each):
     torch._dynamo is pulled in by the first optimizer, transformers by the comparison and the ALST
-    reference, DeepSpeed by `ulysses` and the reference (its CPU shared-memory op, which training
-    never calls, left unbuilt: tens of seconds per rank)."""
+    reference, DeepSpeed by `ulysses`, ZeRO-3's `sp` and the reference (its CPU shared-memory op,
+    which training never calls, left unbuilt: tens of seconds per rank)."""
     if spec.backend == "nccl":     # spawned ranks start from scratch: nothing to share
         return
     import torch._dynamo  # noqa: F401
 
     if spec.compare_hf or spec.reference:
         import transformers.models.llama.modeling_llama  # noqa: F401
-    if "ulysses" in spec.schemes or spec.reference:
+    if any(s in spec.schemes for s in ("sp", "ulysses")) or spec.reference:
         from tsp_trainer.engine.deepspeed import skip_cpu_shm_build
 
         skip_cpu_shm_build()

@@ -33,12 +33,31 @@ def summarize_scheme(spec: BenchSpec, scheme: str, ranks: list[dict]) -> dict:
     row["comm_bytes"] = sum(v for k, v in row["comm_by_op"].items() if k != "send")
     row["wire_bytes"] = max(r["wire_bytes"] for r in ranks)
     # The formulas count one fwd + bwd; checkpointed blocks re-run their forward collectives.
-    row["comm_formula_match"] = (None if spec.activation_checkpointing
-                                 else _formula(spec, scheme) == row["comm_by_tag"])
+    own = {k: v for k, v in row["comm_by_tag"].items() if not _zero3_tag(k)}
+    row["comm_formula_match"] = (None if spec.activation_checkpointing else _formula(spec, scheme) == own)
+    if spec.zero_stage(scheme) == 3:
+        _zero3_bytes(row, ranks)
     steps = list(zip(*(r["step_times"] for r in ranks)))
     row["step_times"] = [max(s) for s in steps]          # the slowest rank's time, step by step
     _timing(spec, row)
     return row
+
+
+def _zero3_tag(key: str) -> bool:
+    return key.split("/")[1].startswith("zero3.")
+
+
+def _zero3_bytes(row: dict, ranks: list[dict]) -> None:
+    """ZeRO-3's all-gathers and reduce-scatters of one forward + backward (per-rank maxima): the
+    bytes DeepSpeed handed to torch.distributed (`zero3_measured`, engine/zero3_bytes.py) beside
+    the closed form the ledger holds (`zero3_closed_form`, parallel/sharded_weights.py), and
+    whether they are equal. Checkpointed blocks included: the closed form counts their replay."""
+    row["zero3_measured"] = _max_over_ranks([r["zero3_measured"] for r in ranks])
+    row["zero3_closed_form"] = _by_op({k: v for k, v in row["comm_by_tag"].items() if _zero3_tag(k)})
+    row["zero3_match"] = row["zero3_measured"] == row["zero3_closed_form"]
+    row["reduce_bucket_bytes"] = max(r["reduce_bucket_bytes"] for r in ranks)
+    if row["comm_formula_match"] is not None:
+        row["comm_formula_match"] = row["comm_formula_match"] and row["zero3_match"]
 
 
 def summarize_reference(spec: BenchSpec, name: str, ranks: list[dict]) -> dict:
@@ -81,23 +100,26 @@ def summarize_single(spec: BenchSpec, single: dict) -> dict:
 
 
 def _formula(spec: BenchSpec, scheme: str) -> dict[str, int]:
-    """The closed-form ledger bytes per "op/tag" of one fwd + bwd (parallel/*/comm_model.py)."""
+    """The closed-form ledger bytes per "op/tag" of one fwd + bwd (parallel/*/comm_model.py), less
+    ZeRO-3's (`_zero3_bytes` checks those against the bytes DeepSpeed moved)."""
     kw = dict(degree=spec.degree, batch=spec.micro_batch, seq_len=spec.seq_len)
     e = 2 if spec.dtype == "bf16" else 4                  # weights and activations; gradients: fp32
     if scheme == "tsp":
         comm = tsp_step_comm(spec.model, head_buckets=spec.head_buckets, weight_bytes=e, act_bytes=e, **kw)
         return {f"{op}/{tag}": v["bytes"] for (op, tag), v in comm.items()}
     return expected_ledger_bytes(spec.model, scheme, **kw, dtype_bytes=e,
+                                 sharded_weights=spec.zero_stage(scheme) == 3,
                                  **(spec.options(scheme) if scheme == "tp_x_sp" else {}))
 
 
 def _layout(spec: BenchSpec, scheme: str, info: dict) -> str:
     if scheme == "tsp":
         return f"D={spec.degree}" + (f" b={spec.head_buckets}" if spec.head_buckets > 1 else "")
+    weights = {3: " Z3", 0: " repl"}[spec.zero_stage(scheme)] if scheme in ("sp", "ulysses") else ""
     if scheme == "ulysses":
-        return f"D={spec.degree} a2a"
+        return f"D={spec.degree} a2a" + weights
     t, s = info.get("tp_degree", 1), info.get("sp_degree", 1)
-    return f"T{t}xS{s}" + ("+SP" if info.get("sequence_parallel") else "")
+    return f"T{t}xS{s}" + ("+SP" if info.get("sequence_parallel") else "") + weights
 
 
 def _max_over_ranks(per_rank: list[dict[str, int]]) -> dict[str, int]:
@@ -148,10 +170,23 @@ def format_table(spec: BenchSpec, rows: list[dict], single: dict | None) -> str:
     if any(r["comm_by_op"] is None for r in rows):
         out.append("*_ref: a stack run unmodified in processes of its own (--reference); its "
                    "communication is its own, outside our ledger")
+    zero3 = [r for r in rows if "zero3_measured" in r]
+    if zero3:
+        out.append("ZeRO-3 (sp, ulysses as the trainer runs them: weights sharded over the D ranks), "
+                   "all-gather / reduce-scatter MiB per rank per fwd+bwd, measured (DeepSpeed's calls) "
+                   "vs closed form: " + "; ".join(
+                       f"{r['scheme']} " + " / ".join(_mib(r["zero3_measured"].get(op, 0)) for op in _Z3_OPS)
+                       + " vs " + " / ".join(_mib(r["zero3_closed_form"].get(op, 0)) for op in _Z3_OPS)
+                       + ("" if r["zero3_match"] else " DIFFER") for r in zero3)
+                   + f"; their state includes ZeRO-3's reduce buckets, {_mib(zero3[0]['reduce_bucket_bytes'])} "
+                   "MiB per rank (the trainer's reduce_bucket_size, whatever the model)")
     bad = [r["scheme"] for r in rows if r.get("comm_formula_match") is False]
     if bad:
         out.append(f"WARNING: ledger bytes differ from the closed-form formula for {', '.join(bad)}")
     return "\n".join(out)
+
+
+_Z3_OPS = ("all_gather", "reduce_scatter")
 
 
 def ratios_to_tp(rows: list[dict]) -> dict[str, float]:

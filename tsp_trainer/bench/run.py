@@ -6,7 +6,8 @@ One training step = forward + backward of the summed token loss over the global 
 preallocated (zeros), so the tracked forward + backward sees only activations and transients;
 AdamW then creates its moments. The memory step also counts the FLOPs the rank executes
 (`executed_flops`). The ledger is reset before every step and the last step's records are kept;
-timed steps run without the memory tracker.
+timed steps run without the memory tracker. `sp` and `ulysses` run under DeepSpeed ZeRO-3 as the
+trainer runs them (bench/zero3.py, the same interface) unless the job says zero_stage 0.
 """
 
 from __future__ import annotations
@@ -73,13 +74,20 @@ def interleaved_ranks(rank: int, world: int, jobs: list[dict]) -> list[dict]:
 
 
 def build_scheme(rank: int, world: int, job: dict):
-    """(step runner, finish(result) -> result) of one rank of `job["scheme"]`."""
+    """(step runner, finish(result) -> result) of one rank of `job["scheme"]`; `job["zero_stage"]`
+    3 (sp, ulysses): weights sharded by DeepSpeed ZeRO-3 (bench/zero3.py), else whole on every
+    rank under a plain AdamW."""
     cfg, device = job["model"], _device(job["backend"], rank)
+    zero3 = job.get("zero_stage") == 3
+    if zero3:                          # before DeepSpeed's comm start-up (engine/zero3_bytes.py)
+        from tsp_trainer.bench.zero3 import install_counter
+
+        install_counter()
     mesh = build_mesh(world, device=device)
     with torch.device("meta"):
         model = Transformer(cfg)
     par = parallelize(model, job["scheme"], mesh, seq_len=job["seq_len"], init_seed=job["seed"],
-                      **job["options"], **scheme_options(job["scheme"]))
+                      **job["options"], **scheme_options(job["scheme"], zero_stage=job.get("zero_stage", 0)))
     model.to(device=device, dtype=_dtype(job))
     if job["activation_checkpointing"]:
         model.block_wrapper = checkpointed_block
@@ -91,16 +99,21 @@ def build_scheme(rank: int, world: int, job: dict):
     local_ids, local_labels, positions = par.local_batch(ids.to(device), labels.to(device))
     batch = [local_ids, local_labels, positions]
 
+    def finish(out: dict) -> dict:
+        out["first_loss"] = reduce_loss_value(out.pop("loss_sum"), out.pop("total"), par.token_comms)
+        out["info"] = dict(par.info)
+        return out
+
+    if zero3:                          # sp, ulysses as the trainer runs them (bench/zero3.py)
+        from tsp_trainer.bench.zero3 import Zero3StepRunner
+
+        return Zero3StepRunner(par, mesh, batch, device, job), finish
+
     def fwd_bwd():
         loss_sum, count = par.loss_sum(*batch)
         total = global_count(count, par.token_comms)
         (loss_sum / total).backward()
         return loss_sum, total
-
-    def finish(out: dict) -> dict:
-        out["first_loss"] = reduce_loss_value(out.pop("loss_sum"), out.pop("total"), par.token_comms)
-        out["info"] = dict(par.info)
-        return out
 
     return StepRunner(model, fwd_bwd, batch, device, mesh.ledger), finish
 

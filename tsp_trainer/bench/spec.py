@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from tsp_trainer.config.model import ModelConfig
 from tsp_trainer.config.model_source import model_from_name_or_path
+from tsp_trainer.config.schema import resolved_zero_stage
 from tsp_trainer.config.validate import check_parallel_shapes, check_sliding_window
 from tsp_trainer.parallel.schemes import SCHEMES
 
@@ -44,6 +45,9 @@ class BenchSpec:
     profile: bool = False         # one more step per scheme under torch.profiler (tsp_trainer/bench/profile.py)
     tsp_recompute: str = "full"   # tsp: full | selective | none (parallel.tsp_recompute)
     reference: str | None = None  # "alst": DeepSpeed's Ulysses for HF models + ZeRO-3 (bench/alst.py)
+    # sp, ulysses with their weights whole on every rank under a plain AdamW, instead of sharded by
+    # DeepSpeed ZeRO-3 as the trainer runs them (zero.stage auto = 3; bench/zero3.py)
+    replicated_weights: bool = False
 
     def options(self, scheme: str) -> dict:
         """Keyword options of parallelize() for `scheme`."""
@@ -53,6 +57,11 @@ class BenchSpec:
             return {"tp_degree": self.tp_degree, "sp_degree": self.sp_degree,
                     "tp_sequence_parallel": self.tp_sequence_parallel}
         return {}
+
+    def zero_stage(self, scheme: str) -> int:
+        """The trainer's zero.stage auto where it is 3 (config/schema.py resolved_zero_stage: sp,
+        ulysses) unless --replicated-weights; else 0 (whole weights, a plain AdamW)."""
+        return 3 if resolved_zero_stage("auto", scheme) == 3 and not self.replicated_weights else 0
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)

@@ -63,16 +63,25 @@ def zero3_engine(hf_model, mpu, *, world: int, micro_batch: int, lr: float, bf16
 def zero3_state(engine) -> dict[str, list[torch.Tensor]]:
     """The tensors ZeRO-3 holds between steps on this rank: the parameters' partitions
     (`ds_tensor`) and persistent whole parameters, the fp32 master partitions, the gradient
-    partitions' flat buffer and the optimizer's moments (once it has stepped)."""
+    partitions' flat buffer and the reduce buckets (`contiguous_gradients`: reduce_bucket_size
+    elements per gradient dtype, allocated at start-up), and the optimizer's moments (once it has
+    stepped)."""
     params = [getattr(p, "ds_tensor", p.data) for p in engine.module.parameters()]
     params += [p.data for p in engine.module.parameters() if p.data.numel()]
     opt = engine.optimizer
     masters = list(getattr(opt, "fp32_partitioned_groups_flat", []))
     grads = [g for g in (getattr(opt, "grad_partitions_flat_buffer", None),) if g is not None]
+    grads += zero3_reduce_buckets(engine)
     inner = getattr(opt, "optimizer", opt)
     moments = [v for s in inner.state.values() for v in s.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0]
     return {"param": params + masters, "grad": grads, "optim": moments}
+
+
+def zero3_reduce_buckets(engine) -> list[torch.Tensor]:
+    """ZeRO-3's reduce buckets (reduce_bucket_size elements per gradient dtype) on this rank."""
+    buckets = getattr(engine.optimizer, "ipg_buckets", {}).values()
+    return [b.buffer for b in buckets if getattr(b, "buffer", None) is not None]
 
 
 def zero3_state_bytes(engine) -> dict[str, int]:

@@ -182,3 +182,22 @@ def prepare(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimize
                            f"{expected}: the mpu did not reach deepspeed.initialize (has "
                            "Accelerate's _prepare_deepspeed changed?)")
     return engine, opt
+
+
+def sharded_weights_engine(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
+                           micro_batch: int, bf16: bool):
+    """deepspeed.initialize straight (no Accelerate) with ZeRO-3 over every rank of `mesh`
+    (ShardedWeightsMpu), the trainer's ds_config and no gradient clipping -> the DeepSpeedEngine.
+    tsp-bench runs `sp` and `ulysses` through it as the trainer runs them (zero.stage auto = 3).
+    `model`: parallelized with sharded_weights, whole parameters (ZeRO-3 partitions them here)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        skip_cpu_shm_build()
+    import deepspeed
+
+    mark_gather_units(model)
+    cfg = ds_config(micro_batch=micro_batch, grad_accum=1, dp_degree=mesh.world.size, zero_stage=3,
+                    max_grad_norm=0.0, bf16=bf16)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg,
+                                      mpu=ShardedWeightsMpu(mesh), dist_init_required=False)
+    return engine

@@ -25,7 +25,10 @@ One ranking with tsp-plan: the candidates are `search.memory_variants` of the ru
 `search.ranking_key` orders them, so for the same scheme, D, batch split and budget tsp-plan's top
 row is this choice. The ranking reads a hardware profile's rates (the GPU's own when it is a known
 one, else RANKING_PROFILE); among variants of one layout only their ratios matter: more recompute
-costs FLOPs, more head buckets cost collective latency.
+costs FLOPs, more head buckets cost collective latency. A ZeRO-3 run (sp, ulysses with zero.stage
+auto) is planned with ZeRO-3's state (plan/state.py zero3_state_bytes, the model of the peers'
+`sp_zero3` and `ulysses` layouts): tsp-plan's search ranks sp under ZeRO 0-2 and lists ZeRO-3's
+sp and ulysses as those peer layouts.
 
 The budget per process: train.memory_budget_gib when set; on a GPU its memory
 (torch.cuda.mem_get_info's total) times the planner's usable share (Assumptions.hbm_usable, the rest
@@ -209,11 +212,12 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """The planner's Layout of a run of `cfg` on `world_size` processes (recompute, checkpointing
     and buckets at Layout's defaults: memory_variants varies them; the loss and MLP chunks as the
-    run sets them). Layout models ZeRO 0-2: a ZeRO-3 run (sp, ulysses) is planned as ZeRO-2, its
-    weights whole on every rank, which bounds its memory from above."""
+    run sets them). A ZeRO-3 run (sp, ulysses) is planned with its state sharded over all ranks
+    and the layers' weights gathered for use (plan/state.py zero3_state_bytes, the peers' model)."""
     p = cfg.parallel
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
-                  sp=p.sp_degree, zero_stage=min(resolved_zero_stage(cfg.zero.stage, p.scheme), 2), micro_batch=cfg.data.micro_batch_size,
+                  sp=p.sp_degree, zero_stage=resolved_zero_stage(cfg.zero.stage, p.scheme),
+                  micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens,
                   attention_chunk_tokens=p.attention_chunk_tokens)

@@ -11,7 +11,8 @@ The planner lists every layout (scheme, D, DP, ZeRO stage, activation checkpoint
 offload, TSP recompute mode, head buckets, micro-batch x grad accumulation) that fits in GPU memory
 and whose node's pinned host bytes fit its host memory, ranked by predicted
 step time (plan/predict.py; docs/planner.md), then TSP beside the peers' stacks (ulysses, upipe,
-sp_zero3: planner-only layouts, plan/peers.py; --max-seq-len lists them too): for one scheme, D and batch split, the top row's
+sp_zero3: the peers' stacks as modelled in plan/peers.py, which the trainer runs as
+parallel.scheme=ulysses, ulysses with head chunks and sp under ZeRO-3; --max-seq-len lists them too): for one scheme, D and batch split, the top row's
 recompute mode, checkpointing and head buckets are what the trainer's `auto` settings choose
 (plan/auto.py). Impossible requests (nothing fits, a global batch no layout can
 split) exit with code 2 and say why.
@@ -50,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "h100 and h200, 1,649 for mi300x; docs/planner.md gives the sources)")
     p.add_argument("--schemes", default=None,
                    help=f"comma-separated subset of {','.join(SCHEMES + PEER_SCHEMES)} (default: all; "
-                        f"--dry-run: tsp,tp,tp_sp); {', '.join(PEER_SCHEMES)} are the peers' stacks, "
-                        "modelled by the planner only (plan/peers.py)")
+                        f"--dry-run: tsp,tp,tp_sp); {', '.join(PEER_SCHEMES)} are the peers' stacks "
+                        "as modelled in plan/peers.py (the trainer runs them as parallel.scheme=ulysses, "
+                        "with parallel.ulysses_head_chunks, and sp under ZeRO-3)")
     p.add_argument("--max-degree", type=int, default=64, help="largest model-parallel degree D tried")
     p.add_argument("--micro-batch", default=None,
                    help="comma-separated micro-batch sizes to try (default: all)")
@@ -389,7 +391,8 @@ def _dry_run(parser, args, cfg) -> int:
     schemes = _schemes(parser, args.schemes, ("tsp", "tp", "tp_sp"))
     if _split_peers(schemes)[1]:
         _fail(parser, f"--schemes={args.schemes!r}: --dry-run runs the trainer's code; "
-                      f"{', '.join(_split_peers(schemes)[1])} are modelled by the planner only")
+                      f"{', '.join(_split_peers(schemes)[1])} are peer stacks the dry run does not "
+                      "model (it runs tsp, tp, tp_sp and sp)")
     args.tsp_recompute = _one_mode(args.tsp_recompute)
     if args.tsp_recompute != "full" and not args.no_activation_checkpointing:
         _fail(parser, f"--tsp-recompute={args.tsp_recompute} needs --no-activation-checkpointing (the "

@@ -89,7 +89,7 @@ def _baseline_ledger(cfg: ModelConfig, layout: Layout, seq_len: int,
     kw = {"tp_degree": layout.tp, "sp_degree": layout.sp,
           "tp_sequence_parallel": layout.tp_sequence_parallel} if layout.scheme == "tp_x_sp" else {}
     base = expected_ledger_bytes(cfg, layout.scheme, degree=layout.degree, batch=layout.micro_batch,
-                                 seq_len=seq_len, dtype_bytes=prec.act, **kw)
+                                 seq_len=seq_len, dtype_bytes=prec.act, sharded_weights=layout.zero_stage == 3, **kw)
     per_op_counts = _baseline_op_counts(cfg)
     rows = []
     for key, nbytes in base.items():
@@ -177,6 +177,8 @@ def data_parallel_comm(cfg: ModelConfig, layout: Layout, prec: Precision = BF16)
     BF16_Optimizer), all-reduce them; otherwise stages 1 and 2 reduce-scatter them; stages 1 and 2
     all-gather the updated parameters after the step. Plus the trainer's per-micro-step loss
     scalars."""
+    if layout.zero_stage == 3:
+        return _zero3_comm(cfg, layout, prec)
     if layout.dp == 1:
         return {}
     n = param_count(cfg, layout)
@@ -190,6 +192,21 @@ def data_parallel_comm(cfg: ModelConfig, layout: Layout, prec: Precision = BF16)
         out["all_gather/dp.params"] = {"count": 1, "bytes": n * prec.weight, "group": layout.dp}
     out["all_reduce/loss.dp"] = {"count": 2 * layout.grad_accum, "bytes": 16 * layout.grad_accum,
                                  "group": layout.dp}
+    return out
+
+
+def _zero3_comm(cfg: ModelConfig, layout: Layout, prec: Precision) -> dict[str, dict[str, int]]:
+    """ZeRO-3 over all W = D x dp ranks (sp, ulysses; parallel/sharded_weights.py) per optimizer
+    step: every micro-step gathers the weights for the forward, again for the backward (and for a
+    checkpointed replay) and reduce-scatters the fp32 gradients; plus the loss scalars over dp."""
+    out = {}
+    n, w, ga = param_count(cfg, layout), layout.world, layout.grad_accum
+    if w > 1:
+        gathers = ga * (2 + int(layout.activation_checkpointing))
+        out["all_gather/zero3.params"] = {"count": gathers, "bytes": gathers * n * prec.weight, "group": w}
+        out["reduce_scatter/zero3.grads"] = {"count": ga, "bytes": ga * n * prec.grad_reduce, "group": w}
+    if layout.dp > 1:
+        out["all_reduce/loss.dp"] = {"count": 2 * ga, "bytes": 16 * ga, "group": layout.dp}
     return out
 
 

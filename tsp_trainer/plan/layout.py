@@ -17,7 +17,7 @@ SCHEMES = tuple(s for s in typing.get_args(Scheme) if s != "ulysses")
 
 def planned_scheme(scheme: str) -> str:
     """The Layout scheme that models a run of parallel.scheme=`scheme` (auto settings, logged
-    FLOPs). ulysses holds what sp holds (whole weights, S/D tokens) and its attention's
+    FLOPs). ulysses holds what sp holds (the same weights and state, S/D tokens) and its attention's
     full-sequence q/k/v/o of D-th of the heads stand in for sp's gathered K/V (the same order);
     sp's backward also re-runs the attention forward, which ulysses does not."""
     return "sp" if scheme == "ulysses" else scheme
@@ -87,11 +87,17 @@ class Layout:
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{key}={value!r} must be 'auto' or an integer >= 1 (tokens per chunk)")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1 or 2")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.zero_stage == 3 and self.scheme != "sp":       # config/validate.py's rule
+            raise ValueError(f"zero_stage=3 with scheme {self.scheme!r}: ZeRO-3 shards the weights of "
+                             "sp and ulysses (planned as sp) only; use zero_stage 0, 1 or 2")
         if self.offload_optimizer and self.zero_stage == 0:     # config/validate.py's rule
             raise ValueError("offload_optimizer with zero_stage=0: DeepSpeed offloads the optimizer "
                              "only under ZeRO 1 or 2; use zero_stage 1 or 2")
+        if self.offload_optimizer and self.zero_stage == 3:     # config/validate.py's rule
+            raise ValueError("offload_optimizer with zero_stage=3: the trainer runs ZeRO-Offload "
+                             "under ZeRO 1 or 2 only; use zero_stage 1 or 2")
         k = self.checkpoint_segment_blocks
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k > 1 and not self.activation_checkpointing):
             raise ValueError(f"checkpoint_segment_blocks={k!r} must be an integer >= 1, and 1 without "

@@ -1,6 +1,10 @@
 """The peers' layouts, as the planner models them: the stacks people choose instead of TSP for 7-8B
-models at 128K to millions of tokens. Planner only: the trainer does not run these schemes yet, so
-every label carries PLANNER_ONLY and no `auto` setting ever picks one.
+models at 128K to millions of tokens, modelled on their own layer (the Hugging Face Llama layer
+with Liger's kernels that ALST runs, torch's for FSDP + CP), their tiling and their offloads. The
+trainer runs each on its own model code: `ulysses` as parallel.scheme=ulysses, `upipe` as ulysses
+with parallel.ulysses_head_chunks, `sp_zero3` as parallel.scheme=sp, both under ZeRO-3 (zero.stage
+auto) and without CPU Adam (the trainer refuses zero.offload_optimizer=cpu under ZeRO-3); its `auto` plans those runs with this module's ZeRO-3 state and head-chunk terms
+(plan/state.py zero3_state_bytes, `head_chunk_saving`). Every label carries PEER_STACK.
 
     ulysses    the DeepSpeed ALST stack: Ulysses sequence parallelism over the model-parallel axis
                (all-to-all from sequence to heads before attention and back after: q, k, v and o,
@@ -52,10 +56,14 @@ from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import (CPU_ADAM_BYTES, Assumptions, Prediction, compute_seconds_per_token,
                                       efficiencies, exceeded_limits, host_bytes_per_node)
 from tsp_trainer.plan.reserved import ReserveAssumptions, flash_gqa_dkv_expanded_bytes, nccl_buffer_bytes
-from tsp_trainer.plan.state import FP32_BYTES, offloaded_optimizer_bytes
+from tsp_trainer.plan.state import FP32_BYTES, zero3_gathered_bytes, zero3_state_bytes
 
 PEER_SCHEMES = ("ulysses", "upipe", "sp_zero3")
-PLANNER_ONLY = "planner only"
+PEER_STACK = "peer stack"
+# the trainer's settings that run each peer's layout on our model code
+TRAINER_RUNS = {"ulysses": "parallel.scheme=ulysses",
+                "upipe": "parallel.scheme=ulysses, parallel.ulysses_head_chunks > 1",
+                "sp_zero3": "parallel.scheme=sp (zero.stage auto: 3)"}
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,7 @@ class PeerLayout:
         return self.degree * self.dp
 
     def label(self) -> str:
-        parts = [f"{self.scheme} ({PLANNER_ONLY})", f"D={self.degree}", f"DP={self.dp}",
+        parts = [f"{self.scheme} ({PEER_STACK})", f"D={self.degree}", f"DP={self.dp}",
                  "Z3" + ("+cpuopt" if self.offload_optimizer else ""),
                  "AC" if self.activation_checkpointing else "noAC"]
         if self.head_chunks > 1:                # parallel.ulysses_head_chunks
@@ -120,7 +128,7 @@ class PeerLayout:
         return " ".join(parts)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "planner_only": True}
+        return {**asdict(self), "peer_stack": True, "trainer_runs": TRAINER_RUNS[self.scheme]}
 
 
 def peer_shapes_ok(cfg: ModelConfig, scheme: str, degree: int, seq_len: int) -> str:
@@ -137,10 +145,6 @@ def peer_shapes_ok(cfg: ModelConfig, scheme: str, degree: int, seq_len: int) -> 
 
 def _n_params(cfg: ModelConfig) -> int:
     return cfg.num_params()
-
-
-def _layer_params(cfg: ModelConfig) -> int:
-    return cfg.attn_sharded_params + cfg.mlp_sharded_params + cfg.replicated_biases + 2 * cfg.hidden_size
 
 
 def _kv_heads_local(cfg: ModelConfig, lay: PeerLayout) -> int:
@@ -245,15 +249,12 @@ def peer_memory(cfg: ModelConfig, lay: PeerLayout, seq_len: int, prec: Precision
     e, h, L = prec.act, cfg.hidden_size, cfg.num_layers
     n_all, world = _n_params(cfg), lay.world
     n = lay.micro_batch * seq_len // lay.degree
-    params = -(-n_all * prec.weight // world)
-    grads = 0 if lay.offload_optimizer else -(-n_all * FP32_BYTES // world)
-    optimizer = 0 if lay.offload_optimizer else -(-n_all * prec.optimizer // world)
-    host_optimizer = offloaded_optimizer_bytes(n_all, world, prec) if lay.offload_optimizer else 0
-    p_layer = _layer_params(cfg)
+    state = zero3_state_bytes(n_all, world, prec, offload_optimizer=lay.offload_optimizer)
+    params, grads, optimizer = state["params"], state["grads"], state["optimizer"]
+    host_optimizer = state["host_optimizer"]
     # the layer in use and the one prefetched (bf16), and in backward the layer's bf16 gradients
     # before their reduce-scatter; the embedding / LM head gathered for the loss
-    gathered_fwd = 2 * p_layer * prec.weight
-    gathered_bwd = 3 * p_layer * prec.weight
+    gathered_fwd, gathered_bwd = zero3_gathered_bytes(cfg, prec)
     head_w = cfg.vocab_size * h * prec.weight
     lt = _layer_terms(cfg, lay, seq_len, prec)
     block_in = e * n * h
@@ -354,7 +355,7 @@ def peer_comm_seconds(cfg: ModelConfig, lay: PeerLayout, seq_len: int, hw: Hardw
 def predict_peer(cfg: ModelConfig, lay: PeerLayout, seq_len: int, hw: HardwareProfile, *,
                  global_batch: int | None = None, prec: Precision = BF16,
                  assumptions: Assumptions = Assumptions()) -> Prediction:
-    """Memory and step time of one optimizer step of a peer layout (planner only)."""
+    """Memory and step time of one optimizer step of a peer layout (its stack as modelled here)."""
     from tsp_trainer.plan.flops import forward_pieces, hardware_flops_per_token
 
     memory, act = peer_memory(cfg, lay, seq_len, prec)
@@ -488,17 +489,18 @@ def format_beside_peers(trainer_best: dict[str, Prediction], peer_best: dict[str
             best[name] = p
     rows = sorted([*best.values(), *peer_best.values()], key=lambda p: -p.tokens_per_s)
     tsp = best.get("tsp")
-    lines = [f"TSP beside the peers ({', '.join(peers)}: {PLANNER_ONLY}, the trainer does not run "
-             "them): the fastest layout of each scheme that fits", "",
+    lines = [f"TSP beside the peers ({', '.join(peers)}: {PEER_STACK}s as the planner models them; the "
+             "trainer runs them as " + "; ".join(f"{s}: {TRAINER_RUNS[s]}" for s in peers)
+             + "): the fastest layout of each scheme that fits", "",
              "| # | scheme | tokens/s/GPU | MFU % | step s | GB/GPU | host GB/node | vs TSP | layout |",
              "|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(rows, 1):
-        scheme = p.layout.scheme + (f" ({PLANNER_ONLY})" if p.layout.scheme in PEER_SCHEMES else "")
+        scheme = p.layout.scheme + (f" ({PEER_STACK})" if p.layout.scheme in PEER_SCHEMES else "")
         vs = f"{p.tokens_per_s / tsp.tokens_per_s:.2f}x" if tsp else "-"
         lines.append(f"| {i} | {scheme} | {p.tokens_per_s_per_gpu:,.0f} | {100 * p.mfu:.1f} | "
                      f"{p.step_time:.2f} | {p.memory['total'] / 1e9:.1f} | "
                      f"{p.memory['host_per_node'] / 1e9:,.0f} | {vs} | {p.layout.label()} |")
-    lines += [f"| - | {s} ({PLANNER_ONLY}) | nothing fits | | | | | | |" for s in peers if s not in peer_best]
+    lines += [f"| - | {s} ({PEER_STACK}) | nothing fits | | | | | | |" for s in peers if s not in peer_best]
     return "\n".join(lines)
 
 
@@ -548,7 +550,7 @@ def alst_ablation(prec: Precision = BF16, assumptions: Assumptions = Assumptions
 
 def format_alst(rows) -> str:
     lines = [f"ALST's ablation ({ALST_MODEL} on 8 x {ALST_GPU}, {ALST_HOST_MEMORY_GB:,} GB host memory; "
-             f"ulysses, {PLANNER_ONLY}) beside the planner's longest length", "",
+             f"ulysses, {PEER_STACK}) beside the planner's longest length", "",
              "| row | configuration | ALST | planner | planner / ALST | peak phase | layout |",
              "|---|---|---|---|---|---|---|"]
     for r, longest in rows:
@@ -569,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ALST_TABLE", "PEER_SCHEMES", "AlstRow", "alst_ablation", "format_alst", "format_beside_peers", "PLANNER_ONLY",
+__all__ = ["ALST_TABLE", "PEER_SCHEMES", "AlstRow", "alst_ablation", "format_alst", "format_beside_peers", "PEER_STACK", "TRAINER_RUNS",
            "head_chunk_saving", "PeerLayout", "loss_chunk_tokens", "mlp_chunk_tokens",
            "peer_layouts", "peer_longest", "peer_memory", "peer_ranking", "peer_shapes_ok", "predict_peer"]
 

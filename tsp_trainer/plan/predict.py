@@ -102,7 +102,10 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     # activation offload: every block's saved tensors go to the host in forward and come back in
     # backward on a side stream, overlapped with compute (model/offload.py)
     t_offload = 2 * act.host / (hw.host_bw * eff_n)
-    t_micro = max(t_compute, overlappable, t_offload) + exposed
+    # ZeRO-3 (sp, ulysses): each layer's weights gathered and its gradients reduce-scattered over
+    # all ranks every micro-step, prefetched and bucketed beside compute (as the peers' model)
+    t_zero3 = _zero3_seconds(dp, layout, hw, eff_n)
+    t_micro = max(t_compute, overlappable, t_offload, t_zero3) + exposed
     # DP: gradients reduced while the last micro-step's backward runs (2/3 of its compute);
     # ZeRO-1/2 all-gather the updated parameters after the step (exposed)
     t_dp_grad, t_dp_params = _data_parallel_seconds(dp, layout, hw, eff_n)
@@ -171,8 +174,10 @@ def _memory(st: dict[str, int], act: ActivationEstimate, reserved: dict[str, int
     """Per-rank memory: model state, saved and peak activations, the libraries' reserve
     (plan/reserved.py: flash buffers, NCCL, cuBLAS, CUDA context), their total on the GPU, and
     what activation offload and optimizer offload hold in host memory (pinned)."""
-    total = st["params"] + st["grads"] + st["optimizer"] + act.peak + reserved["total"]
+    gathered = st.get("zero3_gathered", 0)          # ZeRO-3: the layers' weights gathered for use
+    total = st["params"] + st["grads"] + st["optimizer"] + gathered + act.peak + reserved["total"]
     return {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
+            **({"zero3_gathered": gathered} if gathered else {}),
             "activations_stored": act.stored, "activations_peak": act.peak,
             "reserved": reserved["total"], "reserved_terms": {k: v for k, v in reserved.items() if k != "total"},
             "total": total, "host_offloaded": act.host, "host_optimizer": st["host_optimizer"],
@@ -223,6 +228,8 @@ def _data_parallel_seconds(dp: dict[str, dict[str, int]], layout: Layout, hw: Ha
     whole world's links."""
     t_dp_grad = t_dp_params = 0.0
     for key, v in dp.items():
+        if _ZERO3 in key:                   # per micro-step: _zero3_seconds
+            continue
         op = key.split("/")[0]
         bw = _link_bw(layout.world, hw, p2p=False) * eff_n
         seconds = v["bytes"] * WIRE_FACTOR[op](v["group"]) / bw
@@ -233,10 +240,26 @@ def _data_parallel_seconds(dp: dict[str, dict[str, int]], layout: Layout, hw: Ha
     return t_dp_grad, t_dp_params
 
 
+_ZERO3 = "/zero3."
+
+
+def _zero3_seconds(dp: dict[str, dict[str, int]], layout: Layout, hw: HardwareProfile, eff_n: float) -> float:
+    """Seconds per micro-step of ZeRO-3's gathers and reduce-scatters over all ranks (0 without)."""
+    total = sum(v["bytes"] * WIRE_FACTOR[key.split("/")[0]](v["group"]) for key, v in dp.items() if _ZERO3 in key)
+    return total / layout.grad_accum / (_link_bw(layout.world, hw, p2p=False) * eff_n)
+
+
+def _optimizer_shard(param_count: int, layout: Layout) -> float:
+    """Parameters this rank's optimizer steps: ZeRO-3 partitions over all ranks, ZeRO 1-2 over dp."""
+    if layout.zero_stage == 3:
+        return param_count / layout.world
+    return param_count / (layout.dp if layout.zero_stage >= 1 else 1)
+
+
 def _optimizer_seconds(param_count: int, layout: Layout, prec: Precision, hw: HardwareProfile) -> float:
     """AdamW over this rank's shard, bound by HBM bandwidth: it reads and writes the fp32 master and
     2 moments, reads the gradient, writes the bf16 weight."""
-    shard = param_count / (layout.dp if layout.zero_stage >= 1 else 1)
+    shard = _optimizer_shard(param_count, layout)
     return shard * (2 * prec.optimizer + (prec.grad_accum or prec.grad) + prec.weight) / hw.hbm_bw
 
 
@@ -249,7 +272,7 @@ def _cpu_adam_seconds(param_count: int, layout: Layout, prec: Precision, hw: Har
                       assumptions: Assumptions) -> float:
     """DeepSpeedCPUAdam over this rank's partition, bound by host DRAM bandwidth: the node's
     bandwidth is shared by its GPUs' ranks, which all step at once."""
-    shard = param_count / layout.dp
+    shard = _optimizer_shard(param_count, layout)
     per_gpu_bw = hw.host_mem_bw / hw.gpus_per_node * assumptions.cpu_adam_efficiency
     return shard * (CPU_ADAM_BYTES + prec.weight) / per_gpu_bw
 
@@ -259,7 +282,7 @@ def _optimizer_pcie_seconds(param_count: int, layout: Layout, prec: Precision, h
     """ZeRO-Offload's PCIe traffic per step, exposed (DeepSpeed copies on the compute stream): the
     reduced fp32 gradient partition down to the host, then the updated partition in the weights'
     dtype back up (host_bw per direction)."""
-    shard = param_count / layout.dp
+    shard = _optimizer_shard(param_count, layout)
     return shard * (FP32_BYTES + prec.weight) / (hw.host_bw * eff_n)
 
 

@@ -144,7 +144,7 @@ def write_json(path: str, request: dict, result: PlanResult, *, top: int, peers:
            "best_per_scheme": {k: v.as_dict() for k, v in result.best_per_scheme().items()},
            "rejected": result.rejected}
     if peers:
-        doc["peers_planner_only"] = peers
+        doc["peers"] = peers
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -1,6 +1,7 @@
 """Per-rank model state in bytes: parameters, gradients (with the fp32 accumulation buffer the
 trainer configures) and AdamW's optimizer state, split over T by the sharding plan and over DP by
-ZeRO; with optimizer offload (DeepSpeed's ZeRO-Offload), what the optimizer holds in host memory
+ZeRO 1-2, or over every rank by ZeRO-3 (sp, ulysses: `zero3_state_bytes`, the peers' model too);
+with optimizer offload (DeepSpeed's ZeRO-Offload), what the optimizer holds in host memory
 instead."""
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def state_bytes(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dic
     Optimizer offload moves the master and moments to the host; the gradients stay where ZeRO
     accumulates them (grad_bytes)."""
     n = param_count(cfg, layout)
+    if layout.zero_stage == 3:
+        return {**zero3_state_bytes(n, layout.world, prec, offload_optimizer=layout.offload_optimizer),
+                "zero3_gathered": zero3_gathered_bytes(cfg, prec)[1], "param_count": n}
     dp = layout.dp
     opt = n * prec.optimizer
     if layout.zero_stage >= 1:
@@ -46,6 +50,29 @@ def state_bytes(cfg: ModelConfig, layout: Layout, prec: Precision = BF16) -> dic
         opt, host = 0, offloaded_optimizer_bytes(n, dp, prec)
     return {"params": n * prec.weight, "grads": grad_bytes(n, layout.zero_stage, dp, prec),
             "optimizer": opt, "host_optimizer": host, "param_count": n}
+
+
+def zero3_state_bytes(n: int, world: int, prec: Precision = BF16, *, offload_optimizer: bool = False) -> dict[str, int]:
+    """Per-rank state of n parameters under ZeRO-3 over `world` ranks (the trainer's sp and ulysses,
+    the peers of plan/peers.py): the weight partition, the fp32 gradient partition and AdamW's
+    master and moments, each n / world; with CPU Adam the gradient partition, master and moments
+    live in pinned host memory (`host_optimizer`)."""
+    return {"params": -(-n * prec.weight // world),
+            "grads": 0 if offload_optimizer else -(-n * FP32_BYTES // world),
+            "optimizer": 0 if offload_optimizer else -(-n * prec.optimizer // world),
+            "host_optimizer": offloaded_optimizer_bytes(n, world, prec) if offload_optimizer else 0}
+
+
+def zero3_layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one decoder layer, the unit ZeRO-3 gathers whole for its use."""
+    return cfg.attn_sharded_params + cfg.mlp_sharded_params + cfg.replicated_biases + 2 * cfg.hidden_size
+
+
+def zero3_gathered_bytes(cfg: ModelConfig, prec: Precision = BF16) -> tuple[int, int]:
+    """(forward, backward) bytes of weights ZeRO-3 holds gathered on a rank: the layer in use and
+    the one prefetched; in backward also the layer's gradients before their reduce-scatter."""
+    layer = zero3_layer_params(cfg) * prec.weight
+    return 2 * layer, 3 * layer
 
 
 def offloaded_optimizer_bytes(n: int, dp: int, prec: Precision = BF16) -> int:
@@ -71,4 +98,5 @@ def grad_bytes(n: int, zero_stage: int, dp: int, prec: Precision = BF16) -> int:
     return math.ceil(n * (prec.grad_accum or prec.grad) / dp)
 
 
-__all__ = ["FP32_BYTES", "grad_bytes", "offloaded_optimizer_bytes", "param_count", "state_bytes"]
+__all__ = ["FP32_BYTES", "grad_bytes", "offloaded_optimizer_bytes", "param_count", "state_bytes",
+           "zero3_gathered_bytes", "zero3_layer_params", "zero3_state_bytes"]

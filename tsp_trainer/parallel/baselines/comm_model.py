@@ -33,9 +33,14 @@ def scheme_axes(scheme: str, degree: int, tp_degree: int | None = None, sp_degre
 
 def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: int, seq_len: int,
                           tp_degree: int | None = None, sp_degree: int | None = None,
-                          tp_sequence_parallel: bool = False, dtype_bytes: int = 4) -> dict[str, int]:
-    """Ledger bytes per "op/tag" on one rank for one forward + backward (see the module docstring)."""
+                          tp_sequence_parallel: bool = False, dtype_bytes: int = 4,
+                          sharded_weights: bool = False) -> dict[str, int]:
+    """Ledger bytes per "op/tag" on one rank for one forward + backward (see the module docstring).
+    sharded_weights (sp, ulysses under ZeRO-3): no gradient is summed over the axis here (DeepSpeed
+    reduce-scatters them all, parallel/sharded_weights.py Zero3Traffic has those bytes)."""
     t, s, seq_par = scheme_axes(scheme, degree, tp_degree, sp_degree, tp_sequence_parallel)
+    if sharded_weights and t > 1:
+        raise ValueError(f"sharded_weights with scheme {scheme!r}: only sp and ulysses run under ZeRO-3")
     h, e, layers = cfg.hidden_size, dtype_bytes, cfg.num_layers
     n = batch * seq_len // s
     a = n * h * e
@@ -65,10 +70,13 @@ def expected_ledger_bytes(cfg: ModelConfig, scheme: str, *, degree: int, batch: 
         out["all_gather/attn.kv"] += 2 * layers * kv
         out["reduce_scatter/attn.dkv"] += layers * kv
     if s > 1:
+        out["all_reduce/loss.count"] += 8
+    if sharded_weights:
+        return dict(out)
+    if s > 1:
         vocab = padded_vocab_size(cfg.vocab_size, t)              # padded to a multiple of T
         out["all_reduce/wgrad"] += (layers * cfg.attn_shard_params(t)
                                     + (layers * cfg.mlp_sharded_params + 2 * vocab * h) // t) * GRAD_BYTES
-        out["all_reduce/loss.count"] += 8
     if t * s > 1 and cfg.qk_norm:     # q_norm, k_norm: other heads or tokens on every rank of the group
         out["all_reduce/norm.grad"] += layers * cfg.head_norm_params * GRAD_BYTES
     norms_split = (s > 1) or (seq_par and t > 1)
