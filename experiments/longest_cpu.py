@@ -357,7 +357,10 @@ def run_all_on(rank_budget: float, work: Path, *, steps: int, seq_len: int = 0,
                         f"--rank-budget-gib {rank_budget / GIB:g}"] + ([f"--seq-len {seq_len}"] if seq_len else [])
                        + ([f"--malloc-threshold {malloc_threshold}"] if malloc_threshold else []))
     return {"plan": planned, "run": run, "command": command,
-            "launch": " ".join(launch_command(n, work / f"all_on_{n}", [f"train.steps={steps}", *ALL_ON]))}
+            # repository-relative: what it runs, from the checkout's root
+            "launch": " ".join([f"{k}={v}" for k, v in allocator_env(malloc_threshold).items()]
+                               + launch_command(n, work / f"all_on_{n}", [f"train.steps={steps}", *ALL_ON]))
+            .replace(f"{REPO}/", "")}
 
 
 def main(argv=None) -> int:
