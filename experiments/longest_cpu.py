@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -102,7 +103,7 @@ def variant_overrides(variant: str, seq_len: int) -> list[str]:
 def planned_rank_bytes(seq_len: int, variant: str = "tiled") -> dict[str, float]:
     """One rank's planned peak at seq_len: the planner's model state and activation peak (and the
     offloaded copies, in the same RAM on CPU), plus the fixed process RSS and the loader's window."""
-    cfg = recipe_config(seq_len, variant_overrides(variant, seq_len))
+    cfg = _at_length(_variant_config(variant, seq_len if variant == "untiled" else 0), seq_len)
     model, p = cfg.model.to_model_config(), cfg.parallel
     ac = cfg.train.activation_checkpointing
     layout = dataclasses.replace(run_layout(cfg, RANKS), tsp_recompute=p.tsp_recompute,
@@ -117,6 +118,19 @@ def planned_rank_bytes(seq_len: int, variant: str = "tiled") -> dict[str, float]
     return {"planner": planner, "activation_peak": act.peak, "peak_phase": act.peak_phase,
             "offloaded": act.host, "loader": loader, "process_base": PROCESS_BASE_GIB * GIB,
             "total": planner + loader + PROCESS_BASE_GIB * GIB}
+
+
+@functools.lru_cache(maxsize=None)
+def _variant_config(variant: str, seq_len: int):
+    """The recipe under a variant's overrides, loaded once (the searches call the plan at many
+    lengths; seq_len matters only where the overrides name it: untiled's one chunk)."""
+    return recipe_config(GRANULE, variant_overrides(variant, seq_len or GRANULE))
+
+
+def _at_length(cfg, seq_len: int):
+    """`cfg` at seq_len, RoPE set up for it (what recipe_config's overrides do)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len),
+                               model=dataclasses.replace(cfg.model, max_seq_len=seq_len))
 
 
 def rank_budget_bytes() -> float:

@@ -12,9 +12,9 @@ from tests.helpers.experiments import load_experiment
 
 pytestmark = pytest.mark.distributed
 
-SEQ_LEN = 512                        # 256 local tokens a rank on D=2
+SEQ_LEN = 256                        # 128 local tokens a rank on D=2
 SMALL = ["parallel.loss_chunk_tokens=48", "parallel.mlp_chunk_tokens=40",
-         "parallel.attention_chunk_tokens=48"]            # several chunks a rank, short last ones
+         "parallel.attention_chunk_tokens=48"]            # 3 or 4 chunks a rank, short last ones
 PLAIN = ["train.checkpoint_segment_blocks=1", "parallel.checkpoint_replay_keeps=all",
          "parallel.attention_chunk_tokens=auto"]
 
