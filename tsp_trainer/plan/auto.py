@@ -44,8 +44,9 @@ The budget per process: train.memory_budget_gib when set; on a GPU its memory
 reserved for allocator slack, NCCL and the CUDA context); on CPU the host's MemAvailable
 (/proc/meminfo, rounded down to whole GiB) shared by the job's processes (a CPU job runs on one
 host). The host budget per node, for the offload: the host's MemAvailable on a GPU; on CPU (the
-device is the host) what is left of it after the processes' device budgets. Two ranks may read different figures (a shared node), so a job decides once: global rank 0
-calls this through plan/resolve.py and every rank runs its answer (run/startup.py).
+device is the host) what is left of it after the processes' device budgets. Two ranks may read
+different figures (a shared node), so a job decides once: global rank 0 calls this through
+plan/resolve.py and every rank runs its answer (run/startup.py).
 """
 
 from __future__ import annotations
@@ -231,8 +232,9 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
     if not ranked:
         raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
                                 "parallel.tsp_recompute, train.activation_checkpointing, "
-                                "parallel.head_buckets, train.checkpoint_segment_blocks and "
-                                "parallel.checkpoint_replay_keeps explicitly")
+                                "parallel.head_buckets, train.checkpoint_segment_blocks, "
+                                "train.offload_activations and parallel.checkpoint_replay_keeps "
+                                "explicitly")
     best, chunks = ranked[0]
     if best.memory["total"] > budget.bytes or not _host_fits(best, budget):
         raise _nothing_fits(ranked, budget, offload_auto)
