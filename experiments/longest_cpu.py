@@ -5,6 +5,7 @@ run with tiling off at a length where that still fits: equal losses.
     python experiments/longest_cpu.py --measure 16384,65536   # short runs: s/step, peak RSS per rank
     python experiments/longest_cpu.py --equal-at 65536        # tiled == untiled losses at that length
     python experiments/longest_cpu.py --run-longest --malloc-threshold 131072   # the planned length
+    python experiments/longest_cpu.py --all-on --steps 3      # every technique on, at a stated budget
 
 Every run is recipes/tiny_longest_cpu.yaml through the real launcher (tsp-launch, Accelerate,
 DeepSpeed, 4 gloo ranks: TSP D=4, document masking, activation checkpointing and offload, loss and
@@ -21,8 +22,12 @@ process's fixed RSS (interpreter, torch, DeepSpeed, gloo: PROCESS_BASE_GIB) and 
 host copies of the window (LOADER_BYTES_PER_TOKEN of the whole sequence, on every rank). On CPU
 the offloaded activations stay in the same RAM, so they count against the budget too.
 
+--all-on adds nesting, the replay keeping nothing and chunked attention (ALL_ON) and runs the
+longest length the plan fits in a stated budget per rank (--rank-budget-gib), chosen so that 3
+steps take minutes here; the machine's own budget and its planned length are reported beside it.
+
 The results go to docs/results/longest_cpu.json: each mode updates its own section (plan, measured,
-tiled_equals_untiled, longest_run; with --malloc-threshold T the runs' sections end in
+tiled_equals_untiled, longest_run, all_on; with --malloc-threshold T the runs' sections end in
 _malloc_threshold_T).
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -77,34 +83,54 @@ def untiled_overrides(seq_len: int) -> list[str]:
 
 
 VARIANTS = ("tiled", "untiled", "tiled_no_offload")
+# every memory technique on at once, on top of the recipe's tiled loss and MLP, checkpointing and
+# offload: nesting (both of the 2 blocks in one segment: one block input kept, the other regained
+# in backward), the replay keeping nothing, K/V gathered in chunks of 1,024 local tokens
+ALL_ON = ["train.checkpoint_segment_blocks=2", "parallel.checkpoint_replay_keeps=nothing",
+          "parallel.attention_chunk_tokens=1024"]
 
 
 def variant_overrides(variant: str, seq_len: int) -> list[str]:
-    """The recipe as it is ("tiled"), with tiling and offload off ("untiled"), or tiled without
-    the activation offload ("tiled_no_offload": on CPU the offloaded copies stay in the same RAM)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r} is not one of {', '.join(VARIANTS)}")
+    """The recipe as it is ("tiled"), with tiling and offload off ("untiled"), tiled without
+    the activation offload ("tiled_no_offload": on CPU the offloaded copies stay in the same RAM),
+    or with every technique on ("all_on": ALL_ON)."""
+    if variant not in (*VARIANTS, "all_on"):
+        raise ValueError(f"variant={variant!r} is not one of {', '.join(VARIANTS)}, all_on")
     return {"tiled": [], "untiled": untiled_overrides(seq_len),
-            "tiled_no_offload": ["train.offload_activations=false"]}[variant]
+            "tiled_no_offload": ["train.offload_activations=false"], "all_on": ALL_ON}[variant]
 
 
 def planned_rank_bytes(seq_len: int, variant: str = "tiled") -> dict[str, float]:
     """One rank's planned peak at seq_len: the planner's model state and activation peak (and the
     offloaded copies, in the same RAM on CPU), plus the fixed process RSS and the loader's window."""
-    cfg = recipe_config(seq_len, variant_overrides(variant, seq_len))
+    cfg = _at_length(_variant_config(variant, seq_len if variant == "untiled" else 0), seq_len)
     model, p = cfg.model.to_model_config(), cfg.parallel
+    ac = cfg.train.activation_checkpointing
     layout = dataclasses.replace(run_layout(cfg, RANKS), tsp_recompute=p.tsp_recompute,
-                                 head_buckets=p.head_buckets,
-                                 activation_checkpointing=cfg.train.activation_checkpointing)
+                                 head_buckets=p.head_buckets, activation_checkpointing=ac,
+                                 checkpoint_segment_blocks=cfg.train.checkpoint_segment_blocks if ac else 1,
+                                 replay_keeps="all" if p.checkpoint_replay_keeps == "auto" else p.checkpoint_replay_keeps)
     state = state_bytes(model, layout, FP32)
-    act = activation_memory(model, layout, seq_len, FP32, device="cpu",
-                            loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens)
+    act = activation_memory(model, layout, seq_len, FP32, device="cpu", **layout.chunks)
     held = state["params"] + state["grads"] + state["optimizer"] + state["host_optimizer"]
     planner = held + act.peak + act.host
     loader = LOADER_BYTES_PER_TOKEN * seq_len
     return {"planner": planner, "activation_peak": act.peak, "peak_phase": act.peak_phase,
             "offloaded": act.host, "loader": loader, "process_base": PROCESS_BASE_GIB * GIB,
             "total": planner + loader + PROCESS_BASE_GIB * GIB}
+
+
+@functools.lru_cache(maxsize=None)
+def _variant_config(variant: str, seq_len: int):
+    """The recipe under a variant's overrides, loaded once (the searches call the plan at many
+    lengths; seq_len matters only where the overrides name it: untiled's one chunk)."""
+    return recipe_config(GRANULE, variant_overrides(variant, seq_len or GRANULE))
+
+
+def _at_length(cfg, seq_len: int):
+    """`cfg` at seq_len, RoPE set up for it (what recipe_config's overrides do)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len),
+                               model=dataclasses.replace(cfg.model, max_seq_len=seq_len))
 
 
 def rank_budget_bytes() -> float:
@@ -299,6 +325,58 @@ def update_results(section: str, value, path: Path = RESULTS) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
+# The all-on run's stated budget per rank: the 0.6 GiB a process holds anyway and 0.16 GiB for the
+# sequence, where the plan's longest length trains 3 steps in ~10 minutes on this 2-core machine
+# shared with other work; the machine's own budget is reported beside it (`machine_budget`)
+ALL_ON_RANK_BUDGET_GIB = 0.76
+
+
+def machine_budget() -> tuple[float, str]:
+    """(bytes per rank, where from): what `auto` gives a rank of a 4-process CPU job on this
+    machine (plan/auto.py device_budget: MemAvailable in whole GiB over the processes)."""
+    from tsp_trainer.plan.auto import device_budget
+
+    budget = device_budget(world_size=RANKS, cuda=False)
+    return budget.bytes, budget.source
+
+
+def longest_all_on(rank_budget: float) -> int:
+    """The longest all_on length whose planned rank peak fits `rank_budget` bytes."""
+    return longest_fitting(lambda s: planned_rank_bytes(s, "all_on")["total"] <= rank_budget)
+
+
+def all_on_plan(rank_budget: float) -> dict:
+    """The longest all_on length within `rank_budget` bytes a rank (and within the machine's
+    budget), and what a rank holds there by the plan."""
+    machine, source = machine_budget()
+    out = {"overrides": ALL_ON, "rank_budget_gib": rank_budget / GIB, "machine_rank_budget_gib": machine / GIB,
+           "machine_budget_source": source}
+    for key, budget in (("stated", rank_budget), ("machine", machine)):
+        n = longest_all_on(budget)
+        at = planned_rank_bytes(n, "all_on")
+        out[key] = {"max_seq_len": n, "rank_gib": {k: (v / GIB if isinstance(v, (int, float)) else v)
+                                                   for k, v in at.items()}}
+    return out
+
+
+def run_all_on(rank_budget: float, work: Path, *, steps: int, seq_len: int = 0,
+               malloc_threshold: int | None = None) -> dict:
+    """The all_on variant at the longest length the plan fits in `rank_budget` (or seq_len):
+    per-step losses and times, each rank's peak RSS against the planned rank peak."""
+    planned = all_on_plan(rank_budget)
+    n = seq_len or planned["stated"]["max_seq_len"]
+    run = run_recipe(n, work / f"all_on_{n}", steps=steps, overrides=ALL_ON, malloc_threshold=malloc_threshold)
+    run = with_prediction({**run, "variant": "all_on"})
+    command = " ".join(["python experiments/longest_cpu.py --all-on", f"--steps {steps}",
+                        f"--rank-budget-gib {rank_budget / GIB:g}"] + ([f"--seq-len {seq_len}"] if seq_len else [])
+                       + ([f"--malloc-threshold {malloc_threshold}"] if malloc_threshold else []))
+    return {"plan": planned, "run": run, "command": command,
+            # repository-relative: what it runs, from the checkout's root
+            "launch": " ".join([f"{k}={v}" for k, v in allocator_env(malloc_threshold).items()]
+                               + launch_command(n, work / f"all_on_{n}", [f"train.steps={steps}", *ALL_ON]))
+            .replace(f"{REPO}/", "")}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="longest_cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", default="", help="comma-separated lengths to run briefly")
@@ -306,6 +384,11 @@ def main(argv=None) -> int:
     p.add_argument("--run-longest", action="store_true", help="run the planned length")
     p.add_argument("--seq-len", type=int, default=0,
                    help="with --run-longest: this length instead of the planned one")
+    p.add_argument("--all-on", action="store_true",
+                   help="run every technique on (ALL_ON) at the longest length the plan fits in "
+                        "--rank-budget-gib, and report it against the plan")
+    p.add_argument("--rank-budget-gib", type=float, default=ALL_ON_RANK_BUDGET_GIB,
+                   help="with --all-on: the stated RAM budget per rank")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--malloc-threshold", type=int, default=None,
                    help="bytes: the ranks' glibc mmap and trim thresholds (default: glibc's own)")
@@ -334,6 +417,11 @@ def main(argv=None) -> int:
         equal = compare_tiling(args.equal_at, work, steps=args.steps, malloc_threshold=args.malloc_threshold)
         update_results(section_name("tiled_equals_untiled", args.malloc_threshold), equal, out)
         print(json.dumps(equal, indent=1))
+    if args.all_on:
+        result = run_all_on(args.rank_budget_gib * GIB, work, steps=args.steps, seq_len=args.seq_len,
+                            malloc_threshold=args.malloc_threshold)
+        update_results(section_name("all_on", args.malloc_threshold), result, out)
+        print(json.dumps(result, indent=1))
     if args.run_longest:
         run = with_prediction(run_recipe(longest, work / "longest", steps=args.steps,
                                          malloc_threshold=args.malloc_threshold))

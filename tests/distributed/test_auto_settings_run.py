@@ -1,6 +1,8 @@
 """The `auto` settings through the Trainer (2 CPU processes, TSP D=2): a train.memory_budget_gib
 that only checkpointing with full recompute fits is what the run builds, says once at start-up,
-writes to config.yaml and hands W&B."""
+writes to config.yaml and hands W&B; one that only the activation offload fits offloads."""
+
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -69,3 +71,38 @@ def test_a_budget_only_checkpointing_fits_is_what_runs_says_and_records(tmp_path
             wb["parallel"]["head_buckets"]) == ("full", True, 1)
     assert wb["run"]["auto"]["memory_budget_source"] == "train.memory_budget_gib"
     assert wb["run"]["auto"]["memory_budget_gib"] == pytest.approx(budget / GIB, abs=1e-3)
+
+
+def _offload_rank(rank, world, overrides):
+    from tsp_trainer.model.offload import ActivationOffload
+    from tsp_trainer.trainer import Trainer
+
+    with captured_log() as log:
+        trainer = Trainer(config(overrides), world_size=world, global_rank=rank)
+        history = trainer.fit()
+    return {"log": log, "offloaded": isinstance(trainer.par.model.block_wrapper, ActivationOffload),
+            "losses": [h["train/loss"] for h in history]}
+
+
+def test_offload_auto_offloads_when_only_the_offload_fits_and_trains(tmp_path):
+    """train.offload_activations=auto with a device budget between the checkpointed run's
+    predicted peak with the offload and without it (the host holding the copies: on CPU what
+    the two budgets leave of MemAvailable): the run builds the offload on every rank, says so once
+    and writes true (the offload's losses are exact: test_offload.py)."""
+    out = tmp_path / "run"
+    overrides = ["train.steps=2", "checkpoint.enabled=false", f"train.output_dir={out}",
+                 "train.activation_checkpointing=true", "parallel.tsp_recompute=full"]
+    cfg = config(overrides)
+    model, lay = cfg.model.to_model_config(), run_layout(cfg, 2)
+    peak = {off: predict(model, replace(lay, activation_checkpointing=True, offload_activations=off),
+                         cfg.data.seq_len, get_profile("h100"), prec=FP32, device="cpu").memory["total"]
+            for off in (False, True)}
+    assert peak[True] < peak[False]
+    auto_run = overrides + ["train.offload_activations=auto",
+                            f"train.memory_budget_gib={(peak[True] + peak[False]) / 2 / GIB!r}"]
+    outs = run_on_ranks(_offload_rank, 2, auto_run)
+    lines = [x for x in outs[0]["log"] if x.startswith("[rank 0] auto:")]
+    assert len(lines) == 1 and "checkpoint_segment_blocks=1, offload_activations=true (predicted peak " in lines[0]
+    assert all(o["offloaded"] for o in outs)
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["offload_activations"] is True
+    assert outs[0]["losses"] == outs[1]["losses"] and len(outs[0]["losses"]) == 2

@@ -281,3 +281,93 @@ def test_auto_plans_a_zero3_run_with_its_state_sharded_over_every_rank(scheme):
     zero2 = predict(model, replace(chosen, zero_stage=2), cfg.data.seq_len, get_profile("h100"), prec=FP32,
                     device="cpu")
     assert pred.memory["total"] < zero2.memory["total"]
+
+# 1B at 1M tokens on D=2 (bf16, CUDA's route, H100 rates), checkpointing with full recompute; the
+# segment length and the activation offload auto (1B has 16 layers)
+OFFLOAD_ARGS = ["model.size=1b", "parallel.tsp_degree=2", "data.seq_len=1048576", "data.micro_batch_size=1",
+                "train.grad_accum=1", "train.dtype=bf16", "train.activation_checkpointing=true",
+                "parallel.tsp_recompute=full", "parallel.head_buckets=1", "train.checkpoint_segment_blocks=auto",
+                "train.offload_activations=auto"]
+
+
+def _offload_predictions(cfg: TrainConfig) -> dict[tuple[bool, int], object]:
+    """(offload, k) -> the planner's prediction of the run's checkpointed layout."""
+    from dataclasses import replace
+    model, hw = cfg.model.to_model_config(), get_profile("h100")
+    return {(off, k): predict(model, replace(run_layout(cfg, 2), activation_checkpointing=True,
+                                             offload_activations=off, checkpoint_segment_blocks=k),
+                              cfg.data.seq_len, hw, prec=BF16)
+            for off in (False, True) for k in (1, 2, 3, 4, 8)}
+
+
+def _offload_choice(cfg: TrainConfig, device: float, host: float):
+    return choose_memory_settings(cfg, world_size=2, budget=Budget(device, "device", host, "host"),
+                                  cuda=True, hw=get_profile("h100"))
+
+
+def test_offload_auto_only_when_the_device_budget_needs_it_then_the_fastest_the_host_holds():
+    """train.offload_activations=auto: no offload whenever the run fits without it (the choice is
+    the one offload=false makes); a device budget only offload or nesting meets, with the host
+    ample: the offload at k = 1 (its copies hidden, nesting's extra forward not); the host short
+    of every block input: the offload with fewer inputs pinned (k = 2) or nesting on the device,
+    whichever the planner predicts faster among those the host holds."""
+    cfg = load_config(None, OFFLOAD_ARGS)
+    preds = _offload_predictions(cfg)
+    peak = {key: p.memory["total"] for key, p in preds.items()}
+    host = {key: p.memory["host_per_node"] for key, p in preds.items()}
+    assert peak[(True, 1)] < peak[(False, 2)] < peak[(False, 1)]           # the premises
+    assert host[(True, 2)] < host[(True, 1)] and preds[(True, 1)].step_time < preds[(False, 2)].step_time
+
+    fits = _offload_choice(cfg, peak[(False, 1)], 1e6 * GIB)
+    assert (fits.offload_activations, fits.checkpoint_segment_blocks) == (False, 1)
+    plain = choose_memory_settings(load_config(None, OFFLOAD_ARGS[:-1]), world_size=2, cuda=True,
+                                   budget=Budget(peak[(False, 1)], "device"), hw=get_profile("h100"))
+    assert (plain.values() + ", offload_activations=false", plain.peak) == (fits.values(), fits.peak)
+    assert fits.line().endswith("checkpoint_segment_blocks=1, offload_activations=false (predicted peak "
+                                f"{fits.peak / GIB:.1f} GiB of {peak[(False, 1)] / GIB:.1f} GiB budget: device)")
+
+    short = (peak[(False, 2)] + peak[(False, 1)]) / 2                        # HBM short of k = 1
+    ample = _offload_choice(cfg, short, host[(True, 1)])
+    assert (ample.offload_activations, ample.checkpoint_segment_blocks) == (True, 1)
+    assert ample.line().endswith(f"; host {host[(True, 1)] / GIB:.1f} GiB per node of "
+                                 f"{host[(True, 1)] / GIB:.1f} GiB: host)")
+    assert ample.apply(cfg).train.offload_activations is True
+
+    tight = _offload_choice(cfg, short, host[(True, 1)] * 0.99)              # host short of k = 1
+    assert tight.checkpoint_segment_blocks > 1 and tight.peak <= short
+    assert not tight.offload_activations or tight.host_bytes <= host[(True, 1)] * 0.99
+    none = _offload_choice(cfg, short, host[(False, 1)])                     # host holds no offload
+    assert none.checkpoint_segment_blocks > 1 and not none.offload_activations and none.peak <= short
+
+
+def test_offload_auto_refusals_name_the_binding_memory():
+    """Nothing fits the device: the smallest predicted peak; the offload fits the device but its
+    pinned copies not the host: the least host bytes, against the host budget."""
+    cfg = load_config(None, OFFLOAD_ARGS)
+    preds = _offload_predictions(cfg)
+    least = min(p.memory["total"] for p in preds.values())
+    with pytest.raises(AutoSettingsError, match="nothing fits the memory budget of .* per process"):
+        _offload_choice(cfg, least * 0.99, 1e6 * GIB)
+    only_offload = preds[(True, 1)].memory["total"]
+    assert only_offload == least                                             # the premise
+    with pytest.raises(AutoSettingsError) as info:
+        _offload_choice(cfg, only_offload, GIB)
+    message = str(info.value)
+    assert "\n" not in message and "nothing fits the host budget of 1.0 GiB per node (host)" in message
+    assert f"needs {preds[(True, 1)].memory['host_per_node'] / GIB:.1f} GiB" in message
+
+
+def test_offload_auto_loads_and_its_host_budget_on_cpu_is_what_the_device_budgets_leave(monkeypatch):
+    from tsp_trainer.plan import auto
+
+    monkeypatch.setattr(auto, "host_available_bytes", lambda: 10 * GIB + 123)
+    cfg = _cfg("train.offload_activations=auto", "train.memory_budget_gib=2")
+    budget = auto.memory_budget(cfg, world_size=4, cuda=False)
+    assert (budget.bytes, budget.host) == (2 * GIB, 2 * GIB)
+    assert budget.host_source == "host MemAvailable 10.0 GiB less 4 x 2.0 GiB device budgets"
+    assert auto.memory_budget(_cfg("train.memory_budget_gib=2"), world_size=4, cuda=False).host is None
+    with pytest.raises(ValueError, match=r"'train.offload_activations'='often' must be a bool \(true/false\) "
+                                         "or one of 'auto'"):
+        load_config(None, ["train.offload_activations=often"])
+    validate_config(_cfg("train.offload_activations=auto", "parallel.tsp_recompute=selective",
+                         "train.activation_checkpointing=false"))   # auto offload is left out for selective

@@ -305,8 +305,11 @@ class TrainSection:
     memory_budget_gib: float | None = setting(
         None, above=0, doc="memory per process the auto settings must fit (GiB); null = the GPU's "
                            "memory less the planner's reserve, on CPU available host memory / processes")
-    offload_activations: bool = setting(False, doc="blocks' saved tensors to host memory "
-                                                   "(model/offload.py)")
+    offload_activations: bool | Auto = setting(
+        False, doc="blocks' saved tensors to host memory (model/offload.py); auto = only when "
+                   "nothing fits the memory budget without it or nesting, then where the node's "
+                   "host memory holds the pinned copies and the planner predicts it faster than "
+                   "nesting (docs/long_context/longest_context.md)")
     eval_every: int = setting(0, min=0, doc="optimizer steps between evaluations; 0 = off")
     eval_batches: int = setting(4, min=1, doc="micro-batches per evaluation")
     seed: int = setting(0, min=0, doc="RNG seed for data order and per-rank streams")

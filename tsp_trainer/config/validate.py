@@ -487,7 +487,7 @@ def _check_tsp_recompute(cfg: TrainConfig) -> None:
                          f"{kept} {mode} keeps for one block's backward in every mode, so the "
                          "mode changes nothing there; set parallel.tsp_recompute=full, or "
                          "train.activation_checkpointing=false to keep them for every layer")
-    if cfg.train.offload_activations:
+    if cfg.train.offload_activations is True:
         raise ValueError(f"parallel.tsp_recompute={mode!r} with train.offload_activations=true: the "
                          f"{kept} {mode} keeps are not offloaded (only the blocks' "
                          "saved tensors go to host memory), so every layer's stay on the device; "

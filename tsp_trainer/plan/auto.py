@@ -1,7 +1,9 @@
 """`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets,
-train.checkpoint_segment_blocks, parallel.checkpoint_replay_keeps and parallel.ulysses_head_chunks: the fastest combination by the planner's predicted step time (predict.py) whose predicted peak per
-process (model state + the activation peak of activations.py and transients.py) fits the memory
-budget. An explicit value stays as written; `auto` chooses the others around it.
+train.checkpoint_segment_blocks, train.offload_activations, parallel.checkpoint_replay_keeps and
+parallel.ulysses_head_chunks: the fastest combination by the planner's predicted step time
+(predict.py) whose predicted peak per process (model state + the activation peak of
+activations.py and transients.py) fits the memory budget. An explicit value stays as written;
+`auto` chooses the others around it.
 
     choice = choose_auto_settings(cfg, world_size=world, cuda=cuda)   # None: nothing is auto
     cfg = choice.apply(cfg)                    # ValueError above: nothing fits the budget
@@ -9,7 +11,17 @@ budget. An explicit value stays as written; `auto` chooses the others around it.
 
 Nested checkpointing (checkpoint_segment_blocks k > 1) costs one more forward of all but the last
 block of every segment, so the ranking takes k = 1 whenever it fits and the smallest k of
-layout.NESTING_CANDIDATES that does otherwise (with the run's train.offload_activations as set).
+layout.NESTING_CANDIDATES that does otherwise.
+
+Activation offload (train.offload_activations `auto`) is weighed only when memory requires it:
+first the candidates without it at the run's own segment length (k = 1 when that is auto) are
+ranked as above, and the fastest that fits is the choice, so a run that fits without help runs as
+it would with the offload off. When none fits, every candidate (offload off and on, every k) is
+ranked, and the fastest whose device peak fits the budget and whose node's pinned host bytes
+(predict.py host_per_node: offloaded block inputs, ZeRO-Offload, checkpoint staging) fit the host
+budget is the choice: the offload's PCIe copies are modelled as hidden behind compute and nesting
+costs an extra forward, so offload at k = 1 comes first where the host holds it, nesting (on the
+device, or offloaded with ceil(L / k) inputs pinned) where it does not.
 
 Under checkpointing the replay keeping all is the fastest (no forward runs a third time), and
 checkpoint_replay_keeps `auto` resolves to all: attention and nothing are explicit choices while
@@ -34,8 +46,10 @@ The budget per process: train.memory_budget_gib when set; on a GPU its memory
 (torch.cuda.mem_get_info's total) times the planner's usable share (Assumptions.hbm_usable, the rest
 reserved for allocator slack, NCCL and the CUDA context); on CPU the host's MemAvailable
 (/proc/meminfo, rounded down to whole GiB) shared by the job's processes (a CPU job runs on one
-host). Two ranks may read different figures (a shared node), so a job decides once: global rank 0
-calls this through plan/resolve.py and every rank runs its answer (run/startup.py).
+host). The host budget per node, for the offload: the host's MemAvailable on a GPU; on CPU (the
+device is the host) what is left of it after the processes' device budgets. Two ranks may read
+different figures (a shared node), so a job decides once: global rank 0 calls this through
+plan/resolve.py and every rank runs its answer (run/startup.py).
 """
 
 from __future__ import annotations
@@ -73,6 +87,8 @@ class AutoSettingsError(ValueError):
 class Budget:
     bytes: float                # per process
     source: str                 # where it came from, for the start-up line and the error
+    host: float | None = None   # per node, for pinned host copies (None: not weighed)
+    host_source: str = ""
 
 
 @dataclass(frozen=True)
@@ -88,19 +104,28 @@ class MemoryChoice:
     checkpoint_replay_keeps: str = "all"
     checkpoint_segment_blocks: int = 1
     ulysses_head_chunks: int | None = None      # scheme ulysses only
+    offload_activations: bool = False
+    offload_decided: bool = False               # train.offload_activations was auto (it is named)
+    host_bytes: float = 0.0                     # predicted pinned host bytes per node
 
     def values(self) -> str:
         ac = str(self.activation_checkpointing).lower()
         chunks = "" if self.ulysses_head_chunks is None else f", ulysses_head_chunks={self.ulysses_head_chunks}"
+        offload = f", offload_activations={str(self.offload_activations).lower()}" if self.offload_decided else ""
         return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
                 f"head_buckets={self.head_buckets}, "
                 f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}, "
-                f"checkpoint_segment_blocks={self.checkpoint_segment_blocks}{chunks}")
+                f"checkpoint_segment_blocks={self.checkpoint_segment_blocks}{chunks}{offload}")
 
     def line(self) -> str:
-        """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`."""
+        """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`,
+        with the host bytes against the host budget when `auto` chose the offload."""
+        host = ""
+        if self.offload_decided and self.offload_activations and self.budget.host is not None:
+            host = (f"; host {gib_text(self.host_bytes)} per node of {gib_text(self.budget.host)}: "
+                    f"{self.budget.host_source}")
         return (f"auto: {self.values()} (predicted peak {gib_text(self.peak)} of "
-                f"{gib_text(self.budget.bytes)} budget: {self.budget.source})")
+                f"{gib_text(self.budget.bytes)} budget: {self.budget.source}{host})")
 
     def apply(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` with the keys set to this choice (what the run saves and logs)."""
@@ -110,13 +135,17 @@ class MemoryChoice:
                                               head_buckets=self.head_buckets,
                                               checkpoint_replay_keeps=self.checkpoint_replay_keeps, **chunks),
             train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing,
-                                      checkpoint_segment_blocks=self.checkpoint_segment_blocks))
+                                      checkpoint_segment_blocks=self.checkpoint_segment_blocks,
+                                      offload_activations=self.offload_activations))
 
     def facts(self) -> dict:
         """The W&B run facts of the choice."""
+        host = ({"host_bytes_per_node_gib": round(self.host_bytes / GIB, 3),
+                 "host_budget_gib": round(self.budget.host / GIB, 3), "host_budget_source": self.budget.host_source}
+                if self.offload_decided and self.budget.host is not None else {})
         return {"predicted_peak_gib": round(self.peak / GIB, 3),
                 "memory_budget_gib": round(self.budget.bytes / GIB, 3),
-                "memory_budget_source": self.budget.source}
+                "memory_budget_source": self.budget.source, **host}
 
 
 def gib_text(n: float) -> str:
@@ -129,7 +158,8 @@ def uses_auto(cfg: TrainConfig) -> bool:
     replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
     chunks = cfg.parallel.ulysses_head_chunks if _chunked_scheme(cfg) else None
     return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
-                    cfg.train.activation_checkpointing, cfg.train.checkpoint_segment_blocks, chunks)
+                    cfg.train.activation_checkpointing, cfg.train.checkpoint_segment_blocks, chunks,
+                    cfg.train.offload_activations)
 
 
 def _chunked_scheme(cfg: TrainConfig) -> bool:
@@ -164,24 +194,63 @@ def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget,
                            hw: HardwareProfile | None = None,
                            refuses: Callable[[TrainConfig], None] | None = None) -> MemoryChoice:
     """The fastest candidate of the run's auto keys whose predicted peak fits `budget`
-    (`choose_among`)."""
-    device_refuses = None if refuses is None else (lambda lay: refuses(_choice(lay, 0.0, budget).apply(cfg)))
-    return choose_among(cfg.model.to_model_config(), _candidates(cfg, world_size), length_stages(cfg),
+    (`choose_among`); with train.offload_activations auto, the offload's and nesting's candidates
+    only when none without them fits (module docstring)."""
+    offload_auto = cfg.train.offload_activations == AUTO
+    device_refuses = None if refuses is None else (
+        lambda lay: refuses(_choice(lay, 0.0, budget, offload_auto=offload_auto).apply(cfg)))
+    layouts = _candidates(cfg, world_size)
+    plain, helped = layouts, []
+    if offload_auto:
+        nest_auto = cfg.train.checkpoint_segment_blocks == AUTO
+        plain = [lay for lay in layouts
+                 if not lay.offload_activations and (not nest_auto or lay.checkpoint_segment_blocks == 1)]
+        helped = [lay for lay in layouts if lay not in plain]
+    return choose_among(cfg.model.to_model_config(), plain, length_stages(cfg),
                         budget=budget, hw=hw, prec=PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)],
-                        cuda=cuda, refuses=device_refuses, head_chunks=head_chunk_candidates(cfg))
+                        cuda=cuda, refuses=device_refuses, head_chunks=head_chunk_candidates(cfg),
+                        helped=helped, offload_auto=offload_auto)
 
 
 def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int, int]], *,
                  budget: Budget, hw: HardwareProfile | None, prec, cuda: bool,
                  refuses: Callable[[Layout], None] | None = None,
-                 head_chunks: tuple[int, ...] | None = None) -> MemoryChoice:
+                 head_chunks: tuple[int, ...] | None = None,
+                 helped: list[Layout] = (), offload_auto: bool = False) -> MemoryChoice:
     """The fastest of `layouts` (ranking_key) whose predicted peak at its worst stage ((seq_len,
     micro-batch) pairs) fits `budget`; AutoSettingsError naming the budget and the smallest
     predicted peak when none does. refuses: raises ValueError for a layout this device cannot run.
     head_chunks: the ulysses_head_chunks values to weigh, fewest first (None: not ulysses); each
-    layout takes the fewest that fit (`_fewest_head_chunks`)."""
+    layout takes the fewest that fit (`_fewest_head_chunks`). helped: the layouts memory alone
+    calls for (activation offload, nesting under offload `auto`), ranked with `layouts` only when
+    none of these fits; an offloading one must also fit budget.host with its node's pinned bytes.
+    offload_auto: the choice names the offload (train.offload_activations was auto)."""
     hw = hw or PROFILES[RANKING_PROFILE]
-    ranked, refusal = [], None          # (prediction, head chunks)
+    ranked, refusal = _predicted(model, layouts, stages, budget, hw, prec, cuda, refuses, head_chunks)
+    ranked.sort(key=lambda pc: ranking_key(pc[0], budget.bytes))
+    if helped and (not ranked or ranked[0][0].memory["total"] > budget.bytes):
+        more, refusal = _predicted(model, helped, stages, budget, hw, prec, cuda, refuses, head_chunks, refusal)
+        ranked = sorted(ranked + more, key=lambda pc: (not _host_fits(pc[0], budget),
+                                                       *ranking_key(pc[0], budget.bytes)))
+    if not ranked:
+        raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
+                                "parallel.tsp_recompute, train.activation_checkpointing, "
+                                "parallel.head_buckets, train.checkpoint_segment_blocks, "
+                                "train.offload_activations and parallel.checkpoint_replay_keeps "
+                                "explicitly")
+    best, chunks = ranked[0]
+    if best.memory["total"] > budget.bytes or not _host_fits(best, budget):
+        raise _nothing_fits(ranked, budget, offload_auto)
+    return _choice(best.layout, peak=best.memory["total"], budget=budget, chunks=chunks,
+                   offload_auto=offload_auto, host=best.memory["host_per_node"])
+
+
+def _predicted(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int, int]], budget: Budget,
+               hw: HardwareProfile, prec, cuda: bool, refuses: Callable[[Layout], None] | None,
+               head_chunks: tuple[int, ...] | None, refusal: ValueError | None = None):
+    """([(prediction at the worst stage, head chunks)] of the layouts this device runs, the first
+    refusal)."""
+    out = []
     for layout in layouts:
         try:
             if refuses is not None:
@@ -190,35 +259,51 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
         except ValueError as err:          # the device's kernel rules refuse this mode
             refusal = refusal or err
             continue
-        ranked.append(_fewest_head_chunks(model, staged, head_chunks, budget.bytes, prec))
-    if not ranked:
-        raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
-                                "parallel.tsp_recompute, train.activation_checkpointing, "
-                                "parallel.head_buckets, train.checkpoint_segment_blocks and "
-                                "parallel.checkpoint_replay_keeps explicitly")
-    ranked.sort(key=lambda pc: ranking_key(pc[0], budget.bytes))
-    best, chunks = ranked[0]
-    if best.memory["total"] > budget.bytes:
-        smallest, least_chunks = min(ranked, key=lambda pc: pc[0].memory["total"])
-        raise AutoSettingsError(
-            f"auto settings: nothing fits the memory budget of {gib_text(budget.bytes)} per process "
-            f"({budget.source}): the smallest predicted peak is {gib_text(smallest.memory['total'])} "
-            f"({_choice(smallest.layout, 0.0, budget, least_chunks).values()}); use more model-parallel ranks "
-            "(parallel.tsp_degree), a shorter data.seq_len, a smaller data.micro_batch_size, or a "
-            "larger train.memory_budget_gib if the device has it")
-    return _choice(best.layout, peak=best.memory["total"], budget=budget, chunks=chunks)
+        out.append(_fewest_head_chunks(model, staged, head_chunks, budget.bytes, prec))
+    return out, refusal
+
+
+def _host_fits(p: Prediction, budget: Budget) -> bool:
+    """Whether an offloading layout's pinned host bytes per node fit the host budget (a layout
+    without activation offload is not weighed against it: it runs as it would today)."""
+    return (not p.layout.offload_activations or budget.host is None
+            or p.memory["host_per_node"] <= budget.host)
+
+
+def _nothing_fits(ranked: list[tuple[Prediction, int | None]], budget: Budget,
+                  offload_auto: bool) -> AutoSettingsError:
+    """The one-line refusal: the smallest predicted device peak, or, when offloading layouts fit
+    the device but not the host, the smallest host bytes they pin."""
+    on_device = [pc for pc in ranked if pc[0].memory["total"] <= budget.bytes]
+    if on_device and budget.host is not None:
+        least, chunks = min(on_device, key=lambda pc: pc[0].memory["host_per_node"])
+        return AutoSettingsError(
+            f"auto settings: nothing fits the host budget of {gib_text(budget.host)} per node "
+            f"({budget.host_source}) with the device budget of {gib_text(budget.bytes)} per process "
+            f"({budget.source}): the offload pinning the least needs {gib_text(least.memory['host_per_node'])} "
+            f"({_choice(least.layout, 0.0, budget, chunks, offload_auto=offload_auto).values()}); use more "
+            "ranks (parallel.tsp_degree), a shorter data.seq_len, or nodes with more host memory")
+    smallest, least_chunks = min(ranked, key=lambda pc: pc[0].memory["total"])
+    return AutoSettingsError(
+        f"auto settings: nothing fits the memory budget of {gib_text(budget.bytes)} per process "
+        f"({budget.source}): the smallest predicted peak is {gib_text(smallest.memory['total'])} "
+        f"({_choice(smallest.layout, 0.0, budget, least_chunks, offload_auto=offload_auto).values()}); "
+        "use more model-parallel ranks "
+        "(parallel.tsp_degree), a shorter data.seq_len, a smaller data.micro_batch_size, or a "
+        "larger train.memory_budget_gib if the device has it")
 
 
 def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     """The planner's Layout of a run of `cfg` on `world_size` processes (recompute, checkpointing
-    and buckets at Layout's defaults: memory_variants varies them; the loss and MLP chunks as the
-    run sets them). A ZeRO-3 run (sp, ulysses) is planned with its state sharded over all ranks
-    and the layers' weights gathered for use (plan/state.py zero3_state_bytes, the peers' model)."""
+    and buckets at Layout's defaults, offload off when auto: memory_variants varies them; the loss
+    and MLP chunks as the run sets them). A ZeRO-3 run (sp, ulysses) is planned with its state
+    sharded over all ranks and the layers' weights gathered for use (plan/state.py
+    zero3_state_bytes, the peers' model)."""
     p = cfg.parallel
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
                   sp=p.sp_degree, zero_stage=resolved_zero_stage(cfg.zero.stage, p.scheme),
                   micro_batch=cfg.data.micro_batch_size,
-                  grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations,
+                  grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations is True,
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens,
                   attention_chunk_tokens=p.attention_chunk_tokens)
 
@@ -227,12 +312,14 @@ def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
     """The run's layout under every value of the auto keys (the explicit ones fixed)."""
     p, ac = cfg.parallel, cfg.train.activation_checkpointing
     keeps, k = p.checkpoint_replay_keeps, cfg.train.checkpoint_segment_blocks
+    offload = cfg.train.offload_activations
     model = cfg.model.to_model_config()
     return memory_variants(model, run_layout(cfg, world_size),
                            recompute=TSP_RECOMPUTE if p.tsp_recompute == AUTO else (p.tsp_recompute,),
                            checkpointing=(ac,) if ac != AUTO else (True,) if k not in (AUTO, 1) else (False, True),
                            buckets=None if p.head_buckets == AUTO else (p.head_buckets,),
                            replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,),
+                           offload=(False, True) if offload == AUTO else (offload,),
                            segments=(tuple(n for n in NESTING_CANDIDATES if n <= max(1, model.num_layers))
                                      if k == AUTO else (k,)))
 
@@ -278,18 +365,37 @@ def _fewest_head_chunks(model: ModelConfig, staged: list[tuple[int, Prediction]]
     return worst(counts[-1]), counts[-1]
 
 
-def _choice(layout: Layout, peak: float, budget: Budget, chunks: int | None = None) -> MemoryChoice:
+def _choice(layout: Layout, peak: float, budget: Budget, chunks: int | None = None, *,
+            offload_auto: bool = False, host: float = 0.0) -> MemoryChoice:
     return MemoryChoice(layout.tsp_recompute, layout.activation_checkpointing, layout.head_buckets,
                         peak=peak, budget=budget, checkpoint_replay_keeps=layout.replay_keeps,
                         checkpoint_segment_blocks=layout.checkpoint_segment_blocks,
-                        ulysses_head_chunks=chunks)
+                        ulysses_head_chunks=chunks, offload_activations=layout.offload_activations,
+                        offload_decided=offload_auto, host_bytes=host)
 
 
 def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None) -> Budget:
-    """This process's budget (module docstring)."""
+    """This process's budget, and its node's host budget when the offload is auto (module
+    docstring)."""
     if cfg.train.memory_budget_gib is not None:
-        return Budget(cfg.train.memory_budget_gib * GIB, "train.memory_budget_gib")
-    return device_budget(world_size=world_size, cuda=cuda, device=device)
+        budget = Budget(cfg.train.memory_budget_gib * GIB, "train.memory_budget_gib")
+    else:
+        budget = device_budget(world_size=world_size, cuda=cuda, device=device)
+    if cfg.train.offload_activations != AUTO:
+        return budget
+    return dataclasses.replace(budget, **host_budget(budget, world_size=world_size, cuda=cuda))
+
+
+def host_budget(budget: Budget, *, world_size: int, cuda: bool) -> dict:
+    """{host, host_source}: the host memory a node's pinned copies may take. On a GPU the host's
+    MemAvailable (whole GiB); on CPU the device is the host, so what is left of MemAvailable once
+    the job's processes (one host) hold their device budgets."""
+    available = host_available_bytes() // GIB * GIB
+    if cuda:
+        return {"host": float(available), "host_source": f"host MemAvailable {gib_text(available)}"}
+    left = max(0.0, available - world_size * budget.bytes)
+    return {"host": left, "host_source": f"host MemAvailable {gib_text(available)} less {world_size} "
+                                         f"x {gib_text(budget.bytes)} device budgets"}
 
 
 def device_budget(*, world_size: int, cuda: bool, device=None) -> Budget:
@@ -345,5 +451,5 @@ def choose_bench_settings(model: ModelConfig, *, degree: int, seq_len: int, micr
 
 
 __all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_among", "choose_auto_settings",
-           "choose_bench_settings", "choose_memory_settings", "device_budget", "memory_budget",
+           "choose_bench_settings", "choose_memory_settings", "device_budget", "host_budget", "memory_budget",
            "uses_auto"]

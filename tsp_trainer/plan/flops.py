@@ -155,6 +155,7 @@ def run_flops_layout(cfg: TrainConfig) -> Layout:
                                  ("parallel.checkpoint_replay_keeps",
                                   p.checkpoint_replay_keeps if cfg.train.activation_checkpointing else None),
                                  ("train.checkpoint_segment_blocks", cfg.train.checkpoint_segment_blocks),
+                                 ("train.offload_activations", cfg.train.offload_activations),
                                  ("parallel.head_buckets", p.head_buckets)) if v == "auto"]
     if unresolved:
         raise ValueError(f"{', '.join(unresolved)}=auto: the FLOPs need the resolved layout "
