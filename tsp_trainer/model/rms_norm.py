@@ -1,7 +1,7 @@
 """RMSNorm as one autograd function: y = (x * rstd).to(x.dtype) * w, rstd = rsqrt(mean(x^2) + eps).
 
 Why: autograd over the plain expression keeps an fp32 copy of x and the normalised input, its
-forward holds two fp32 [tokens, h] temporaries and a bf16 cast beside y (about 7x x in bf16), and
+forward holds two fp32 [tokens, h] temporaries and a bf16 cast (5x x in bf16) at once, and
 its backward about five fp32 [tokens, h] temporaries at once. This function saves x and rstd
 [tokens, 1] only, and its forward and backward walk the tokens in chunks of at most
 `BACKWARD_CHUNK_BYTES` of fp32, so the forward's transient is y plus two fp32 chunks and the
@@ -39,7 +39,7 @@ class RmsNormFn(torch.autograd.Function):
         rstd = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)   # [n, 1]
         rows = backward_chunk_rows(h)
         # per token, so chunks give the same values as one pass; one pass would hold an fp32
-        # [n, h] copy of x, its square, the fp32 normalised x and its cast, 7x x in bf16
+        # [n, h] copy of x, the fp32 normalised x and its cast at once (5x x in bf16)
         for start in range(0, x2.shape[0], rows):
             stop = start + rows
             _chunk_forward(x2[start:stop], weight, eps, y[start:stop], rstd[start:stop])
