@@ -11,9 +11,9 @@ Nested checkpointing (checkpoint_segment_blocks k > 1) costs one more forward of
 block of every segment, so the ranking takes k = 1 whenever it fits and the smallest k of
 layout.NESTING_CANDIDATES that does otherwise (with the run's train.offload_activations as set).
 
-Under checkpointing the replay keeping all is the fastest (no forward runs a third time), and
-checkpoint_replay_keeps `auto` resolves to all: attention and nothing are explicit choices while
-the planner's model of them is not confirmed by the dry run (layout.PLANNED_REPLAY_KEEPS).
+Under checkpointing the replay keeping all is the fastest (no forward runs a third time), so
+checkpoint_replay_keeps `auto` resolves to all wherever it fits, else to attention, else to
+nothing (layout.PLANNED_REPLAY_KEEPS: the dry run confirms the planner's model of each).
 
 Head chunks (scheme ulysses, D > 1): a run of ulysses is planned as sp (layout.planned_scheme); c
 chunks take `head_chunk_saving` off each candidate's predicted peak (the peers' model of ulysses
