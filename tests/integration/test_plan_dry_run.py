@@ -148,9 +148,11 @@ def test_dry_run_at_the_planners_longest_llama3_8b_sequence(tmp_path, gpu, offlo
     _check_at_longest(c, expected)
 
 
-# a 2-layer Llama-like shape whose MLP shard is narrower than h (as Llama-3.1-8B's at D = 8) on
-# an H100 profile with 2 GB of HBM: the planner's longest TSP sequence is then ~0.5M tokens
-SMALL = ModelConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=8,
+# a 2-layer Llama-like shape on an H100 profile with 2 GB of HBM: at D = 8, as Llama-3.1-8B's,
+# one K/V head and four query heads per rank (a gathered K/V bucket half the bytes of the rank's
+# [N/D, h] activations) and an MLP shard narrower than h; the planner's longest TSP sequence is
+# then ~0.6M tokens, its replay keeping nothing
+SMALL = ModelConfig(vocab_size=1024, hidden_size=256, num_layers=2, num_heads=32, num_kv_heads=8,
                     intermediate_size=896, max_seq_len=1 << 20)
 SMALL_GPU = HardwareProfile(**{**get_profile("h100").as_dict(), "hbm_bytes": 2e9})
 

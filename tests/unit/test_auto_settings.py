@@ -217,15 +217,16 @@ def test_gpu_budget_is_the_devices_memory_times_the_usable_share(monkeypatch):
     assert (explicit.bytes, explicit.source) == (12.5 * GIB, "train.memory_budget_gib")
 
 
-def test_checkpoint_replay_keeps_auto_is_all_and_the_lean_values_are_explicit():
+def test_checkpoint_replay_keeps_auto_takes_the_leanest_only_where_the_budget_needs_it():
     """Llama-3.1-8B at 2M tokens on D=8 (bf16, CUDA's route) under checkpointing: the replay
     keeping all is the fastest, attention and nothing need less memory and run slower. `auto`
-    takes all (the lean values are not in the planner's default search, layout.PLANNED_REPLAY_KEEPS):
-    a budget only attention fits is refused under auto, and met when attention is asked for."""
+    (the lean values are in the planner's search, layout.PLANNED_REPLAY_KEEPS, confirmed by the
+    dry run) takes all where it fits, attention where only attention and nothing fit, nothing
+    below that; an explicit value stays as written."""
     args = ["model.size=llama3_8b", "parallel.tsp_degree=8", "data.seq_len=2097152",
             "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
             "train.activation_checkpointing=true", "parallel.tsp_recompute=full",
-            "parallel.head_buckets=1"]
+            "parallel.head_buckets=1", "train.checkpoint_segment_blocks=1"]
     cfg = load_config(None, args)
     model, hw = cfg.model.to_model_config(), get_profile("h100")
     preds = {lay.replay_keeps: predict(model, lay, cfg.data.seq_len, hw, prec=BF16, device="cuda")
@@ -242,12 +243,13 @@ def test_checkpoint_replay_keeps_auto_is_all_and_the_lean_values_are_explicit():
                "(predicted peak" in choice.line()
         return choice.checkpoint_replay_keeps
 
-    between = (peak["attention"] + peak["all"]) / 2
     assert chosen(peak["all"]) == "all"
+    assert chosen((peak["attention"] + peak["all"]) / 2) == "attention"
+    assert chosen((peak["nothing"] + peak["attention"]) / 2) == "nothing"
     with pytest.raises(AutoSettingsError):
-        chosen(between)
+        chosen(peak["nothing"] * 0.99)
     explicit = load_config(None, args + ["parallel.checkpoint_replay_keeps=attention"])
-    assert chosen(between, explicit) == "attention"
+    assert chosen(peak["all"], explicit) == "attention"
 
 
 @pytest.mark.parametrize("scheme", ["sp", "ulysses"])

@@ -41,13 +41,15 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
     # the row with every tiling is the planner's answer with the replay keeping all
     assert rows[3].longest.seq_len == longest_seq_len(CFG, "tsp", hw=H100, nodes=1,
                                                       replay_keeps=("all",), segments=(1,)).seq_len
-    # the nested row is the planner's answer with both offloads and nesting searched (its default)
-    nested = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
+    # the nested row is the planner's answer with both offloads and nesting searched, the replay
+    # keeping all
+    nested = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True,
+                             replay_keeps=("all",))
     assert rows[6].longest.seq_len == nested.seq_len >= lengths[5]
-    # the lean replay is the planner's answer with both offloads and every replay value, and it is
-    # longer: the replay no longer holds one block's gate/up and attention items
-    lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True,
-                           replay_keeps=REPLAY_KEEPS)
+    # the lean replay is the planner's answer with both offloads and every replay value (its
+    # default), and it is longer: the replay no longer holds one block's gate/up and attention items
+    lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
+    assert {"all", "attention", "nothing"} == set(REPLAY_KEEPS)
     assert rows[8].longest.seq_len == lean.seq_len >= rows[7].longest.seq_len > 2 * lengths[5]
     assert rows[7].longest.best.layout.replay_keeps == "nothing"
     # the chunked attention row is the planner's answer (attention_chunk_tokens auto); the rows

@@ -3,28 +3,49 @@ planner's prediction, not as a result, and --plot refuses (exit 2, one line) the
 not draw instead of writing nothing and exiting 0."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from tsp_trainer.plan import cli
-from tsp_trainer.plan.ablation import STEPS, UNCONFIRMED
+from tsp_trainer.plan.ablation import STEPS, UNCONFIRMED, format_ablation
 
 
-def test_unconfirmed_ablation_rows_are_marked_not_results(tmp_path, capsys):
+def _rows(table: str) -> dict[str, str]:
+    return {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| +")}
+
+
+def test_every_ablation_row_is_a_result_and_an_unconfirmed_one_would_be_marked(tmp_path, capsys):
+    """The lean replay and chunked attention rows are confirmed by the dry run at their lengths
+    (docs/long_context/longest_context.md) and printed as results; a row marked unconfirmed is
+    printed as the planner's prediction."""
     out = tmp_path / "ablation.json"
     assert cli.main(["--model", "llama3_8b", "--gpu", "h100", "--nodes", "1", "--ablation",
                      "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| +")}
-    assert [s.name for s in STEPS if not s.confirmed] == ["+ lean replay", "+ chunked attention"]
-    lean = rows[f"+ lean replay ({UNCONFIRMED})"]
-    assert "| not a result (6,275,072 predicted) |" in lean
-    assert "| not a result (6,615,040 predicted) |" in rows[f"+ chunked attention ({UNCONFIRMED})"]
-    for step in [s for s in STEPS[1:] if s.confirmed]:      # every other row is printed as a result
+    rows = _rows(table)
+    assert all(s.confirmed for s in STEPS)
+    assert "| 6,275,072 |" in rows["+ lean replay"] and "keep=nothing" in rows["+ lean replay"]
+    assert "| 6,615,040 |" in rows["+ chunked attention"]
+    for step in STEPS[1:]:                                   # every row is printed as a result
         assert step.name in rows and "not a result" not in rows[step.name]
-    assert f"{UNCONFIRMED}: the dry run of the real code" in table
+    assert UNCONFIRMED not in table
     saved = {r["technique"]: r["confirmed_by_dry_run"] for r in json.loads(out.read_text())["rows"]}
-    assert saved == {s.name: s.confirmed for s in STEPS}
+    assert saved == {s.name: True for s in STEPS}
+
+    from tsp_trainer.config.model import model_config
+    from tsp_trainer.plan.ablation import AblationRow
+    from tsp_trainer.plan.hardware import get_profile
+    from tsp_trainer.plan.longest import longest_seq_len
+
+    step = replace(STEPS[-1], confirmed=False)
+    longest = longest_seq_len(model_config("llama3_8b"), "tsp", hw=get_profile("h100"), nodes=1,
+                              offload=True, offload_optimizer=True, replay_keeps=step.replay_keeps,
+                              segments=step.segments)
+    marked = format_ablation([AblationRow(step, longest)], header="h")
+    line = _rows(marked)[f"+ chunked attention ({UNCONFIRMED})"]
+    assert "| not a result (6,615,040 predicted) |" in line
+    assert f"{UNCONFIRMED}: the dry run of the real code" in marked
 
 
 @pytest.mark.parametrize("mode", [["--ablation"], ["--max-seq-len"], ["--dry-run", "--seq-len", "1024"]])

@@ -1,7 +1,7 @@
 """RmsNormFn (model/rms_norm.py) against the plain autograd expression it replaced: the same forward
 bit for bit, gradients to fp32 rounding and as accurate against fp64, chunked backward equal to one chunk,
 bf16 gradients no worse than autograd's, and the memory promise: only x and rstd saved, no
-full-size fp32 temporary in the backward."""
+full-size fp32 temporary in the forward or the backward."""
 
 from __future__ import annotations
 
@@ -69,6 +69,32 @@ def test_chunked_backward_equals_one_chunk(monkeypatch):
     _, dx, dw = _grads(rn.rms_norm, x, w, dy)
     assert torch.equal(dx, dx_one)          # per-token math: identical
     torch.testing.assert_close(dw, dw_one, rtol=1e-5, atol=1e-5)   # fp32 sums in another order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_forward_equals_one_chunk_and_the_plain_expression(monkeypatch, dtype):
+    x, w, _ = _inputs(dtype, shape=(2, 50, 64))
+    y_one = rn.rms_norm(x, w, 1e-5)
+    monkeypatch.setattr(rn, "BACKWARD_CHUNK_BYTES", 7 * 4 * 64)   # 7 tokens per chunk, ragged end
+    y = rn.rms_norm(x, w, 1e-5)
+    assert torch.equal(y, y_one) and torch.equal(y, reference(x, w, 1e-5))
+
+
+def test_forward_holds_its_output_and_one_chunk_of_fp32_temporaries(monkeypatch):
+    """The forward's transient: y and rstd, plus fp32 temporaries of one chunk (x.float(), its
+    square, the normalised chunk, its cast), never an fp32 [tokens, h] copy of x."""
+    from tsp_trainer.tools.memory import LiveTensorMemory
+
+    monkeypatch.setattr(rn, "BACKWARD_CHUNK_BYTES", 16 * 4 * 64)  # 16 tokens per chunk
+    x, w, _ = _inputs(torch.bfloat16, shape=(1, 512, 64))
+    mem = LiveTensorMemory()
+    mem.ignore(x, w)
+    with mem:
+        rn.rms_norm(x, w, 1e-5)
+    chunk32 = 16 * 64 * 4
+    # y [512, 64] bf16, rstd [512, 1] fp32; a chunk's x.float() and its square (or the normalised
+    # chunk and its bf16 cast) at once; one pass would add 2 fp32 [512, 64] (256 KiB)
+    assert mem.peak <= x.numel() * 2 + 512 * 4 + 2 * chunk32 + chunk32 // 2, mem.peak
 
 
 def test_bf16_gradients_are_at_least_as_close_to_fp64_as_autograds():

@@ -140,8 +140,8 @@ class ParallelSection:
                     "block's replay keeps for its backward; all = the attention items and the MLP's "
                     "gate/up (no forward runs a third time); attention = the items only, the MLP's "
                     "backward recomputes gate/up per token chunk; nothing = neither, attention also "
-                    "runs its forward again in backward; auto = all (the planner does not choose the "
-                    "leaner values: docs/long_context/longest_context.md)")
+                    "runs its forward again in backward; auto = all where it fits the memory budget, "
+                    "else the leaner value that does (docs/long_context/longest_context.md)")
     loss_chunk_tokens: int | Literal["auto"] = setting(
         "auto", min=1, doc="local tokens the LM head's loss takes at a time (fp32 logits [chunk, "
                            "V/D]); auto: all at once unless that block exceeds 1 GiB, else the "

@@ -1,10 +1,13 @@
 """RMSNorm as one autograd function: y = (x * rstd).to(x.dtype) * w, rstd = rsqrt(mean(x^2) + eps).
 
-Why: autograd over the plain expression keeps an fp32 copy of x and the normalised input, and its
-backward holds about five fp32 [tokens, h] temporaries at once. This function saves x and rstd
-[tokens, 1] only, and its backward walks the tokens in chunks of at most `BACKWARD_CHUNK_BYTES`,
-so its transient is dx plus two fp32 chunks whatever the sequence length. The forward is
-bit-identical to the plain expression; the backward's closed form
+Why: autograd over the plain expression keeps an fp32 copy of x and the normalised input, its
+forward holds two fp32 [tokens, h] temporaries and a bf16 cast (5x x in bf16) at once, and
+its backward about five fp32 [tokens, h] temporaries at once. This function saves x and rstd
+[tokens, 1] only, and its forward and backward walk the tokens in chunks of at most
+`BACKWARD_CHUNK_BYTES` of fp32, so the forward's transient is y plus two fp32 chunks and the
+backward's dx plus two fp32 chunks whatever the sequence length (at millions of tokens a
+one-pass forward was the peak of a checkpointed block's replay). The forward is bit-identical
+to the plain expression (every step is per token); the backward's closed form
 dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, equals autograd's to fp32 rounding, and dw is
 accumulated in fp32 across chunks (tests/unit/test_rms_norm.py). Shapes: x [..., h], w [h].
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-# fp32 bytes of one backward chunk [c, h]: 32 MiB keeps the Python loop to a few iterations per
+# fp32 bytes of one forward or backward chunk [c, h]: 32 MiB keeps the Python loop to a few iterations per
 # norm on a GPU at 7B shapes (h 4096: 2,048 tokens per chunk) and one iteration in the CPU tests.
 BACKWARD_CHUNK_BYTES = 32 * 2 ** 20
 
@@ -24,16 +27,25 @@ def backward_chunk_rows(hidden: int) -> int:
 
 
 class RmsNormFn(torch.autograd.Function):
-    """Forward: y = (x * rstd).to(x.dtype) * w. Saves x and rstd only. Backward: chunked over
-    tokens, at most two fp32 [chunk, h] temporaries besides dx."""
+    """Forward: y = (x * rstd).to(x.dtype) * w, chunked over tokens, at most two fp32 [chunk, h]
+    temporaries besides y. Saves x and rstd only. Backward: chunked over tokens, at most two fp32
+    [chunk, h] temporaries besides dx."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()                                              # [..., h] (x itself in fp32)
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1] fp32
-        y = (x32 * rstd).to(x.dtype) * weight
+        h = x.shape[-1]
+        x2 = x.reshape(-1, h)                                        # [n, h]
+        y = x2.new_empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+        rstd = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)   # [n, 1]
+        rows = backward_chunk_rows(h)
+        # per token, so chunks give the same values as one pass; one pass would hold an fp32
+        # [n, h] copy of x, the fp32 normalised x and its cast at once (5x x in bf16)
+        for start in range(0, x2.shape[0], rows):
+            stop = start + rows
+            _chunk_forward(x2[start:stop], weight, eps, y[start:stop], rstd[start:stop])
+        rstd = rstd.view(x.shape[:-1] + (1,))
         ctx.save_for_backward(x, rstd, weight)
-        return y
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -50,6 +62,14 @@ class RmsNormFn(torch.autograd.Function):
                             None if dx is None else dx[start:stop], dw)
         return (None if dx is None else dx.view_as(x),
                 None if dw is None else dw.to(weight.dtype), None)
+
+
+def _chunk_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, y_out: torch.Tensor,
+                   rstd_out: torch.Tensor) -> None:
+    """One chunk of tokens: x [c, h]; writes y_out [c, h] and rstd_out [c, 1]."""
+    x32 = x.float()                                              # [c, h] (x itself in fp32)
+    torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd_out)
+    torch.mul((x32 * rstd_out).to(x.dtype), weight, out=y_out)
 
 
 def _chunk_backward(x: torch.Tensor, dy: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,

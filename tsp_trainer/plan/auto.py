@@ -23,9 +23,9 @@ budget is the choice: the offload's PCIe copies are modelled as hidden behind co
 costs an extra forward, so offload at k = 1 comes first where the host holds it, nesting (on the
 device, or offloaded with ceil(L / k) inputs pinned) where it does not.
 
-Under checkpointing the replay keeping all is the fastest (no forward runs a third time), and
-checkpoint_replay_keeps `auto` resolves to all: attention and nothing are explicit choices while
-the planner's model of them is not confirmed by the dry run (layout.PLANNED_REPLAY_KEEPS).
+Under checkpointing the replay keeping all is the fastest (no forward runs a third time), so
+checkpoint_replay_keeps `auto` resolves to all wherever it fits, else to attention, else to
+nothing (layout.PLANNED_REPLAY_KEEPS: the dry run confirms the planner's model of each).
 
 Head chunks (scheme ulysses, D > 1): a run of ulysses is planned as sp (layout.planned_scheme); c
 chunks take `head_chunk_saving` off each candidate's predicted peak (the peers' model of ulysses

@@ -620,7 +620,8 @@ def format_dry_run(report: dict) -> str:
 
 
 def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool = False,
-                       offload_optimizer: bool = True, ranks=(0,), log=None) -> dict:
+                       offload_optimizer: bool = True, ranks=(0,), log=None,
+                       fields: dict | None = None) -> dict:
     """The dry run of TSP at the planner's longest sequence on `nodes` nodes of `gpu`
     (plan/longest.py, activations in HBM or with `offload`; gpu: a profile name or a
     HardwareProfile), with the layout the planner chose
@@ -628,13 +629,15 @@ def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool =
     route), for each of `ranks`, beside the planner's prediction. `dry_peak` is the largest
     device total over the ranks: the measured tensors plus the planner's reserve (the libraries'
     buffers, which fake tensors do not show); `ratio` = dry_peak / plan_peak. Per component
-    (state, saved and peak activations, reserve) the dry run's bytes and the planner's."""
+    (state, saved and peak activations, reserve) the dry run's bytes and the planner's.
+    `fields`: Layout fields set on every candidate (longest_seq_len's; the ablation rows'
+    switches, e.g. {"attention_chunk_tokens": layout.UNTILED} for K/V gathered whole)."""
     from tsp_trainer.plan.hardware import get_profile
     from tsp_trainer.plan.longest import longest_seq_len
 
     hw = get_profile(gpu) if isinstance(gpu, str) else gpu
     longest = longest_seq_len(cfg, "tsp", hw=hw, nodes=nodes, offload=offload,
-                              offload_optimizer=offload_optimizer)
+                              offload_optimizer=offload_optimizer, fields=fields)
     if longest.best is None:
         raise ValueError(f"gpu={hw.name!r}, nodes={nodes}: no TSP layout fits even "
                          f"one granule ({longest.refused or 'nothing fits'})")
@@ -686,6 +689,7 @@ def main(argv=None) -> int:
     import json
 
     from tsp_trainer.config.model_source import add_model_args, model_from_name_or_path
+    from tsp_trainer.plan.layout import UNTILED
 
     p = argparse.ArgumentParser(prog="python -m tsp_trainer.plan.dry_run",
                                 description="the dry run at the planner's longest TSP sequence")
@@ -695,6 +699,9 @@ def main(argv=None) -> int:
     p.add_argument("--offload", action="store_true", help="the activation-offload layout")
     p.add_argument("--no-offload-optimizer", action="store_true",
                    help="AdamW's state on the GPU (default: zero.offload_optimizer=cpu)")
+    p.add_argument("--whole-kv", action="store_true",
+                   help="K/V gathered whole (parallel.attention_chunk_tokens untiled, the ablation's "
+                        "lean replay row); default: the chunks auto resolves")
     p.add_argument("--ranks", default="0", help="comma-separated global ranks, or 'all'")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -707,7 +714,8 @@ def main(argv=None) -> int:
         ranks = [int(r) for r in args.ranks.split(",")]
     c = dry_run_at_longest(cfg, args.gpu, nodes=args.nodes, offload=args.offload,
                            offload_optimizer=not args.no_offload_optimizer, ranks=ranks,
-                           log=lambda msg: print(msg, flush=True))
+                           log=lambda msg: print(msg, flush=True),
+                           fields={"attention_chunk_tokens": UNTILED} if args.whole_kv else None)
     print(format_at_longest(c))
     if args.json:
         with open(args.json, "w") as f:

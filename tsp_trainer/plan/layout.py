@@ -23,13 +23,11 @@ def planned_scheme(scheme: str) -> str:
     return "sp" if scheme == "ulysses" else scheme
 TSP_RECOMPUTE = typing.get_args(TspRecompute)   # parallel.tsp_recompute (parallel/tsp/)
 REPLAY_KEEPS = typing.get_args(ReplayKeeps)     # parallel.checkpoint_replay_keeps (tsp/kept.py)
-# the values the planner's searches and `auto` take by default: only all. The dry run at the
-# longest lengths (plan/dry_run.py dry_run_at_longest) measures more than the planner predicts for
-# a replay keeping attention or nothing (llama3_8b on 8 x H100 with activation offload at
-# 6,275,072 tokens: 88.0 GB against 73.6; in HBM on 8 x H200 at 2,855,936: 132.8 GB against
-# 129.7 usable), so those stay explicit choices (`parallel.checkpoint_replay_keeps`, the
-# ablation's last row) until the planner's model of them agrees with the dry run
-PLANNED_REPLAY_KEEPS = ("all",)
+# the values the planner's searches and `auto` take by default: all three. The dry run at the
+# longest lengths (plan/dry_run.py dry_run_at_longest) confirms the planner's model of a replay
+# keeping attention or nothing (docs/long_context/longest_context.md); the ranking prefers all
+# wherever it fits (the lean values run a third forward of what they do not keep)
+PLANNED_REPLAY_KEEPS = REPLAY_KEEPS
 
 # train.checkpoint_segment_blocks values the longest-context search and `auto` try (1 = per-block
 # checkpointing): a segment of k blocks regains k - 1 block inputs on the GPU in backward, so
