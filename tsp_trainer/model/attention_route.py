@@ -4,8 +4,10 @@ run's attention kernel, and the SDPA calls of that route.
 On CUDA a bottom-right causal call (a zigzag chunk against its key prefix) must reach a fused
 kernel: torch's lower-right CausalBias otherwise materialises a dense [n_q, n_k] mask for the math
 kernel, out of memory at long context. So the route names one fused kernel and `attention_core`
-restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256, memory-efficient otherwise (K/V
-heads expanded under GQA), cuDNN for square causal calls when the run chose it; what no fused
+restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256 (under GQA its per-group-member
+calls with the KV heads, model/attention_gqa.py, so no dK/dV exists per query head),
+memory-efficient otherwise (K/V heads expanded under GQA), cuDNN for square causal calls when the
+run chose it (K/V expanded under GQA); what no fused
 kernel takes is refused before any process group exists. Document masking runs one varlen fused
 call per row on CUDA. On CPU (the validation path) a bottom-right call is split into its key
 prefix and diagonal block, merged by log-sum-exp (model/attention_lse.py): no mask at all; a
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tsp_trainer.model.attention_kernel import FLASH_MAX_HEAD_DIM, Choice
+from tsp_trainer.model.attention_gqa import grouped_query_attention
 from tsp_trainer.model.attention_lse import prefix_causal_attention
 from tsp_trainer.model.documents import DeviceVarlen, RowPlan, Segment, VarlenPlan
 
@@ -47,6 +50,9 @@ class SdpaRoute:
     kernel: str
     expand_kv: bool = False     # repeat K/V heads to the query heads before the call
     query_block: int | None = None   # queries per call for the CPU mask path
+    # GQA: run model/attention_gqa.py's per-group-member calls with the KV heads (flash attention's
+    # varlen calls on CUDA, the CPU flash kernel elsewhere) instead of this route's SDPA calls
+    gqa_native: bool = False
 
     @property
     def lower_right_bias(self) -> bool:
@@ -101,6 +107,11 @@ class SdpaRoute:
             outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, :k_end], v[:, :, :k_end],
                                                        attn_mask=mask, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
+
+    def grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs, documents) -> torch.Tensor:
+        """A gqa_native call: q [B, Hq, Tq, d] against the KV heads' k, v [B, Hkv, Tk, d], each
+        kernel call with Hkv heads (model/attention_gqa.py); q_runs None: the queries are the keys."""
+        return grouped_query_attention(q, k, v, q_runs, documents)
 
     def documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   row: RowPlan | tuple[Segment, ...], *, gqa: bool) -> torch.Tensor:
@@ -175,7 +186,9 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
         if kernel == "cudnn":
             return SdpaRoute("cudnn", expand_kv=gqa)    # torch documents GQA for flash and math only
-        return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
+        # torch pads head_dim to a multiple of 8 for flash. Under GQA FA2's backward would write
+        # dK/dV per query head: the KV heads' own calls instead (model/attention_gqa.py)
+        return SdpaRoute("flash", gqa_native=gqa)
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head_dim % alignment == 0:
         return SdpaRoute("efficient", expand_kv=gqa)
