@@ -18,8 +18,8 @@ def test_unconfirmed_ablation_rows_are_marked_not_results(tmp_path, capsys):
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| +")}
     assert [s.name for s in STEPS if not s.confirmed] == ["+ lean replay", "+ chunked attention"]
     lean = rows[f"+ lean replay ({UNCONFIRMED})"]
-    assert "| not a result (6,275,072 predicted) |" in lean
-    assert "| not a result (6,615,040 predicted) |" in rows[f"+ chunked attention ({UNCONFIRMED})"]
+    assert "| not a result (7,016,448 predicted) |" in lean
+    assert "| not a result (7,416,832 predicted) |" in rows[f"+ chunked attention ({UNCONFIRMED})"]
     for step in [s for s in STEPS[1:] if s.confirmed]:      # every other row is printed as a result
         assert step.name in rows and "not a result" not in rows[step.name]
     assert f"{UNCONFIRMED}: the dry run of the real code" in table
