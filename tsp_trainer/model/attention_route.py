@@ -187,8 +187,9 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
         if kernel == "cudnn":
             return SdpaRoute("cudnn", expand_kv=gqa)    # torch documents GQA for flash and math only
         # torch pads head_dim to a multiple of 8 for flash. Under GQA FA2's backward would write
-        # dK/dV per query head: the KV heads' own calls instead (model/attention_gqa.py)
-        return SdpaRoute("flash", gqa_native=gqa)
+        # dK/dV per query head: the KV heads' own calls instead (model/attention_gqa.py), whose
+        # varlen kernel calls take head_dim as it is (a multiple of 8; SDPA pads the others)
+        return SdpaRoute("flash", gqa_native=gqa and head_dim % 8 == 0)
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head_dim % alignment == 0:
         return SdpaRoute("efficient", expand_kv=gqa)

@@ -120,11 +120,12 @@ def reserved_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precis
     """Per-rank bytes of each reserve term (module docstring) and their "total"."""
     c, b, e = _attention_calls(cfg, layout, seq_len), layout.micro_batch, prec.act
     flash = e < 4                                   # bf16/fp16: the flash route (fp32: efficient)
+    gqa = c["heads"] != c["kv_heads"]
     out = {"flash_dq_accum": flash_dq_accum_bytes(b, c["n_q"], c["heads"], cfg.head_dim) if flash else 0,
            # the flash route under GQA is GQA-native (model/attention_gqa.py): nothing per query head
-           "flash_gqa_dkv_expanded": (flash_gqa_dkv_expanded_bytes(b, c["n_k"], c["heads"], c["kv_heads"],
-                                                                   cfg.head_dim, e)
-                                      if flash and not native_gqa(e, "cuda", c["heads"] != c["kv_heads"]) else 0),
+           "flash_gqa_dkv_expanded": (0 if not flash or native_gqa(e, "cuda", gqa, cfg.head_dim) else
+                                      flash_gqa_dkv_expanded_bytes(b, c["n_k"], c["heads"], c["kv_heads"],
+                                                                   cfg.head_dim, e)),
            "flash_split_kv": (flash_split_kv_bytes(b, c["n_q"], c["n_k"], c["heads"], cfg.head_dim,
                                                    SMS.get(gpu, 132)) if flash else 0),
            # + the group of ranks sharing a K/V head, when K/V heads are fewer than the weight split

@@ -37,9 +37,9 @@ def expands_kv(e: int, device: str, gqa: bool) -> bool:
     return sdpa_route("cuda", dtype, gqa=True, head_dim=128).expand_kv
 
 
-def native_gqa(e: int, device: str, gqa: bool) -> bool:
+def native_gqa(e: int, device: str, gqa: bool, head_dim: int) -> bool:
     """Whether `attention_core` runs the GQA-native path (model/attention_gqa.py): on CUDA under
-    GQA on the flash route (bf16 / fp16)."""
+    GQA on the flash route (bf16 / fp16, head_dim a multiple of 8)."""
     if device != "cuda" or not gqa:
         return False
     import torch
@@ -47,7 +47,7 @@ def native_gqa(e: int, device: str, gqa: bool) -> bool:
     from tsp_trainer.model.attention_route import sdpa_route
 
     dtype = torch.float32 if e == 4 else torch.bfloat16
-    return sdpa_route("cuda", dtype, gqa=True, head_dim=128).gqa_native
+    return sdpa_route("cuda", dtype, gqa=True, head_dim=head_dim).gqa_native
 
 
 def native_gqa_terms(e: int, n_q: int, hq: int, head_dim: int, kv: int) -> dict[str, int]:
@@ -79,8 +79,8 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     # its backward, and their gradients before they are summed back to the K/V heads)
     kv_exp = kv_full * hq // hkv if expands_kv(e, device, hq != hkv) else 0
     # CUDA flash route under GQA: the per-group-member calls (their merge buffers, dQ, dK/dV sums)
-    grouped = (native_gqa_terms(e, b * 2 * c, hq, head_dim, kv_full) if native_gqa(e, device, hq != hkv)
-               else {"fwd": 0, "bwd": 0})
+    grouped = (native_gqa_terms(e, b * 2 * c, hq, head_dim, kv_full)
+               if native_gqa(e, device, hq != hkv, head_dim) else {"fwd": 0, "bwd": 0})
     outs = 2 * e * b * c * hq + grouped["fwd"]            # SDPA outputs of the two runs
     qkv = e * n * (hq + 2 * hkv) if recomputed_qkv else 0
     # with B > 1 the zigzag reorders (zigzag.py) copy once more (a transpose made contiguous)
@@ -202,8 +202,8 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     kv = 2 * e * b * seq_len * hkv_b
     kv_exp = kv * hq_b // hkv_b if expands_kv(e, device, hq_b != hkv_b) else 0
     # CUDA flash route under GQA: the per-group-member calls (model/attention_gqa.py)
-    grouped = (native_gqa_terms(e, n, hq_b, cfg.head_dim, kv) if native_gqa(e, device, hq_b != hkv_b)
-               else {"fwd": 0, "bwd": 0})
+    grouped = (native_gqa_terms(e, n, hq_b, cfg.head_dim, kv)
+               if native_gqa(e, device, hq_b != hkv_b, cfg.head_dim) else {"fwd": 0, "bwd": 0})
     w = cfg.attn_shard_params(d_) * ew
     acc32 = (e if tiled else 4) * n * h                 # output / dX: fp32, or e once tiled
     w_fwd = min(3, d_) * w
@@ -315,7 +315,7 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     else:
         core_fwd = 0
         core_bwd = e * n_r * (2 * hq // t + 2 * hkv_t)  # d(out), dq, dk, dv
-        if native_gqa(e, device, hq // t != hkv_t):     # one group member's dk, dv beside their sum
+        if native_gqa(e, device, hq // t != hkv_t, cfg.head_dim):   # a group member's dk, dv beside the sum
             core_bwd += e * n_r * 2 * hkv_t
         wgrad = 0
     # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's
