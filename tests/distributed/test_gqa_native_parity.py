@@ -1,7 +1,8 @@
 """The GQA-native attention path (model/attention_gqa.py) under every scheme that calls
 `attention_core` with grouped heads: TSP (zigzag runs against the gathered keys, head buckets,
 selective recompute), the baselines (tp: square calls of a head shard; sp, tp_sp, tp_x_sp: zigzag
-runs against gathered K/V) and ulysses (square calls after the all-to-all). Each runs on 2 and 4
+runs against gathered K/V) and ulysses (square calls after the all-to-all), with and without
+activation checkpointing. Each runs on 2 and 4
 gloo ranks with the native path (its CPU twin: the same per-group-member code on torch's CPU
 flash kernel, tests/helpers/gqa_route.py) and must equal one process on the fused route (SDPA
 enable_gqa, the log-sum-exp merge): the logits, the loss and every gradient, fp32, rtol 1e-5 / atol 1e-6,
@@ -21,6 +22,7 @@ from tests.helpers.gqa_route import native_gqa_route
 from tests.unit.test_document_masking import per_document_reference
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer
+from tsp_trainer.model.activation_checkpoint import checkpointed_block
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.layers import PositionRuns
 from tsp_trainer.parallel.loss import global_count, reduce_loss_value
@@ -43,7 +45,9 @@ CASES = [("tsp", 2, {}, False), ("tsp", 2, {"head_buckets": 2}, True),
          ("sp", 2, {}, False), ("sp", 4, {}, True),
          ("tp_sp", 2, {}, True),
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2}, False),
-         ("ulysses", 2, {}, False), ("ulysses", 4, {}, True)]
+         ("ulysses", 2, {}, False), ("ulysses", 4, {}, True),
+         # activation checkpointing: the blocks' replay runs the native forward again
+         ("tsp", 4, {"checkpointing": True}, True), ("sp", 2, {"checkpointing": True}, False)]
 
 
 def _batch():
@@ -75,13 +79,17 @@ def _reference(documents: bool):
 
 def _native_rank(rank, world, scheme, options, documents, ids, labels, logits):
     mesh = build_mesh(world)
+    options = dict(options)
     model = Transformer(CFG)
     init_model(model, SEED)
     if scheme == "ulysses":                      # its all-to-all attention, as the trainer builds it
         from tsp_trainer.engine.ulysses import distributed_attention
 
         options = {**options, "distributed_attention": distributed_attention}
+    checkpointing = options.pop("checkpointing", False)
     par = parallelize(model, scheme, mesh, seq_len=ids.shape[1], **options)
+    if checkpointing:
+        model.block_wrapper = checkpointed_block
     docs = Documents.from_lengths(LENGTHS) if documents else None
     with native_gqa_route() as native:
         local_ids, local_labels, pos = par.local_batch(ids, labels, docs)
