@@ -3,7 +3,9 @@ route it replaces (`attention_core`'s CPU route, SDPA with enable_gqa / the log-
 square causal calls, zigzag query runs against their key prefix and document masking, GQA and MHA:
 output, dQ, dK, dV; the whole model's logits, loss and every gradient under the path. Every kernel
 call takes the KV heads only (no dK/dV per query head), and the calls are counted exactly: a causal
-block G, a full block 1. The CUDA branch (flash attention's varlen calls) runs on meta tensors."""
+block G, a full block 1; under document masking on CUDA the varlen call runs once per group member
+(its CPU twin here, a reference varlen kernel). The CUDA branch (flash attention's varlen calls)
+runs on meta tensors."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import torch
 
 from tests.distributed.tsp_cases import init_model, make_batch
 from tests.helpers.gqa_route import native_gqa_route
+from tests.unit.test_document_masking import _reference_varlen_kernel, zigzag_runs_of
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.model import Transformer, attention_chunk
 from tsp_trainer.model.attention_gqa import grouped_kernel_calls, grouped_query_attention
-from tsp_trainer.model.attention_route import SdpaRoute
-from tsp_trainer.model.documents import Documents
+from tsp_trainer.model.attention_route import SdpaRoute, grouped_varlen_attention, varlen_attention
+from tsp_trainer.model.documents import Documents, plan_segments, varlen_plan
 from tsp_trainer.model.layers import PositionRuns, attention_core
 
 B, S, D_HEAD = 2, 24, 8
@@ -137,6 +140,35 @@ def test_model_logits_loss_and_gradients_under_the_native_path(cfg, documents):
     torch.testing.assert_close(got[1], ref[1], **TOL)
     for name, g in ref[2].items():
         torch.testing.assert_close(got[2][name], g, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("rank,degree", [(0, 1), (1, 2), (3, 4)])
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2)], ids=["G2", "G3"])
+def test_grouped_varlen_call_equals_the_fused_varlen_call(rank, degree, hq, hkv):
+    """Document masking on CUDA: the keys packed once, one varlen call per group member with the
+    KV heads (the CPU twin, a reference varlen kernel) equals the fused varlen call (K/V heads
+    repeated inside the reference, as FA2's own GQA), forward and backward: G calls a row, each
+    with as many query heads as KV heads, whatever the number of documents."""
+    torch.manual_seed(rank)
+    s, docs = 24, (0, 7, 8, 19)
+    runs = zigzag_runs_of(s, rank, degree)
+    tq = sum(b - a for a, b, _ in runs)
+    q = torch.randn(1, hq, tq, 8, requires_grad=True)
+    k, v = (torch.randn(1, hkv, s, 8, requires_grad=True) for _ in range(2))
+    plan = varlen_plan(plan_segments(runs, docs))
+    heads = []
+
+    def kernel(qp, kp, vp, *offsets):
+        heads.append((qp.shape[1], kp.shape[1]))
+        return _reference_varlen_kernel(qp, kp, vp, *offsets)
+
+    ref = varlen_attention(q, k, v, plan, _reference_varlen_kernel)
+    out = grouped_varlen_attention(q, k, v, plan, kernel)
+    torch.testing.assert_close(out, ref, **TOL)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, **TOL)
+    assert heads == [(hkv, hkv)] * (hq // hkv)
 
 
 def test_the_cuda_calls_on_meta_tensors():

@@ -11,7 +11,9 @@ causal block do the FLOPs of one call with Hq heads, so the cost is kernel launc
 
     square causal (queries are the keys):         G forward and G backward calls;
     a query run against its key prefix (zigzag):  1 + G each (the prefix full, the diagonal causal);
-    document masking: per row and document piece, the same rule.
+    document masking: per row and document piece, the same rule; on CUDA the route sends it to
+    G varlen calls per row instead (model/attention_route.py: grouped_varlen_attention), whatever
+    the number of documents.
 
 Outputs of several blocks over the same queries are merged by log-sum-exp into fp32 accumulators
 (MergedAttention, [B, Hq, Tq, d] and [B, Hq, Tq]); a call that is one causal block needs none.

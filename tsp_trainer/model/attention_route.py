@@ -110,7 +110,15 @@ class SdpaRoute:
 
     def grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs, documents) -> torch.Tensor:
         """A gqa_native call: q [B, Hq, Tq, d] against the KV heads' k, v [B, Hkv, Tk, d], each
-        kernel call with Hkv heads (model/attention_gqa.py); q_runs None: the queries are the keys."""
+        kernel call with Hkv heads; q_runs None: the queries are the keys. Document masking on
+        CUDA: per row G varlen calls (`grouped_varlen_attention`), one per group member, whatever
+        the number of documents; otherwise model/attention_gqa.py's blocks."""
+        if documents is not None and self.kernel in _VARLEN_KERNELS and q.device.type == "cuda":
+            runs = q_runs if q_runs is not None else ((0, q.shape[2], 0),)
+            kernel = _VARLEN_KERNELS[self.kernel]
+            return torch.cat([grouped_varlen_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], row.varlen(q.device),
+                                                       kernel)
+                              for i, row in enumerate(documents.plan(runs))], dim=0)
         return grouped_query_attention(q, k, v, q_runs, documents)
 
     def documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -145,6 +153,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kp, vp = (t[0].index_select(1, on_device.key_index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
     out = kernel(qp, kp, vp, on_device.cu_q, on_device.cu_k, on_device.plan.max_q, on_device.plan.max_k)
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def grouped_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             plan: DeviceVarlen | VarlenPlan, kernel) -> torch.Tensor:
+    """`varlen_attention` under GQA without dK/dV per query head: the keys packed once
+    ([K, Hkv, d]), then one varlen call per group member g with query heads g, G + g, ... against
+    the Hkv heads (multi-head calls: the kernel's backward writes dK, dV [K, Hkv, d] each, autograd
+    sums the G of them into the packed keys' gradient). q [1, Hq, Tq, d] -> [1, Hq, Tq, d]."""
+    on_device = plan.on(q.device) if isinstance(plan, VarlenPlan) else plan
+    hq, tq, d = q.shape[1], q.shape[2], q.shape[3]
+    g = hq // k.shape[1]
+    kp, vp = (t[0].index_select(1, on_device.key_index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
+    outs = [kernel(q[0, i::g].transpose(0, 1), kp, vp, on_device.cu_q, on_device.cu_k, on_device.plan.max_q,
+                   on_device.plan.max_k) for i in range(g)]                                  # [Tq, Hkv, d]
+    # head j G + i is member i's head j: [Tq, Hkv, G, d] -> [Tq, Hq, d]
+    return torch.stack(outs, dim=2).reshape(tq, hq, d).transpose(0, 1).unsqueeze(0)
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
