@@ -2,11 +2,10 @@
 parallel/tsp/chunked.py; CPU run: tests/unit/test_attention_chunk.py): one attention block on one
 GPU, bf16, through flash attention's varlen call per block, merged by log-sum-exp.
 
-* in chunks it equals the unchunked block (fused SDPA route) at the same length, GQA, with and
-  without document masking, chunks that do not divide the length;
+* in chunks it equals the unchunked block (the flash route, GQA-native: model/attention_gqa.py)
+  at the same length, GQA, with and without document masking, chunks that do not divide the length;
 * at a length four times longer, in chunks, it needs no more bytes a token than the unchunked block
-  at the shorter length: the chunked path never holds the whole sequence's K/V, dK/dV, nor dK/dV
-  expanded to the query heads (the fused kernel's GQA backward does).
+  at the shorter length: the chunked path never holds the whole sequence's K/V or dK/dV.
 
 Run with `python -m pytest -m gpu`; without a CUDA device every test here is skipped."""
 

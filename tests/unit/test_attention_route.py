@@ -17,9 +17,11 @@ from tsp_trainer.model.layers import PositionRuns, attention_core
 
 
 @pytest.mark.parametrize("dtype,gqa,head_dim,expected", [
-    (torch.bfloat16, True, 128, SdpaRoute("flash")),                 # the 7B recipe: flash, GQA native
+    # the 7B recipe: flash, GQA native (per-group-member calls with the KV heads)
+    (torch.bfloat16, True, 128, SdpaRoute("flash", gqa_native=True)),
     (torch.bfloat16, False, 128, SdpaRoute("flash")),
-    (torch.float16, True, 256, SdpaRoute("flash")),
+    (torch.float16, True, 256, SdpaRoute("flash", gqa_native=True)),
+    (torch.bfloat16, True, 100, SdpaRoute("flash")),      # SDPA pads head_dim 100: FA2's own GQA
     (torch.float32, True, 128, SdpaRoute("efficient", expand_kv=True)),   # fp32 + GQA: no dense mask
     (torch.float32, False, 128, SdpaRoute("efficient")),
     (torch.bfloat16, True, 512, SdpaRoute("efficient", expand_kv=True)),  # beyond flash's head_dim

@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.model.attention_gqa import grouped_kernel_calls
 from tsp_trainer.model.layers import PositionRuns, attention_core
 from tsp_trainer.plan.activations import activation_memory
 from tsp_trainer.plan.layout import Layout
@@ -99,13 +100,19 @@ def test_attention_path_is_named():
 
 
 def _fused_calls_per_item(**options) -> dict[str, float]:
-    """Fused attention kernel calls per layer and step through the CUDA route, per item (owner,
-    head bucket; each item attends this rank's two zigzag runs, one call each): TSP at D 2 with 2
-    head buckets, bf16, `options` passed to run_step."""
-    degree, buckets, runs = 2, 2, 2
-    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=256, dtype=torch.bfloat16,
+    """Attention passes per layer and step through the CUDA route, per item (owner, head bucket):
+    TSP at D 2 with 2 head buckets, bf16, `options` passed to run_step. An item's pass is the
+    GQA-native path's kernel calls (model/attention_gqa.py) with 2 query heads per KV head: rank
+    0's zigzag runs, chunks 0 and 3 of 4 (64 tokens each), against the 256 keys: chunk 0 one causal
+    block (G = 2 calls), chunk 3 its prefix (1 call) and its diagonal (2): 5 calls."""
+    degree, buckets, seq = 2, 2, 256
+    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=seq, dtype=torch.bfloat16,
                    rank=0, attention="cuda", head_buckets=buckets, **options)
-    return {k: n / GQA.num_layers / (degree * buckets * runs)
+    groups = GQA.num_heads // GQA.num_kv_heads
+    c = seq // (2 * degree)
+    per_pass = grouped_kernel_calls(((0, c, 0), (c, 2 * c, 3 * c)), 2 * c, seq, groups)
+    assert per_pass == 5
+    return {k: n / GQA.num_layers / (degree * buckets * per_pass)
             for k, n in res.info["fused_attention_calls"].items()}
 
 

@@ -47,12 +47,14 @@ def test_nccl_buffers_and_communicators():
 
 def test_reserve_of_a_gqa_tsp_layout_and_its_place_in_the_total():
     """Llama-3-8B (32 heads, 8 KV heads, d 128) under TSP D = 8, 1 bucket, 128K: each flash call
-    has 4 query heads and 1 K/V head, 8192 queries against up to 131072 keys."""
+    has 4 query heads and 1 K/V head, 8192 queries against up to 131072 keys (the GQA-native
+    path's calls: 1 query head each, or 4 stacked)."""
     cfg, s = model_config("llama3_8b"), 131072
     lay = Layout("tsp", 8, dp=1)
     r = reserved_memory(cfg, lay, s, BF16, gpu="h100")
     assert r["flash_dq_accum"] == 4 * 8192 * 4 * 128
-    assert r["flash_gqa_dkv_expanded"] == 2 * 2 * 131072 * 4 * 128
+    # GQA-native calls (model/attention_gqa.py): no dK/dV per query head; the peers' FA2 holds it
+    assert r["flash_gqa_dkv_expanded"] == 0
     assert r["flash_split_kv"] == 0
     assert r["nccl_buffers"] == nccl_buffer_bytes(2)
     assert r["blas_workspaces"] == 64 * MiB and r["cuda_context"] == 512 * MiB

@@ -237,7 +237,7 @@ class MergedAttention:
         acc_lse.copy_(new)
 
 
-def _row_plans(q_runs: Runs, k_runs: Runs, documents, tile: int | None):
+def row_plans(q_runs: Runs, k_runs: Runs, documents, tile: int | None):
     """(rows, blocks) pairs: all rows at once without documents, else one per row."""
     if documents is None:
         return [(slice(None), plan_blocks(q_runs, k_runs, None, tile))]
@@ -249,7 +249,7 @@ def chunk_forward(merged: MergedAttention, q, k, v, q_runs: Runs, k_runs: Runs, 
                   tile: int | None = None) -> None:
     """Add keys k, v [B, Hkv, n_k, d] at `k_runs` to queries q [B, Hq, Tq, d] at `q_runs`, at most
     `tile` queries a kernel call."""
-    for rows, blocks in _row_plans(q_runs, k_runs, documents, tile):
+    for rows, blocks in row_plans(q_runs, k_runs, documents, tile):
         for blk in blocks:
             out, lse = block_forward(q[rows, :, blk.q0:blk.q1], k[rows, :, blk.k0:blk.k1],
                                      v[rows, :, blk.k0:blk.k1], blk.causal)
@@ -260,7 +260,7 @@ def chunk_backward(dout, q, k, v, out, lse, q_runs: Runs, k_runs: Runs, dq: torc
                    dk: torch.Tensor, dv: torch.Tensor, documents=None, tile: int | None = None) -> None:
     """One key chunk's part of the backward: dq [B, Hq, Tq, d] (fp32) += its part, dk, dv
     [B, Hkv, n_k, d] += the chunk's key gradients. out, lse: the merged forward's (final)."""
-    for rows, blocks in _row_plans(q_runs, k_runs, documents, tile):
+    for rows, blocks in row_plans(q_runs, k_runs, documents, tile):
         for blk in blocks:
             qs = slice(blk.q0, blk.q1)
             ks = slice(blk.k0, blk.k1)

@@ -4,8 +4,10 @@ run's attention kernel, and the SDPA calls of that route.
 On CUDA a bottom-right causal call (a zigzag chunk against its key prefix) must reach a fused
 kernel: torch's lower-right CausalBias otherwise materialises a dense [n_q, n_k] mask for the math
 kernel, out of memory at long context. So the route names one fused kernel and `attention_core`
-restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256, memory-efficient otherwise (K/V
-heads expanded under GQA), cuDNN for square causal calls when the run chose it; what no fused
+restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256 (under GQA its per-group-member
+calls with the KV heads, model/attention_gqa.py, so no dK/dV exists per query head),
+memory-efficient otherwise (K/V heads expanded under GQA), cuDNN for square causal calls when the
+run chose it (K/V expanded under GQA); what no fused
 kernel takes is refused before any process group exists. Document masking runs one varlen fused
 call per row on CUDA. On CPU (the validation path) a bottom-right call is split into its key
 prefix and diagonal block, merged by log-sum-exp (model/attention_lse.py): no mask at all; a
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tsp_trainer.model.attention_kernel import FLASH_MAX_HEAD_DIM, Choice
+from tsp_trainer.model.attention_gqa import grouped_query_attention
 from tsp_trainer.model.attention_lse import prefix_causal_attention
 from tsp_trainer.model.documents import DeviceVarlen, RowPlan, Segment, VarlenPlan
 
@@ -47,6 +50,9 @@ class SdpaRoute:
     kernel: str
     expand_kv: bool = False     # repeat K/V heads to the query heads before the call
     query_block: int | None = None   # queries per call for the CPU mask path
+    # GQA: run model/attention_gqa.py's per-group-member calls with the KV heads (flash attention's
+    # varlen calls on CUDA, the CPU flash kernel elsewhere) instead of this route's SDPA calls
+    gqa_native: bool = False
 
     @property
     def lower_right_bias(self) -> bool:
@@ -102,6 +108,19 @@ class SdpaRoute:
                                                        attn_mask=mask, enable_gqa=gqa))
         return torch.cat(outs, dim=2)
 
+    def grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_runs, documents) -> torch.Tensor:
+        """A gqa_native call: q [B, Hq, Tq, d] against the KV heads' k, v [B, Hkv, Tk, d], each
+        kernel call with Hkv heads; q_runs None: the queries are the keys. Document masking on
+        CUDA: per row G varlen calls (`grouped_varlen_attention`), one per group member, whatever
+        the number of documents; otherwise model/attention_gqa.py's blocks."""
+        if documents is not None and self.kernel in _VARLEN_KERNELS and q.device.type == "cuda":
+            runs = q_runs if q_runs is not None else ((0, q.shape[2], 0),)
+            kernel = _VARLEN_KERNELS[self.kernel]
+            return torch.cat([grouped_varlen_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], row.varlen(q.device),
+                                                       kernel)
+                              for i, row in enumerate(documents.plan(runs))], dim=0)
+        return grouped_query_attention(q, k, v, q_runs, documents)
+
     def documents(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   row: RowPlan | tuple[Segment, ...], *, gqa: bool) -> torch.Tensor:
         """One batch row under document masking: q [1, H, Tq, d] against logical-order keys
@@ -134,6 +153,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kp, vp = (t[0].index_select(1, on_device.key_index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
     out = kernel(qp, kp, vp, on_device.cu_q, on_device.cu_k, on_device.plan.max_q, on_device.plan.max_k)
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def grouped_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             plan: DeviceVarlen | VarlenPlan, kernel) -> torch.Tensor:
+    """`varlen_attention` under GQA without dK/dV per query head: the keys packed once
+    ([K, Hkv, d]), then one varlen call per group member g with query heads g, G + g, ... against
+    the Hkv heads (multi-head calls: the kernel's backward writes dK, dV [K, Hkv, d] each, autograd
+    sums the G of them into the packed keys' gradient). q [1, Hq, Tq, d] -> [1, Hq, Tq, d]."""
+    on_device = plan.on(q.device) if isinstance(plan, VarlenPlan) else plan
+    hq, tq, d = q.shape[1], q.shape[2], q.shape[3]
+    g = hq // k.shape[1]
+    kp, vp = (t[0].index_select(1, on_device.key_index).transpose(0, 1) for t in (k, v))   # [K, Hkv, d]
+    outs = [kernel(q[0, i::g].transpose(0, 1), kp, vp, on_device.cu_q, on_device.cu_k, on_device.plan.max_q,
+                   on_device.plan.max_k) for i in range(g)]                                  # [Tq, Hkv, d]
+    # head j G + i is member i's head j: [Tq, Hkv, G, d] -> [Tq, Hq, d]
+    return torch.stack(outs, dim=2).reshape(tq, hq, d).transpose(0, 1).unsqueeze(0)
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k):
@@ -175,7 +210,10 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
         if kernel == "cudnn":
             return SdpaRoute("cudnn", expand_kv=gqa)    # torch documents GQA for flash and math only
-        return SdpaRoute("flash")          # torch pads head_dim to a multiple of 8 for flash
+        # torch pads head_dim to a multiple of 8 for flash. Under GQA FA2's backward would write
+        # dK/dV per query head: the KV heads' own calls instead (model/attention_gqa.py), whose
+        # varlen kernel calls take head_dim as it is (a multiple of 8; SDPA pads the others)
+        return SdpaRoute("flash", gqa_native=gqa and head_dim % 8 == 0)
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head_dim % alignment == 0:
         return SdpaRoute("efficient", expand_kv=gqa)

@@ -49,7 +49,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape,
     under the run's attention `kernel`)
     makes the SDPA calls: a fused kernel with torch's lower-right CausalBias on CUDA (no mask in
-    memory), a boolean mask per block of queries on CPU (model/attention_route.py).
+    memory), a boolean mask per block of queries on CPU (model/attention_route.py). A route with
+    gqa_native (CUDA flash under GQA) runs model/attention_gqa.py instead: kernel calls with the
+    KV heads, no K/V or dK/dV per query head.
 
     documents (document masking): each row's queries see only the keys of their own document
     (row b's starts in documents.starts[b]); the runs are cut into per-document segments
@@ -62,6 +64,11 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = hq != k.shape[2]
     route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d, kernel=kernel)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, d]
+    if route.gqa_native and gqa:         # K/V and dK/dV at the KV heads (model/attention_gqa.py)
+        if documents is not None and len(documents.starts) != b:
+            raise ValueError(f"document boundaries for {len(documents.starts)} rows, batch has {b}")
+        out = route.grouped(qt, kt, vt, q_runs, documents)
+        return out.transpose(1, 2).reshape(b, tq, hq * d)
     if route.expand_kv and gqa:          # [B, Hkv, T, d] -> [B, Hq, T, d]: the kernel takes no GQA
         kt, vt = (t.repeat_interleave(hq // t.shape[1], dim=1) for t in (kt, vt))
         gqa = False

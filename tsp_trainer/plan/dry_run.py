@@ -45,7 +45,9 @@ model/attention_lse.py; no mask tensor) and the run is compared with the analyti
 device="cpu" variant. With attention="cuda" (`tsp-plan --dry-run --attention cuda`) it takes the
 route it takes on a GPU instead (`cuda_attention_path`: the fused kernel torch would pick, K/V
 heads expanded where that kernel needs it, no mask; each fused call allocates its output and
-log-sum-exp, its backward dq, dk, dv) and is compared with device="cuda", the variant the planner
+log-sum-exp, its backward dq, dk, dv; under GQA on the flash route the per-group-member calls of
+model/attention_gqa.py run as they are, their kernels on the fake tensors) and is compared with
+device="cuda", the variant the planner
 predicts with. Fake CUDA tensors cannot stand in for this: torch's CPU build refuses autograd and
 SDPA on them.
 
@@ -179,7 +181,32 @@ def _footprint_route(route, calls: dict[str, int]):
         def segment(self, q, k, v, *, gqa):          # document masking: one document's keys
             return _FusedFootprint.apply(q, k, v, calls)
 
-    return FusedFootprintRoute(route.kernel, expand_kv=route.expand_kv)
+    # gqa_native: the real per-group-member calls (model/attention_gqa.py), whose kernels run on
+    # the fake tensors (CPU flash: flash's outputs, out and lse, dq, dk, dv), counted in `calls`
+    # by `_counted_block_kernels`
+    return FusedFootprintRoute(route.kernel, expand_kv=route.expand_kv, gqa_native=route.gqa_native)
+
+
+@contextlib.contextmanager
+def _counted_block_kernels(calls: dict[str, int]):
+    """Inside: every kernel call of model/attention_chunk.py's blocks (the GQA-native path and
+    sequence-chunked attention) is counted in `calls` ("forward", "backward")."""
+    from tsp_trainer.model import attention_chunk
+
+    forward, backward = attention_chunk._kernel_forward, attention_chunk._kernel_backward
+
+    def counted(fn, key):
+        def call(*args):
+            calls[key] += 1
+            return fn(*args)
+        return call
+
+    attention_chunk._kernel_forward = counted(forward, "forward")
+    attention_chunk._kernel_backward = counted(backward, "backward")
+    try:
+        yield
+    finally:
+        attention_chunk._kernel_forward, attention_chunk._kernel_backward = forward, backward
 
 
 @contextlib.contextmanager
@@ -202,7 +229,8 @@ def cuda_attention_path():
 
     layers.sdpa_route = cuda_route
     try:
-        yield calls
+        with _counted_block_kernels(calls):
+            yield calls
     finally:
         layers.sdpa_route = original
 

@@ -37,8 +37,33 @@ def expands_kv(e: int, device: str, gqa: bool) -> bool:
     return sdpa_route("cuda", dtype, gqa=True, head_dim=128).expand_kv
 
 
+def native_gqa(e: int, device: str, gqa: bool, head_dim: int) -> bool:
+    """Whether `attention_core` runs the GQA-native path (model/attention_gqa.py): on CUDA under
+    GQA on the flash route (bf16 / fp16, head_dim a multiple of 8)."""
+    if device != "cuda" or not gqa:
+        return False
+    import torch
+
+    from tsp_trainer.model.attention_route import sdpa_route
+
+    dtype = torch.float32 if e == 4 else torch.bfloat16
+    return sdpa_route("cuda", dtype, gqa=True, head_dim=head_dim).gqa_native
+
+
+def native_gqa_terms(e: int, n_q: int, hq: int, head_dim: int, kv: int) -> dict[str, int]:
+    """Bytes the GQA-native path (model/attention_gqa.py) holds beyond a fused call's for n_q
+    queries of hq channels (hq / head_dim heads) against keys whose K/V take kv bytes, over the
+    zigzag runs' blocks (each run a full block against its prefix and a causal diagonal):
+    forward the fp32 merged output and log-sum-exp [n_q, hq] and [n_q, hq / d] (MergedAttention),
+    backward the fp32 dQ [n_q, hq] and the dK/dV buffers [n_k, h_kv] of the keys' dtype beside
+    a block's own dK/dV (the fused call's output, counted by the caller). Nothing [n_k, hq]."""
+    merged = 4 * n_q * hq + 4 * n_q * hq // head_dim
+    return {"fwd": merged + e * n_q * hq, "bwd": 4 * n_q * hq + kv}
+
+
 def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int, n: int, *,
-                      recomputed_qkv: bool, scatter_copies: int, device: str) -> dict[str, int]:
+                      recomputed_qkv: bool, scatter_copies: int, device: str,
+                      head_dim: int) -> dict[str, int]:
     """Transient bytes of one zigzag attention call (all-gathered K/V, `attention_core` per run) for
     hq query and hkv key/value channels per call and n local tokens: forward, backward with
     recompute, and the dK/dV reduce-scatter (`scatter_copies` K/V-sized buffers alive then: dK/dV,
@@ -53,7 +78,10 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     # CUDA memory-efficient route under GQA: K/V repeated to the query heads (saved by SDPA for
     # its backward, and their gradients before they are summed back to the K/V heads)
     kv_exp = kv_full * hq // hkv if expands_kv(e, device, hq != hkv) else 0
-    outs = 2 * e * b * c * hq                             # SDPA outputs of the two runs
+    # CUDA flash route under GQA: the per-group-member calls (their merge buffers, dQ, dK/dV sums)
+    grouped = (native_gqa_terms(e, b * 2 * c, hq, head_dim, kv_full)
+               if native_gqa(e, device, hq != hkv, head_dim) else {"fwd": 0, "bwd": 0})
+    outs = 2 * e * b * c * hq + grouped["fwd"]            # SDPA outputs of the two runs
     qkv = e * n * (hq + 2 * hkv) if recomputed_qkv else 0
     # with B > 1 the zigzag reorders (zigzag.py) copy once more (a transpose made contiguous)
     extra = 1 if b > 1 else 0
@@ -61,7 +89,7 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     # backward: re-gathered K/V (and, expanded, their copy and its gradient), then either the
     # recomputed runs' outputs or SDPA's backward (dK, dV of the whole prefix and one run's dq);
     # then the reduce-scatter of dK/dV (gradients, their stacked copy and the zigzag-reordered copy)
-    bwd = qkv + max(kv_full + 2 * kv_exp + max(outs, kv_full + e * b * c * hq),
+    bwd = qkv + max(kv_full + 2 * kv_exp + max(outs, kv_full + e * b * c * hq + grouped["bwd"]),
                     (scatter_copies + extra) * kv_full)
     return {"fwd": fwd, "bwd": bwd}
 
@@ -160,7 +188,8 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
               buckets (re-gathered, the next in flight, dK and dV, their rank-major copy for the
               reduce-scatter), three q_b; selective (and none) projects nothing but holds its kept
               items and one more q_b; at the end, in bf16, dX and the gradients cast to the
-              weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase.
+              weights' dtype. K/V expanded to the query heads (CUDA, fp32 + GQA) once per phase;
+              under GQA on CUDA's flash route the GQA-native path's buffers (`native_gqa_terms`).
     Coefficients measured on fake tensors per block (tests/unit/test_plan_fake.py checks the
     step within 10%)."""
     e, ew = prec.act, prec.weight
@@ -172,19 +201,23 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     qkv, q_b = e * n * (hq_b + 2 * hkv_b), e * n * hq_b
     kv = 2 * e * b * seq_len * hkv_b
     kv_exp = kv * hq_b // hkv_b if expands_kv(e, device, hq_b != hkv_b) else 0
+    # CUDA flash route under GQA: the per-group-member calls (model/attention_gqa.py)
+    grouped = (native_gqa_terms(e, n, hq_b, cfg.head_dim, kv)
+               if native_gqa(e, device, hq_b != hkv_b, cfg.head_dim) else {"fwd": 0, "bwd": 0})
     w = cfg.attn_shard_params(d_) * ew
     acc32 = (e if tiled else 4) * n * h                 # output / dX: fp32, or e once tiled
     w_fwd = min(3, d_) * w
     w_bwd = min(2, d_) * w + min(3, d_) * w * 4 // ew
     # dX (not once tiled) and the gradients cast from fp32
     cast = ((0 if tiled else e * n * h) + w) if ew != 4 else 0
-    fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp
+    fwd = acc32 + w_fwd + 2 * qkv + 3 * kv + 2 * q_b + kv_exp + grouped["fwd"]
     if sel:                                             # items kept (mode, or the AC replay)
         sel_item = sel // items
-        fwd = max(fwd + max(items - 2, 0) * sel_item, acc32 + w_fwd + sel + 2 * kv + kv_exp)
-        bwd_item = sel + 4 * kv + 4 * q_b + kv_exp
+        fwd = max(fwd + max(items - 2, 0) * sel_item,
+                  acc32 + w_fwd + sel + 2 * kv + kv_exp + grouped["fwd"])
+        bwd_item = sel + 4 * kv + 4 * q_b + kv_exp + grouped["bwd"]
     else:
-        bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp
+        bwd_item = 2 * qkv + 4 * kv + 3 * q_b + kv_exp + grouped["bwd"]
     if chunk is not None and chunk < seq_len // d_:
         return _chunked_attention_terms(e, b * chunk * d_, hkv_b, n, hq_b, cfg.head_dim, qkv, sel, items,
                                         acc32 + w_fwd, acc32 + w_bwd, cast)
@@ -276,12 +309,14 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     dgrad_in = a_n + (a_r if seqpar else 0)             # incoming gradient (+ its gathered copy)
     if s_p > 1:
         z = _zigzag_attention(e, b, seq_len, s_p, hq // t, hkv_t, n_r, recomputed_qkv=False,
-                              scatter_copies=3, device=device)
+                              scatter_copies=3, device=device, head_dim=cfg.head_dim)
         core_fwd, core_bwd = z["fwd"], z["bwd"]
         wgrad = 2 * ew * h * inter // t                 # a weight gradient and its all-reduced clone
     else:
         core_fwd = 0
         core_bwd = e * n_r * (2 * hq // t + 2 * hkv_t)  # d(out), dq, dk, dv
+        if native_gqa(e, device, hq // t != hkv_t, cfg.head_dim):   # a group member's dk, dv beside the sum
+            core_bwd += e * n_r * 2 * hkv_t
         wgrad = 0
     # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's
     # saved tensors meet the first gradients (dy, d(intermediate)), or, in attention, the SDPA /
@@ -319,4 +354,5 @@ def _baseline_head(n_r: int, loss_chunk: int | None, rows: int, h: int, e: int, 
     return (4 + cast) * loss_chunk * rows + a_r + rows * h * (4 + ew)
 
 
-__all__ = ["baseline_transients", "expands_kv", "rms_norm_saved", "tsp_transients"]
+__all__ = ["baseline_transients", "expands_kv", "native_gqa", "native_gqa_terms", "rms_norm_saved",
+           "tsp_transients"]
