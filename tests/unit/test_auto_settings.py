@@ -285,11 +285,11 @@ def test_auto_plans_a_zero3_run_with_its_state_sharded_over_every_rank(scheme):
     assert pred.memory["total"] < zero2.memory["total"]
 
 # 1B at 1M tokens on D=2 (bf16, CUDA's route, H100 rates), checkpointing with full recompute; the
-# segment length and the activation offload auto (1B has 16 layers)
+# segment length and the activation offload auto (1B has 16 layers), the replay keeping all
 OFFLOAD_ARGS = ["model.size=1b", "parallel.tsp_degree=2", "data.seq_len=1048576", "data.micro_batch_size=1",
                 "train.grad_accum=1", "train.dtype=bf16", "train.activation_checkpointing=true",
                 "parallel.tsp_recompute=full", "parallel.head_buckets=1", "train.checkpoint_segment_blocks=auto",
-                "train.offload_activations=auto"]
+                "parallel.checkpoint_replay_keeps=all", "train.offload_activations=auto"]
 
 
 def _offload_predictions(cfg: TrainConfig) -> dict[tuple[bool, int], object]:

@@ -298,12 +298,14 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     and buckets at Layout's defaults, offload off when auto: memory_variants varies them; the loss
     and MLP chunks as the run sets them). A ZeRO-3 run (sp, ulysses) is planned with its state
     sharded over all ranks and the layers' weights gathered for use (plan/state.py
-    zero3_state_bytes, the peers' model)."""
-    p = cfg.parallel
+    zero3_state_bytes, the peers' model). ZeRO-Offload's CPU Adam is planned under ZeRO 1-2, its
+    state on the host; under ZeRO-3 the plan keeps the optimizer on the device, an upper bound."""
+    p, stage = cfg.parallel, resolved_zero_stage(cfg.zero.stage, cfg.parallel.scheme)
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
-                  sp=p.sp_degree, zero_stage=resolved_zero_stage(cfg.zero.stage, p.scheme),
+                  sp=p.sp_degree, zero_stage=stage,
                   micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations is True,
+                  offload_optimizer=cfg.zero.offload_optimizer == "cpu" and stage in (1, 2),
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens,
                   attention_chunk_tokens=p.attention_chunk_tokens)
 

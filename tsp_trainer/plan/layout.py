@@ -93,9 +93,10 @@ class Layout:
         if self.offload_optimizer and self.zero_stage == 0:     # config/validate.py's rule
             raise ValueError("offload_optimizer with zero_stage=0: DeepSpeed offloads the optimizer "
                              "only under ZeRO 1 or 2; use zero_stage 1 or 2")
-        if self.offload_optimizer and self.zero_stage == 3:     # config/validate.py's rule
-            raise ValueError("offload_optimizer with zero_stage=3: the trainer runs ZeRO-Offload "
-                             "under ZeRO 1 or 2 only; use zero_stage 1 or 2")
+        if self.offload_optimizer and self.zero_stage == 3:     # the planner's rule, not the trainer's
+            raise ValueError("offload_optimizer with zero_stage=3: the planner models ZeRO-Offload "
+                             "under ZeRO 1 or 2 only (a ZeRO-3 run is planned with its optimizer "
+                             "on the device); use zero_stage 1 or 2")
         k = self.checkpoint_segment_blocks
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (k > 1 and not self.activation_checkpointing):
             raise ValueError(f"checkpoint_segment_blocks={k!r} must be an integer >= 1, and 1 without "

@@ -3,7 +3,8 @@ models at 128K to millions of tokens, modelled on their own layer (the Hugging F
 with Liger's kernels that ALST runs, torch's for FSDP + CP), their tiling and their offloads. The
 trainer runs each on its own model code: `ulysses` as parallel.scheme=ulysses, `upipe` as ulysses
 with parallel.ulysses_head_chunks, `sp_zero3` as parallel.scheme=sp, both under ZeRO-3 (zero.stage
-auto) and without CPU Adam (the trainer refuses zero.offload_optimizer=cpu under ZeRO-3); its `auto` plans those runs with this module's ZeRO-3 state and head-chunk terms
+auto), with CPU Adam when zero.offload_optimizer=cpu; its `auto` plans those runs with this
+module's ZeRO-3 state and head-chunk terms, the optimizer on the device
 (plan/state.py zero3_state_bytes, `head_chunk_saving`). Every label carries PEER_STACK.
 
     ulysses    the DeepSpeed ALST stack: Ulysses sequence parallelism over the model-parallel axis
