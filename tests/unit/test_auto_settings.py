@@ -373,3 +373,15 @@ def test_offload_auto_loads_and_its_host_budget_on_cpu_is_what_the_device_budget
         load_config(None, ["train.offload_activations=often"])
     validate_config(_cfg("train.offload_activations=auto", "parallel.tsp_recompute=selective",
                          "train.activation_checkpointing=false"))   # auto offload is left out for selective
+
+
+def test_auto_plans_cpu_adam_on_the_host_under_zero_1_and_2_and_zero3_with_its_optimizer_on_the_device():
+    """zero.offload_optimizer=cpu: a ZeRO-1 run is planned with AdamW's state on the host (none on
+    the device); a ZeRO-3 run (sp) with its optimizer on the device, the planner's upper bound."""
+    zero1 = run_layout(_cfg("zero.stage=1", "zero.offload_optimizer=cpu"), 4)
+    assert zero1.offload_optimizer and zero1.zero_stage == 1
+    pred = predict(_cfg().model.to_model_config(), zero1, 256, get_profile("h100"), prec=FP32, device="cpu")
+    assert pred.memory["optimizer"] == 0
+    zero3 = run_layout(_cfg("parallel.scheme=sp", "zero.offload_optimizer=cpu"), 4)
+    assert (zero3.zero_stage, zero3.offload_optimizer) == (3, False)
+    assert not run_layout(_cfg("zero.stage=1"), 4).offload_optimizer
