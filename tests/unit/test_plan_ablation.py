@@ -47,7 +47,7 @@ def test_ablation_rows_never_shrink_and_each_is_the_longest_with_its_switches(ro
                              replay_keeps=("all",))
     assert rows[6].longest.seq_len == nested.seq_len >= lengths[5]
     # the lean replay is the planner's answer with both offloads and every replay value (its
-    # default), and it is longer: the replay no longer holds one block's gate/up and attention items
+    # default), and it is longer: a replay keeping nothing holds none of one block's gate/up and attention items
     lean = longest_seq_len(CFG, "tsp", hw=H100, nodes=1, offload=True, offload_optimizer=True)
     assert {"all", "attention", "nothing"} == set(REPLAY_KEEPS)
     assert rows[8].longest.seq_len == lean.seq_len >= rows[7].longest.seq_len > 2 * lengths[5]
