@@ -134,8 +134,8 @@ def _check_at_longest(c: dict, expected_seq_len: int) -> None:
 # in HBM), the two cheapest of the four; the GPU changes only the HBM the length must fit, which
 # both layouts' code paths meet on either.
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu,offload", [("h100", True), ("h200", False)],
-                         ids=["h100-activation-offload", "h200-in-hbm"])
+@pytest.mark.parametrize("gpu,offload", [("h100", True), ("h100", False)],
+                         ids=["h100-activation-offload", "h100-in-hbm"])
 def test_dry_run_at_the_planners_longest_llama3_8b_sequence(tmp_path, gpu, offload):
     """tsp-plan --max-seq-len's TSP length for llama3_8b on one node with optimizer offload, run
     on fake tensors at world 8 with the planner's layout (CUDA attention route, 1 and 2 layers
