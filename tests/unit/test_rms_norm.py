@@ -64,8 +64,8 @@ def test_fp32_gradients_are_as_accurate_as_autograds():
 def test_chunked_backward_equals_one_chunk(monkeypatch):
     x, w, dy = _inputs(torch.float32, shape=(1, 100, 64))
     _, dx_one, dw_one = _grads(rn.rms_norm, x, w, dy)
-    monkeypatch.setattr(rn, "BACKWARD_CHUNK_BYTES", 7 * 4 * 64)   # 7 tokens per chunk, ragged end
-    assert rn.backward_chunk_rows(64) == 7
+    monkeypatch.setattr(rn, "CHUNK_BYTES", 7 * 4 * 64)   # 7 tokens per chunk, ragged end
+    assert rn.chunk_rows(64) == 7
     _, dx, dw = _grads(rn.rms_norm, x, w, dy)
     assert torch.equal(dx, dx_one)          # per-token math: identical
     torch.testing.assert_close(dw, dw_one, rtol=1e-5, atol=1e-5)   # fp32 sums in another order
@@ -75,7 +75,7 @@ def test_chunked_backward_equals_one_chunk(monkeypatch):
 def test_chunked_forward_equals_one_chunk_and_the_plain_expression(monkeypatch, dtype):
     x, w, _ = _inputs(dtype, shape=(2, 50, 64))
     y_one = rn.rms_norm(x, w, 1e-5)
-    monkeypatch.setattr(rn, "BACKWARD_CHUNK_BYTES", 7 * 4 * 64)   # 7 tokens per chunk, ragged end
+    monkeypatch.setattr(rn, "CHUNK_BYTES", 7 * 4 * 64)   # 7 tokens per chunk, ragged end
     y = rn.rms_norm(x, w, 1e-5)
     assert torch.equal(y, y_one) and torch.equal(y, reference(x, w, 1e-5))
 
@@ -85,7 +85,7 @@ def test_forward_holds_its_output_and_one_chunk_of_fp32_temporaries(monkeypatch)
     square, the normalised chunk, its cast), never an fp32 [tokens, h] copy of x."""
     from tsp_trainer.tools.memory import LiveTensorMemory
 
-    monkeypatch.setattr(rn, "BACKWARD_CHUNK_BYTES", 16 * 4 * 64)  # 16 tokens per chunk
+    monkeypatch.setattr(rn, "CHUNK_BYTES", 16 * 4 * 64)  # 16 tokens per chunk
     x, w, _ = _inputs(torch.bfloat16, shape=(1, 512, 64))
     mem = LiveTensorMemory()
     mem.ignore(x, w)
@@ -163,7 +163,7 @@ def test_backward_holds_no_full_size_fp32_temporary(monkeypatch):
             return out
 
     n, h = 4096, 64
-    monkeypatch.setattr(rn, "BACKWARD_CHUNK_BYTES", 256 * 4 * h)    # 256-token chunks
+    monkeypatch.setattr(rn, "CHUNK_BYTES", 256 * 4 * h)    # 256-token chunks
     x, w, dy = _inputs(torch.bfloat16, shape=(1, n, h))
     x.requires_grad_(), w.requires_grad_()
     y = rn.rms_norm(x, w, 1e-5)

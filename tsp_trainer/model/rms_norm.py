@@ -4,9 +4,9 @@ Why: autograd over the plain expression keeps an fp32 copy of x and the normalis
 forward holds two fp32 [tokens, h] temporaries and a bf16 cast (5x x in bf16) at once, and
 its backward about five fp32 [tokens, h] temporaries at once. This function saves x and rstd
 [tokens, 1] only, and its forward and backward walk the tokens in chunks of at most
-`BACKWARD_CHUNK_BYTES` of fp32, so the forward's transient is y plus two fp32 chunks and the
+`CHUNK_BYTES` of fp32, so the forward's transient is y plus two fp32 chunks and the
 backward's dx plus two fp32 chunks whatever the sequence length (at millions of tokens a
-one-pass forward was the peak of a checkpointed block's replay). The forward is bit-identical
+one-pass forward would be the peak of a checkpointed block's replay). The forward is bit-identical
 to the plain expression (every step is per token); the backward's closed form
 dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, equals autograd's to fp32 rounding, and dw is
 accumulated in fp32 across chunks (tests/unit/test_rms_norm.py). Shapes: x [..., h], w [h].
@@ -18,12 +18,12 @@ import torch
 
 # fp32 bytes of one forward or backward chunk [c, h]: 32 MiB keeps the Python loop to a few iterations per
 # norm on a GPU at 7B shapes (h 4096: 2,048 tokens per chunk) and one iteration in the CPU tests.
-BACKWARD_CHUNK_BYTES = 32 * 2 ** 20
+CHUNK_BYTES = 32 * 2 ** 20
 
 
-def backward_chunk_rows(hidden: int) -> int:
-    """Tokens per backward chunk for a hidden size (the planner prices two fp32 chunks)."""
-    return max(1, BACKWARD_CHUNK_BYTES // (4 * hidden))
+def chunk_rows(hidden: int) -> int:
+    """Tokens per forward or backward chunk for a hidden size (the planner prices two fp32 chunks)."""
+    return max(1, CHUNK_BYTES // (4 * hidden))
 
 
 class RmsNormFn(torch.autograd.Function):
@@ -37,7 +37,7 @@ class RmsNormFn(torch.autograd.Function):
         x2 = x.reshape(-1, h)                                        # [n, h]
         y = x2.new_empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
         rstd = x2.new_empty((x2.shape[0], 1), dtype=torch.float32)   # [n, 1]
-        rows = backward_chunk_rows(h)
+        rows = chunk_rows(h)
         # per token, so chunks give the same values as one pass; one pass would hold an fp32
         # [n, h] copy of x, the fp32 normalised x and its cast at once (5x x in bf16)
         for start in range(0, x2.shape[0], rows):
@@ -55,7 +55,7 @@ class RmsNormFn(torch.autograd.Function):
         x2, dy2, r2 = x.reshape(-1, h), dy.reshape(-1, h), rstd.reshape(-1, 1)   # [n, h], [n, 1]
         dx = torch.empty_like(x2) if need_dx else None
         dw = torch.zeros(h, dtype=torch.float32, device=x.device) if need_dw else None
-        rows = backward_chunk_rows(h)
+        rows = chunk_rows(h)
         for start in range(0, x2.shape[0], rows):
             stop = start + rows
             _chunk_backward(x2[start:stop], dy2[start:stop], r2[start:stop], weight,
@@ -104,7 +104,7 @@ def rms_norm_grads(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rstd = torch.rsqrt(x2.float().pow(2).mean(-1, keepdim=True) + eps)        # [n, 1], as forward
     dx = torch.empty_like(x2)
     dw = torch.zeros(h, dtype=torch.float32, device=x.device)
-    rows = backward_chunk_rows(h)
+    rows = chunk_rows(h)
     for start in range(0, x2.shape[0], rows):
         stop = start + rows
         _chunk_backward(x2[start:stop], dy2[start:stop], rstd[start:stop], weight, dx[start:stop], dw)

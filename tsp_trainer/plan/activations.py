@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import padded_vocab_size
-from tsp_trainer.model.rms_norm import backward_chunk_rows
+from tsp_trainer.model.rms_norm import chunk_rows
 from tsp_trainer.parallel.loss_chunks import (resolve_attention_chunk_tokens, resolve_loss_chunk_tokens,
                                               resolve_mlp_chunk_tokens)
 from tsp_trainer.plan.layout import Layout
@@ -84,7 +84,7 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     ac_input = _ac_block_input(layout, prec, h, tok)
     saved = _place(layout, cfg.num_layers, layer, ac_input if layout.activation_checkpointing else layer,
                    outside + rope, rope)
-    norm_tmp = e * tok["norm"] * h + norm_backward_chunk_bytes(h, min(tok["norm"], backward_chunk_rows(h)), e)
+    norm_tmp = e * tok["norm"] * h + norm_backward_chunk_bytes(h, min(tok["norm"], chunk_rows(h)), e)
     phases = _phases(layout, cfg.num_layers, e * tok["norm"] * h, saved, tr)
     phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
     peak_phase = max(phases, key=phases.get)
