@@ -202,13 +202,18 @@ class StepRunner:
         self.opt.zero_grad(set_to_none=False)
 
     def result(self) -> dict:
-        out = {"peak_act_bytes": self.peak, **state_bytes(self.model, self.opt), "step_times": self.times,
-               "flops": self.flops,
-               "loss_sum": self.loss_sum.detach().double(), "total": self.total,
-               "step_time": statistics.median(self.times) if self.times else None}
-        out["comm"] = self.ledger.summary() if self.ledger is not None else {}
-        out["wire_bytes"] = wire_bytes(self.ledger.records) if self.ledger is not None else 0
-        return out
+        return runner_result(self, state_bytes(self.model, self.opt))
+
+
+def runner_result(run, state: dict) -> dict:
+    """A step runner's result (StepRunner, bench/zero3.py's Zero3StepRunner): its tracked peak,
+    `state` (the state's bytes), the timed steps and their median, the executed FLOPs, the first
+    step's loss sum and token count, and the last step's ledger (none: no communication)."""
+    return {"peak_act_bytes": run.peak, **state, "step_times": run.times, "flops": run.flops,
+            "loss_sum": run.loss_sum.detach().double(), "total": run.total,
+            "step_time": statistics.median(run.times) if run.times else None,
+            "comm": run.ledger.summary() if run.ledger is not None else {},
+            "wire_bytes": wire_bytes(run.ledger.records) if run.ledger is not None else 0}
 
 
 # Bytes a rank receives per op, as a fraction of the ledger payload, for ring algorithms on a

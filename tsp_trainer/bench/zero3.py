@@ -18,11 +18,9 @@ FLOPs (ZeRO-3 keeps no gradient the bench could drop between steps, as StepRunne
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from tsp_trainer.bench.run import LR, _now, _tracked, executed_flops, wire_bytes
+from tsp_trainer.bench.run import LR, _now, _tracked, executed_flops, runner_result
 from tsp_trainer.engine.alst_reference import zero3_reduce_buckets, zero3_state, zero3_state_bytes
 from tsp_trainer.tools.memory import tensor_bytes
 from tsp_trainer.engine.deepspeed import sharded_weights_engine
@@ -87,10 +85,6 @@ class Zero3StepRunner:
         return _now(self.device) - t0
 
     def result(self) -> dict:
-        return {"peak_act_bytes": self.peak, **zero3_state_bytes(self.engine), "step_times": self.times,
-                "flops": self.flops, "loss_sum": self.loss_sum.detach().double(), "total": self.total,
-                "step_time": statistics.median(self.times) if self.times else None,
-                "comm": self.ledger.summary(), "wire_bytes": wire_bytes(self.ledger.records),
-                "zero3_measured": self.measured,
+        return {**runner_result(self, zero3_state_bytes(self.engine)), "zero3_measured": self.measured,
                 # of grad_bytes: the buckets the trainer's reduce_bucket_size allocates, whatever the model
                 "reduce_bucket_bytes": tensor_bytes(zero3_reduce_buckets(self.engine))}
