@@ -265,7 +265,7 @@ def _predicted(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int
 
 def _host_fits(p: Prediction, budget: Budget) -> bool:
     """Whether an offloading layout's pinned host bytes per node fit the host budget (a layout
-    without activation offload is not weighed against it: it runs as it would today)."""
+    without activation offload pins no block input and is not weighed against it)."""
     return (not p.layout.offload_activations or budget.host is None
             or p.memory["host_per_node"] <= budget.host)
 
