@@ -107,8 +107,14 @@ def rms_norm_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_apply(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """y = (x * rstd).to(x.dtype) * w for rows x [c, h] and their rstd [c, 1]: RmsNormFn's forward
-    output, bit for bit, from a kept rstd (one fp32 [c, h] temporary)."""
-    return (x.float() * rstd).to(x.dtype) * weight
+    output, bit for bit, from a kept rstd; written chunk by chunk into y, so besides y the
+    temporaries are two fp32 [chunk_rows, h] at most."""
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    rows = chunk_rows(x.shape[-1])
+    for start in range(0, x.shape[0], rows):
+        c = slice(start, start + rows)
+        torch.mul((x[c].float() * rstd[c]).to(x.dtype), weight, out=y[c])
+    return y
 
 
 def rms_norm_backward_in_place(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,

@@ -29,13 +29,13 @@ import torch.nn as nn
 
 from tsp_trainer.config.schema import TspRecompute
 from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
-from tsp_trainer.model.rms_norm import rms_norm, rms_norm_grads
+from tsp_trainer.model.rms_norm import chunk_rows, rms_norm, rms_norm_grads
 from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
-from tsp_trainer.parallel.loss_chunks import resolve_attention_chunk_tokens
+from tsp_trainer.parallel.loss_chunks import resolve_attention_chunk_tokens, token_chunks
 from tsp_trainer.parallel.tsp.chunked import ChunkedItem
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
 from tsp_trainer.parallel.tsp.norm import NormedRows, add_weight_grad, linear_rows
@@ -507,7 +507,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         items, last = _schedule(comm.size, settings.head_buckets), settings.head_buckets - 1
         selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
-        rows, rstd = _block_norm_rows(x, norm_w, norm_eps, settings)
+        rows, rstd = _block_norm_rows(x, norm_w, norm_eps, settings, keep.first_forward)
         projections = _Projections(x, rows, shards, settings, shapes, rope, norms)
         # the sum over owners: fp32, or x's dtype once the layer's tokens are tiled
         y = torch.zeros(x.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
@@ -540,7 +540,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])                                      # [n, h]
         # x [n, h], or the block norm's output of it, made per token chunk where it is read
         x2 = (x.reshape(-1, x.shape[-1]) if norm_w is None
-              else NormedRows(x.reshape(-1, x.shape[-1]), norm_w, rstd, settings.tiling.chunks(x)))
+              else NormedRows(x.reshape(-1, x.shape[-1]), norm_w, rstd, _norm_chunks(x, settings)))
         # dX (at the block norm's output until the end, when the norm hands its work over)
         dx = torch.zeros(x2.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
         projections = _Projections(x, x2, shards, settings, shapes, rope, norms) if kept is None else None
@@ -585,15 +585,26 @@ class _TSPAttentionFn(torch.autograd.Function):
 
 
 def _block_norm_rows(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float | None,
-                     settings: AttentionSettings) -> tuple[torch.Tensor | NormedRows, torch.Tensor | None]:
+                     settings: AttentionSettings, whole: bool) -> tuple[torch.Tensor | NormedRows,
+                                                                        torch.Tensor | None]:
     """(what the owners' projections read, rstd [n, 1] to keep): x as [n, h] when it is the block
-    norm's output; with the norm handed over (norm_w), its output of x made per token chunk of the
-    layer's tiling (tsp/norm.py NormedRows) and its rstd."""
+    norm's output; with the norm handed over (norm_w), its output of x made per token chunk
+    (tsp/norm.py NormedRows, `_norm_chunks`), or at once when `whole` (a checkpointed block's
+    first forward, which keeps nothing: one norm pass, as the norm itself would run), and rstd."""
     x2 = x.reshape(-1, x.shape[-1])
     if norm_w is None:
         return x2, None
-    rows = NormedRows.of(x2, norm_w, eps, settings.tiling.chunks(x))
-    return rows, rows.rstd
+    rows = NormedRows.of(x2, norm_w, eps, _norm_chunks(x, settings))
+    return (rows.whole() if whole else rows), rows.rstd
+
+
+def _norm_chunks(x: torch.Tensor, settings: AttentionSettings) -> list[slice]:
+    """The token chunks in which the owners' projections and dW_qkv read the block norm's output:
+    the layer's tiling, at most the norm's own chunk (model/rms_norm.py chunk_rows: 2,048 tokens
+    at h 4,096, GEMMs of [2,048, h] x [h, (hq + 2 hkv)/D * d]), so the remade rows stay a few
+    dozen MiB beside the attention's own transients."""
+    n, h = x.numel() // x.shape[-1], x.shape[-1]
+    return token_chunks(n, min(settings.tiling.chunk(n, x.element_size()), chunk_rows(h)))
 
 
 class _GradReduces:

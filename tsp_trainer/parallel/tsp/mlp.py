@@ -86,9 +86,9 @@ class _TSPMLPFn(torch.autograd.Function):
         y = torch.zeros(x.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])    # [n, h]
         rstd = None
-        if norm_w is not None:
-            x2 = NormedRows.of(x2, norm_w, norm_eps, chunks)
-            rstd = x2.rstd
+        if norm_w is not None:          # a checkpointed block's first forward keeps nothing: one pass
+            rows = NormedRows.of(x2, norm_w, norm_eps, chunks)
+            x2, rstd = (rows.whole() if keep.first_forward else rows), rows.rstd
         # under none (or the AC replay): step j's gate/up pre-activations, [chunk, 2 I/D] each
         kept: dict[int, list] | None = {} if keep.items else None
 

@@ -5,15 +5,22 @@ one fp32 all-reduce (parallel/grad_sync.py).
 
 A block's two norms can hand their work to the layer that consumes their output (`NormHandoff`):
 once the layer's tokens are tiled (parallel/gated_mlp.py `TokenTiling`: the MLP's token chunks,
-`parallel.mlp_chunk_tokens`, which `auto` sets from memory), the norm passes its input through
-unchanged and the TSP attention or MLP normalises it itself, one token chunk at a time where it
-reads it (`NormedRows`), keeping the norm's input (the block input, or the residual x + attn:
-tensors the block keeps anyway) and rstd [n, 1] instead of an [n, h] output. The output is
-recomputed per owner projection or ring step: D norm applications per layer instead of one, each
-an elementwise pass over [n, h] next to the layer's GEMMs over the same tokens. An untiled layer
-(every default up to far beyond 128K tokens per rank group) runs the norm as before, no extra
-kernel. The math is RmsNormFn's to the bit in the forward (model/rms_norm.py); the consumer's
-backward applies the norm's backward to its input gradient in place and returns the weight's part.
+`parallel.mlp_chunk_tokens`, which `auto` tiles only when memory asks for it) in a pass that records
+a backward, the norm passes its input through unchanged and the TSP attention or MLP normalises it
+itself, keeping the norm's input (the block input, or the residual x + attn: tensors the block
+keeps anyway) and rstd [n, 1] instead of an [n, h] output, and remaking the output where it reads
+it, one token chunk at a time (`NormedRows`): per owner projection and dW_qkv, per MLP ring step.
+A checkpointed block's first forward, whose saved tensors are dropped, makes the output at once
+(one pass, as the norm would). The forward is RmsNormFn's to the bit (model/rms_norm.py); the
+consumer's backward applies the norm's backward to its dX in place and returns the weight's part.
+
+Cost, per layer and step: D norm applications per consumer in a forward that keeps its tensors
+(instead of one), and in backward D for the MLP and D for the attention's dW_qkv, D more for its
+projections under full recompute: about 5D more elementwise passes over [n, h] under checkpointing
+(~24 bytes moved per element each) than the norms' own. Beside the layer's GEMMs and attention
+over the same tokens that is a few percent at the tiling threshold (~50K local tokens for
+Llama-3-8B at D 8) and falls as 1/S (0.2% at 10M tokens on 8 ranks). An untiled layer (every
+default far past 128K tokens on 8 ranks) and every pass without a backward run the norm as before.
 """
 
 from __future__ import annotations
@@ -54,16 +61,16 @@ class NormHandoff:
         self._deferred: bool | None = None
 
     def defer(self, x: torch.Tensor) -> bool:
-        """Whether the consumer normalises x [..., h] (the layer tiles its tokens)."""
-        self._deferred = len(self.tiling.chunks(x)) > 1
+        """Whether the consumer normalises x [..., h]: when the layer tiles its tokens and the pass
+        records a backward (without one nothing is saved: the norm runs itself, once)."""
+        self._deferred = torch.is_grad_enabled() and len(self.tiling.chunks(x)) > 1
         return self._deferred
 
     def take(self) -> tuple[torch.Tensor, float] | None:
-        """(the norm weight's view for this pass, eps) when the input the consumer gets is the
-        norm's input, None when it is the norm's output."""
+        """(the norm weight's view for this pass, eps) when the norm's forward just handed its work
+        over (the consumer's input is the norm's input), else None: its input is the norm's output
+        (or, called without the norm, whatever the caller gives it)."""
         deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            raise RuntimeError("a TSP layer with a norm handoff ran without its norm's forward before it")
         if not deferred:
             return None
         return self.norm.replicated.use(self.norm.weight), self.norm.eps
@@ -82,6 +89,11 @@ class NormedRows:
     def of(cls, x2: torch.Tensor, weight: torch.Tensor, eps: float, chunks: list[slice]) -> "NormedRows":
         """x2's rows normed by (weight, eps), read in `chunks` by linear_rows / add_weight_grad."""
         return cls(x2, weight, rms_norm_rstd(x2, eps), chunks)
+
+    def whole(self) -> torch.Tensor:
+        """The norm's output of every row at once [n, h]: for a forward whose saved tensors are
+        dropped (a checkpointed block's first forward), one norm pass instead of one per read."""
+        return rms_norm_apply(self.x2, self.rstd, self.weight)
 
     def __getitem__(self, c: slice) -> torch.Tensor:
         return rms_norm_apply(self.x2[c], self.rstd[c], self.weight)
