@@ -38,10 +38,10 @@ def test_every_ablation_row_is_a_result_and_an_unconfirmed_one_would_be_marked(t
     from tsp_trainer.plan.hardware import get_profile
     from tsp_trainer.plan.longest import longest_seq_len
 
-    step = replace(STEPS[-1], confirmed=False)
+    step = replace(STEPS[-2], confirmed=False)
     longest = longest_seq_len(model_config("llama3_8b"), "tsp", hw=get_profile("h100"), nodes=1,
                               offload=True, offload_optimizer=True, replay_keeps=step.replay_keeps,
-                              segments=step.segments)
+                              segments=step.segments, fields=step.fields)
     marked = format_ablation([AblationRow(step, longest)], header="h")
     line = _rows(marked)[f"+ chunked attention ({UNCONFIRMED})"]
     assert "| not a result (7,416,832 predicted) |" in line

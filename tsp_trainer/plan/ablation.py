@@ -16,6 +16,10 @@ in the form of ALST's ablation table: each row keeps the techniques of the rows 
                            and gate/up)
     + chunked attention    parallel.attention_chunk_tokens: auto (the rows above gather each
                            item's K/V whole)
+    + norm handoff         a tiled layer's norms hand their work to the attention and the MLP,
+                           which keep the norms' inputs, not their outputs (parallel/tsp/norm.py;
+                           the trainer's behaviour whenever the MLP is tiled; the rows above keep
+                           the outputs, `Layout.norm_handoff` False)
 
 Every row is `longest_seq_len` of scheme tsp with that row's switches (activation checkpointing,
 head buckets and ZeRO stage searched as usual), checked against HBM and the node's host memory.
@@ -54,7 +58,8 @@ class Step:
     confirmed: bool = True
 
 
-_WHOLE_KV = {"attention_chunk_tokens": UNTILED}
+_KEPT_NORMS = {"norm_handoff": False}
+_WHOLE_KV = {"attention_chunk_tokens": UNTILED, **_KEPT_NORMS}
 _UNTILED = {"loss_chunk_tokens": UNTILED, "mlp_chunk_tokens": UNTILED, "tiled_accumulators": False, **_WHOLE_KV}
 STEPS = (
     Step("baseline", _UNTILED),
@@ -67,7 +72,9 @@ STEPS = (
          segments=NESTING_CANDIDATES),
     Step("+ lean replay", _WHOLE_KV, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          segments=NESTING_CANDIDATES),
-    Step("+ chunked attention", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
+    Step("+ chunked attention", _KEPT_NORMS, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
+         segments=NESTING_CANDIDATES),
+    Step("+ norm handoff", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          segments=NESTING_CANDIDATES),
 )
 
@@ -150,8 +157,10 @@ def cost_at(cfg: ModelConfig, *, hw: HardwareProfile, seq_len: int = COST_SEQ_LE
     pairs = (("tiled loss", {"loss_chunk_tokens": UNTILED}, {"loss_chunk_tokens": chunk}),
              ("tiled MLP", {"mlp_chunk_tokens": UNTILED, "tiled_accumulators": False},
               {"mlp_chunk_tokens": chunk, "tiled_accumulators": False}),
-             ("tiled accumulators", {"mlp_chunk_tokens": chunk, "tiled_accumulators": False},
-              {"mlp_chunk_tokens": chunk}),
+             ("tiled accumulators", {"mlp_chunk_tokens": chunk, "tiled_accumulators": False,
+                                     "norm_handoff": False},
+              {"mlp_chunk_tokens": chunk, "norm_handoff": False}),
+             ("norm handoff", {"mlp_chunk_tokens": chunk, "norm_handoff": False}, {"mlp_chunk_tokens": chunk}),
              ("optimizer offload", {}, {"offload_optimizer": True, "zero_stage": max(1, base.zero_stage)}),
              ("activation offload", {}, {"offload_activations": True}),
              ("nested checkpointing (k=2)", {"activation_checkpointing": True},

@@ -30,7 +30,7 @@ def tsp_norms_handed_over(layout: Layout, n: int, mlp_chunk: int | None) -> bool
     (parallel/tsp/norm.py): when the layer's tokens are tiled (m < n). The consumers then keep the
     norms' inputs and rstd (no [n, h] output) and remake each output per token chunk."""
     return (layout.scheme == "tsp" and mlp_chunk is not None and mlp_chunk < n
-            and layout.tiled_accumulators)
+            and layout.tiled_accumulators and layout.norm_handoff)
 
 
 def tsp_norm_chunk(h: int, m: int, e: int) -> int:
