@@ -17,9 +17,9 @@ from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
 
 pytestmark = pytest.mark.distributed
 RTOL, ATOL = 1e-5, 1e-6
-# Every case's ranks run in a fork shared with the next cases of its degree (ForkedCases), ten
-# to a fork (33 cases on 2 ranks and 29 on 4: four and three forks).
-RUNS = ForkedCases(per_fork=10)
+# Every case's ranks run in a fork shared with the next cases of its degree (ForkedCases), eleven
+# to a fork (40 cases on 2 ranks and 33 on 4: four and three forks).
+RUNS = ForkedCases(per_fork=11)
 
 
 def _assert_parity(ref, outs):
