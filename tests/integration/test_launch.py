@@ -1,6 +1,6 @@
 """`launch/torchrun.sh` runs a short variant of recipes/tiny_cpu.yaml (the plain `accelerate
-launch` line of its comment runs as written, to the end with the loss falling, in
-test_lifecycle_launch.py's SIGTERM test). Subprocesses, like a user would run them. The launch
+launch` line of its comment runs, stopped, resumed and to the end with the loss falling, in
+test_interrupt_launch.py). Subprocesses, like a user would run them. The launch
 scripts' command lines (torchrun.sh on one CPU node and on 128 GPU nodes, the SLURM batch script
 and its USR1 requeue) run against stand-ins for python, srun, scontrol and tsp-launch that record their argv."""
 
