@@ -126,6 +126,17 @@ def test_input_error_is_one_line_and_exit_code_2(tmp_path):
     _single_process_error(_used_folder(tmp_path))
 
 
+def test_a_refused_tsp_train_leaves_no_folder(tmp_path):
+    """Rank 0 takes the lease (making the folder) before the data check refuses the run."""
+    out = tmp_path / "made" / "run"
+    proc = subprocess.run([sys.executable, "-m", "tsp_trainer", "train", "recipes/tiny_cpu.yaml", "parallel.tsp_degree=1",
+                           f"data.source={tmp_path / 'missing'}", f"train.output_dir={out}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "does not exist" in proc.stderr
+    assert not (tmp_path / "made").exists()
+
+
 @pytest.mark.slow
 def test_input_errors_are_one_line_from_rank_0_before_start_up(tmp_path):
     """The same under accelerate launch (4 ranks): rank 0 prints the same one line, the other ranks
