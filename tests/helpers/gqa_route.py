@@ -20,8 +20,8 @@ def native_gqa_route():
             calls["grouped"] += 1
             return super().grouped(q, k, v, q_runs, documents)
 
-    def route(device_type, dtype, *, gqa, head_dim, kernel="fa2"):
-        base = original(device_type, dtype, gqa=gqa, head_dim=head_dim, kernel=kernel)
+    def route(device_type, dtype, *, gqa, head_dim, kernel="fa2", gqa_path="native"):
+        base = original(device_type, dtype, gqa=gqa, head_dim=head_dim, kernel=kernel, gqa_path=gqa_path)
         return Counted(**{**base.__dict__, "gqa_native": gqa})
 
     layers.sdpa_route = route

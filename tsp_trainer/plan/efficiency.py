@@ -73,6 +73,19 @@ KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
 }
 
 
+# How much longer the GQA-native attention path (train.attention_gqa=native, model/attention_gqa.py)
+# takes than SDPA's fused GQA call for the same forward + backward: the median native / fused
+# ratio of 5 interleaved repeats of llama3_8b's heads (32 q, 8 KV, d 128) in bf16 at 131,072 tokens
+# on D = 8, on an H200 (torch 2.11, FA2), docs/results/gqa_native_cost.json:
+#     python experiments/gqa_native_cost.py --repeats 5 --out docs/results/gqa_native_cost.json
+# "prefix": one TSP item, 16,384 zigzag queries x 4 heads against 131,072 keys x 1 KV head (the
+# calls of schemes that split tokens); "square": one Ulysses rank's 131,072 queries x 4 heads,
+# square causal (schemes that split no tokens). The planner divides the attention families'
+# efficiency by it at every length: longer calls fill the GPU better with one KV head a call, so
+# at millions of tokens it is an upper bound (unmeasured there).
+GQA_NATIVE_SLOWDOWN = {"prefix": 1.255, "square": 1.018}
+
+
 def kernel_efficiency(gpu: str) -> KernelEfficiency:
     """The published table's row for `gpu` (a plan/hardware.py profile name)."""
     key = gpu.lower()
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["FAMILIES", "KERNEL_EFFICIENCY", "KernelEfficiency", "calibrate", "gpu_of_device",
+__all__ = ["FAMILIES", "GQA_NATIVE_SLOWDOWN", "KERNEL_EFFICIENCY", "KernelEfficiency", "calibrate", "gpu_of_device",
            "kernel_efficiency", "read_table", "write_table"]
 
 if __name__ == "__main__":
