@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.activations import ActivationEstimate, activation_memory
 from tsp_trainer.plan.communication import WIRE_FACTOR, data_parallel_comm, model_parallel_comm
-from tsp_trainer.plan.efficiency import GQA_NATIVE_SLOWDOWN, KernelEfficiency, kernel_efficiency
+from tsp_trainer.plan.efficiency import KernelEfficiency, gqa_native_slowdown_at, kernel_efficiency
 from tsp_trainer.plan.flops import executed_by_family, hardware_flops_per_token
 from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.layout import Layout
@@ -147,15 +147,16 @@ def compute_seconds_per_token(cfg: ModelConfig, layout: Layout, seq_len: int, hw
     `gqa_native_slowdown` where the layout runs the GQA-native path."""
     eff = efficiencies(hw, assumptions)
     work = executed_by_family(cfg, layout, seq_len, bytes_per_element=prec.act, chunks=layout.chunks)
-    slow = gqa_native_slowdown(cfg, layout, prec, device)
+    slow = gqa_native_slowdown(cfg, layout, seq_len, prec, device)
     return (work["gemm"] / (hw.peak_flops * eff.gemm)
             + slow * work["attention_forward"] / (hw.peak_flops * eff.attention_forward)
             + slow * work["attention_backward"] / (hw.peak_flops * eff.attention_backward)
             + work["elementwise_bytes"] / (hw.hbm_bw * eff.elementwise))
 
 
-def gqa_native_slowdown(cfg: ModelConfig, layout: Layout, prec: Precision, device: str = "cuda") -> float:
-    """The attention time of `layout` over that of SDPA's fused GQA call: the measured
+def gqa_native_slowdown(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
+                        device: str = "cuda") -> float:
+    """The attention time of `layout` at seq_len over that of SDPA's fused GQA call: the measured
     GQA_NATIVE_SLOWDOWN (plan/efficiency.py) of its calls' shape where it runs the GQA-native path
     (train.attention_gqa=native on CUDA's flash route under GQA, transients.native_gqa), else 1."""
     t, s_p, _ = layout.axes
@@ -163,7 +164,7 @@ def gqa_native_slowdown(cfg: ModelConfig, layout: Layout, prec: Precision, devic
     gqa = cfg.num_heads // t != kv_heads
     if not native_gqa(prec.act, device, gqa, cfg.head_dim, layout.attention_gqa):
         return 1.0
-    return GQA_NATIVE_SLOWDOWN["prefix" if s_p > 1 else "square"]
+    return gqa_native_slowdown_at("prefix" if s_p > 1 else "square", seq_len)
 
 
 def host_bytes_per_node(memory: dict[str, int], gpus_on_node: int) -> int:
