@@ -299,8 +299,9 @@ class TrainSection:
     attention_gqa: AttentionGqa = setting(
         "auto", doc="CUDA flash attention under GQA: fused = SDPA's one call (faster; its backward "
                     "holds dK/dV per query head), native = one call per group member with the KV "
-                    "heads (no tensor per query head; slower); auto = fused wherever the planned "
-                    "memory fits with it, native only when memory needs it (docs/trainer.md)")
+                    "heads (no tensor per query head; slower at short lengths); auto = the faster "
+                    "that fits the planned memory: fused up to about 1M tokens, native where memory "
+                    "needs it or it is no slower (docs/trainer.md)")
     activation_checkpointing: bool | Auto = setting("auto", doc="recompute each block in backward; auto = "
                                                                 "only when nothing faster fits")
     checkpoint_segment_blocks: int | Auto = setting(
