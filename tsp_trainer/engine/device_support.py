@@ -14,16 +14,16 @@ from tsp_trainer.parallel.tsp.recompute_rules import check_selective_route
 
 def check_device_support(cfg: TrainConfig, model_cfg: ModelConfig, *, device: torch.device,
                          attention_kernel: str = "fa2") -> None:
-    """Raises ValueError for what `device` cannot run under `cfg` (train.dtype and
-    train.attention_gqa already resolved) with the run's `attention_kernel`."""
+    """Raises ValueError for what `device` cannot run under `cfg` (train.dtype already resolved)
+    with the run's `attention_kernel` (train.attention_gqa refuses nothing: both GQA paths take
+    what the flash route takes)."""
     bf16 = cfg.train.dtype == "bf16"
     check_precision(zero_stage=cfg.zero.stage, bf16=bf16)
     if device.type != "cuda":
         return
     m = model_cfg
     route = check_cuda_attention(num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                                 dtype=torch.bfloat16 if bf16 else torch.float32, kernel=attention_kernel,
-                                 gqa_path=cfg.train.attention_gqa)
+                                 dtype=torch.bfloat16 if bf16 else torch.float32, kernel=attention_kernel)
     # selective and none keep the attention kernel's graph alike (none adds the MLP's)
     if cfg.parallel.tsp_recompute != "full":
         check_selective_route(route, dtype=cfg.train.dtype, num_heads=m.num_heads,
