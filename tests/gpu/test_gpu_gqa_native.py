@@ -79,11 +79,38 @@ def test_native_gqa_equals_sdpa_enable_gqa_on_cuda(shape):
 @pytest.mark.parametrize("shape", ["square", "zigzag"])
 def test_native_gqa_backward_peaks_lower_than_sdpa_enable_gqa(shape):
     """FA2's GQA backward holds dK, dV per query head, 2 x 2 x seq x 32 x 128 bytes (1 GiB at 64K
-    tokens); the native path's per-KV-head buffers are a quarter of it."""
+    tokens) for a square call; the native path's per-KV-head buffers are a quarter of it. A zigzag
+    rank's fused calls run one per query run, each against its own key prefix, and free their
+    expanded buffers in between: the native path's peak is lower there too, by less."""
     seq = 65536
     runs = None if shape == "square" else _zigzag(seq, 8, 3)
     native = _step(seq, runs, None, route=None)
     fused = _step(seq, runs, None, route=FUSED)
     expanded = 2 * 2 * seq * HEADS * HEAD_DIM
     assert native["peak"] < fused["peak"], (native["peak"], fused["peak"])
-    assert fused["peak"] - native["peak"] >= expanded // 4, (native["peak"], fused["peak"])
+    if shape == "square":
+        assert fused["peak"] - native["peak"] >= expanded // 4, (native["peak"], fused["peak"])
+
+
+def test_a_gqa_model_trains_the_same_on_either_path():
+    """A whole GQA model on CUDA in bf16, built with train.attention_gqa's two values: one forward
+    and backward each, the loss and every gradient agreeing to bf16 rounding (the fused path is
+    auto's choice at 128K, the native path at millions of tokens)."""
+    from tests.distributed.tsp_cases import init_model, make_batch
+    from tsp_trainer.config import model_config
+    from tsp_trainer.model import Transformer
+
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=2)
+    ids, labels = (t.to(CUDA) for t in make_batch(cfg, 2, 512))
+    runs = {}
+    for path in ("native", "fused"):
+        model = Transformer(cfg, attention_gqa=path)
+        init_model(model, 7)
+        model.to(device=CUDA, dtype=torch.bfloat16)
+        loss = model.loss(ids, labels)
+        loss.backward()
+        runs[path] = (loss.float().item(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (native_loss, native_grads), (fused_loss, fused_grads) = runs["native"], runs["fused"]
+    assert native_loss == pytest.approx(fused_loss, rel=1e-2)
+    for name, g in native_grads.items():
+        assert torch.isfinite(g).all() and _rel_err(g, fused_grads[name]) < REL_ERR, name

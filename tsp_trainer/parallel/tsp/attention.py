@@ -411,7 +411,7 @@ class _Item:
         self.gather = None
         if not graph:
             return attention_core(self.q, full[:, :, 0], full[:, :, 1], rope.runs, documents=rope.documents,
-                                  kernel=rope.attention_kernel)
+                                  kernel=rope.attention_kernel, gqa_path=rope.attention_gqa)
         self.q_leaf, self.sink = self.q.detach().requires_grad_(), []
         self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
         hooks = contextlib.nullcontext()
@@ -424,7 +424,7 @@ class _Item:
                 hooks = torch.autograd.graph.saved_tensors_hooks(self.dropped.pack, self.dropped.unpack)
             with hooks:
                 self.a = attention_core(self.q_leaf, k, v, rope.runs, documents=rope.documents,
-                                        kernel=rope.attention_kernel)
+                                        kernel=rope.attention_kernel, gqa_path=rope.attention_gqa)
         if drop_kv:
             self.dropped.kv = None                       # nothing refers to the gathered K/V now
         return self.a
@@ -525,7 +525,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         projections.share.release()          # kept items regather from the first owner of a group
         del rows, projections
         ctx.save_for_backward(x, norm_w, rstd, q_norm, k_norm, *params)
-        ctx.rope, ctx.settings, ctx.shapes = rope, settings, shapes
+        ctx.rope, ctx.settings, ctx.shapes, ctx.norm_eps = rope, settings, shapes, norm_eps
         keep.store(ctx, settings, kept if selective else None)
         return y.to(x.dtype)
 
@@ -540,7 +540,7 @@ class _TSPAttentionFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])                                      # [n, h]
         # x [n, h], or the block norm's output of it, made per token chunk where it is read
         x2 = (x.reshape(-1, x.shape[-1]) if norm_w is None
-              else NormedRows(x.reshape(-1, x.shape[-1]), norm_w, rstd, _norm_chunks(x, settings)))
+              else NormedRows(x.reshape(-1, x.shape[-1]), norm_w, ctx.norm_eps, rstd, _norm_chunks(x, settings)))
         # dX (at the block norm's output until the end, when the norm hands its work over)
         dx = torch.zeros(x2.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
         projections = _Projections(x, x2, shards, settings, shapes, rope, norms) if kept is None else None

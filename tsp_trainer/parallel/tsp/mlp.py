@@ -100,7 +100,7 @@ class _TSPMLPFn(torch.autograd.Function):
 
         ring_forward(settings.comm, pack(*params), step, tag="mlp.weights")
         ctx.save_for_backward(x, norm_w, rstd, *params)
-        ctx.shapes, ctx.settings = shapes, settings
+        ctx.shapes, ctx.settings, ctx.norm_eps = shapes, settings, norm_eps
         keep.store(ctx, settings, kept)
         return y.to(x.dtype)
 
@@ -112,7 +112,7 @@ class _TSPMLPFn(torch.autograd.Function):
         chunks = tiling.chunks(x)
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
         if norm_w is not None:          # the norm's output, remade per chunk at every ring step
-            x2 = NormedRows(x2, norm_w, rstd, chunks)
+            x2 = NormedRows(x2, norm_w, ctx.norm_eps, rstd, chunks)
         dx = torch.zeros(x2.shape, dtype=tiling.accumulator_dtype(x), device=x.device)
         fused = fused_weights(ctx.shapes)
 

@@ -78,25 +78,27 @@ class NormHandoff:
 
 class NormedRows:
     """The norm's output of x2 [n, h], made a chunk of rows at a time: `rows[c]` for a slice c is
-    rms_norm(x2[c]) [c, h] (RmsNormFn's forward to the bit, from rstd [n, 1] computed once).
+    rms_norm(x2[c]) [c, h] (the norm's own forward to the bit: model/rms_norm.py rms_norm_apply),
+    rstd [n, 1] computed once for the backward.
     Stands in for the normed tensor where a layer reads it by token chunks."""
 
-    def __init__(self, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, chunks: list[slice]):
-        self.x2, self.weight, self.rstd, self.chunks = x2, weight, rstd, chunks
+    def __init__(self, x2: torch.Tensor, weight: torch.Tensor, eps: float, rstd: torch.Tensor,
+                 chunks: list[slice]):
+        self.x2, self.weight, self.eps, self.rstd, self.chunks = x2, weight, eps, rstd, chunks
         self.shape = x2.shape
 
     @classmethod
     def of(cls, x2: torch.Tensor, weight: torch.Tensor, eps: float, chunks: list[slice]) -> "NormedRows":
         """x2's rows normed by (weight, eps), read in `chunks` by linear_rows / add_weight_grad."""
-        return cls(x2, weight, rms_norm_rstd(x2, eps), chunks)
+        return cls(x2, weight, eps, rms_norm_rstd(x2, eps), chunks)
 
     def whole(self) -> torch.Tensor:
         """The norm's output of every row at once [n, h]: for a forward whose saved tensors are
         dropped (a checkpointed block's first forward), one norm pass instead of one per read."""
-        return rms_norm_apply(self.x2, self.rstd, self.weight)
+        return rms_norm_apply(self.x2, self.rstd, self.weight, self.eps)
 
     def __getitem__(self, c: slice) -> torch.Tensor:
-        return rms_norm_apply(self.x2[c], self.rstd[c], self.weight)
+        return rms_norm_apply(self.x2[c], self.rstd[c], self.weight, self.eps)
 
     def backward_in_place(self, grad: torch.Tensor) -> torch.Tensor:
         """grad [n, h] at the norm's output becomes the gradient at its input (in place); returns
