@@ -17,10 +17,10 @@ consumer's backward applies the norm's backward to its dX in place and returns t
 Cost, per layer and step: D norm applications per consumer in a forward that keeps its tensors
 (instead of one), and in backward D for the MLP and D for the attention's dW_qkv, D more for its
 projections under full recompute: about 5D more elementwise passes over [n, h] under checkpointing
-(~24 bytes moved per element each) than the norms' own. Beside the layer's GEMMs and attention
-over the same tokens that is a few percent at the tiling threshold (~50K local tokens for
-Llama-3-8B at D 8) and falls as 1/S (0.2% at 10M tokens on 8 ranks). An untiled layer (every
-default far past 128K tokens on 8 ranks) and every pass without a backward run the norm as before.
+than the norms' own (plan/flops.py norm_handoff_bytes_per_token). Beside the layer's GEMMs and
+attention over the same tokens that is under 1% of the planner's step from the tiling threshold
+(~50K local tokens for Llama-3-8B at D 8) on, falling as 1/S. An untiled layer (every default far
+past 128K tokens on 8 ranks) and every pass without a backward run the norm as before.
 """
 
 from __future__ import annotations
