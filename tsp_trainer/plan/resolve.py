@@ -59,6 +59,8 @@ def resolve_run(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ulysses_head_chunks=1))
     if cfg.train.checkpoint_segment_blocks == "auto":       # no checkpointing: nothing to nest
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint_segment_blocks=1))
+    if cfg.train.offload_prefetch == "auto":                # no offload: nothing to fetch
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_prefetch=True))
     model = cfg.model.to_model_config()
     flops = {seq: (flops_per_token(model, seq), flops_per_token(model, seq, recompute=run_recompute(cfg, model, seq)))
              for seq in sorted({s for s, _ in length_stages(cfg)})}
