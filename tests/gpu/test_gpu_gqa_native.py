@@ -79,11 +79,14 @@ def test_native_gqa_equals_sdpa_enable_gqa_on_cuda(shape):
 @pytest.mark.parametrize("shape", ["square", "zigzag"])
 def test_native_gqa_backward_peaks_lower_than_sdpa_enable_gqa(shape):
     """FA2's GQA backward holds dK, dV per query head, 2 x 2 x seq x 32 x 128 bytes (1 GiB at 64K
-    tokens); the native path's per-KV-head buffers are a quarter of it."""
+    tokens) for a square call; the native path's per-KV-head buffers are a quarter of it. A zigzag
+    rank's fused calls run one per query run, each against its own key prefix, and free their
+    expanded buffers in between: the native path's peak is lower there too, by less."""
     seq = 65536
     runs = None if shape == "square" else _zigzag(seq, 8, 3)
     native = _step(seq, runs, None, route=None)
     fused = _step(seq, runs, None, route=FUSED)
     expanded = 2 * 2 * seq * HEADS * HEAD_DIM
     assert native["peak"] < fused["peak"], (native["peak"], fused["peak"])
-    assert fused["peak"] - native["peak"] >= expanded // 4, (native["peak"], fused["peak"])
+    if shape == "square":
+        assert fused["peak"] - native["peak"] >= expanded // 4, (native["peak"], fused["peak"])

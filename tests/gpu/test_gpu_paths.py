@@ -7,7 +7,8 @@
 * pinned host staging of async checkpoints (checkpoint/background.py HostStaging);
 * activation offload to pinned host memory on a side stream (model/offload.py) against the same
   model without offload;
-* the CUDA allocator's peak memory (observability/metrics.py peak_memory_bytes).
+* the CUDA allocator's peak memory (observability/metrics.py peak_memory_bytes);
+* RMSNorm on CUDA through torch's fused kernel (model/rms_norm.py) against the chunked function.
 
 Run with `python -m pytest -m gpu` (the default options deselect the gpu marker); without a CUDA
 device every test here is skipped with the reason."""
@@ -25,6 +26,7 @@ from tsp_trainer.model import Transformer, attention_core
 from tsp_trainer.model.attention_route import sdpa_route
 from tsp_trainer.model.documents import Documents
 from tsp_trainer.model.offload import ActivationOffload
+from tsp_trainer.model.rms_norm import RmsNormFn, rms_norm
 from tsp_trainer.observability import peak_memory_bytes, reset_peak_memory
 from tsp_trainer.parallel import zigzag
 
@@ -192,3 +194,35 @@ def test_peak_memory_bytes_on_cuda_moves_by_an_allocated_tensor():
     assert peak_memory_bytes(CUDA) == before + x.numel()
     del x
     assert peak_memory_bytes(CUDA) == before + 256 * 2**20     # a peak, not the current use
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+def _norm_step(fn, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor):
+    """Output, dx, dw of fn(x, w) and the peak bytes above the start, on fresh leaves."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = fn(x, w, 1e-5)
+    grads = torch.autograd.grad(y, (x, w), dy)
+    torch.cuda.synchronize()
+    return y.detach(), grads, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rms_norm_on_cuda_is_the_fused_kernel_and_matches_the_chunked_function(dtype):
+    """rms_norm on CUDA is torch's fused kernel (not RmsNormFn's chunk loop): the output, dx and dw
+    equal the chunked function's on the same GPU tensors to the dtype's rounding, and its forward +
+    backward peak is lower (no fp32 chunk temporaries)."""
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(8192, 4096, device=CUDA, dtype=dtype, generator=gen)
+    w = 1 + 0.1 * torch.randn(4096, device=CUDA, dtype=dtype, generator=gen)
+    dy = torch.randn(8192, 4096, device=CUDA, dtype=dtype, generator=gen)
+    assert "RmsNormFn" not in type(rms_norm(x.requires_grad_(), w, 1e-5).grad_fn).__name__
+    fused, fused_grads, fused_peak = _norm_step(rms_norm, x, w, dy)
+    chunked, chunked_grads, chunked_peak = _norm_step(RmsNormFn.apply, x, w, dy)
+    assert _rel_err(fused, chunked) < REL_ERR[dtype]
+    for name, g, r in zip(("dx", "dw"), fused_grads, chunked_grads):
+        assert _rel_err(g, r) < REL_ERR[dtype], name
+    assert fused_peak < chunked_peak, (fused_peak, chunked_peak)

@@ -111,7 +111,9 @@ class _BlockStore:
         return sum(t.numel() * t.element_size() for t, _ in self.fetched.values())
 
     def pack(self, t: torch.Tensor):
-        if _is_parameter(t) or t.numel() == 0:
+        # parameters stay where they are; a host tensor saved by a GPU block (an index or a scalar
+        # made on the CPU) is already where the offload would put it
+        if _is_parameter(t) or t.numel() == 0 or (t.device.type == "cpu" and self.device.type != "cpu"):
             return ("kept", t)
         stream = self.owner.side_stream(t.device)
         if stream is None:                        # CPU: a separate host buffer, copied now
