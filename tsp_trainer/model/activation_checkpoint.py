@@ -148,11 +148,14 @@ class _SegmentInputs:
         return pack
 
     def unpack(self, packed) -> torch.Tensor:
-        if packed[0] == "first":
-            first, self.first = self.first, None
-            return first if self.host is None else self.host.unpack(first)
+        if packed[0] == "first":          # the store refuses a second unpack (a second backward)
+            return self.first if self.host is None else self.host.unpack(self.first)
         j = packed[1]
-        if not self.regained and self.stash is None:
+        if j not in self.regained:        # the segment's first unpack in this backward
+            if self.stash is not None:
+                raise RuntimeError("train.offload_activations: a saved tensor was unpacked twice (a "
+                                   "second backward through the same graph, retain_graph=True): not "
+                                   "supported")
             self._rerun()
         value = self.regained.pop(j)
         if self.host is None:
