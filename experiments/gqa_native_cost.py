@@ -14,6 +14,13 @@ reported: the median milliseconds per variant and the ratio native / fused as me
 the per-round ratios.
 
     python experiments/gqa_native_cost.py --repeats 5 --out docs/results/gqa_native_cost.json
+
+--seq-len takes the same shapes at another length (the TSP item's queries S / 8 against S keys),
+--cases a subset; docs/results/gqa_native_cost_long.json holds the runs at 512K, 1M and 2M:
+
+    python experiments/gqa_native_cost.py --repeats 3 --seq-len 524288 --cases tsp_item,ulysses_rank
+    python experiments/gqa_native_cost.py --repeats 3 --seq-len 1048576 --cases tsp_item
+    python experiments/gqa_native_cost.py --repeats 3 --seq-len 2097152 --cases tsp_item
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tsp_trainer.bench import ratio_spread
-from tsp_trainer.model.attention_route import SdpaRoute
+from tsp_trainer.model.attention_route import SdpaRoute, sdpa_route
 from tsp_trainer.model.layers import PositionRuns, attention_core
 from tsp_trainer.model.rms_norm import rms_norm
 
@@ -102,24 +109,34 @@ def _compare(variants: dict, repeats: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    global SEQ
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None, help="JSON path of the results")
+    ap.add_argument("--seq-len", type=int, default=SEQ, help="tokens of the sequence (a multiple of 16)")
+    ap.add_argument("--cases", default="tsp_item,ulysses_rank,rms_norm", help="comma-separated cases")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("experiments/gqa_native_cost.py needs a CUDA device")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cases": {}}
+    SEQ, cases = args.seq_len, args.cases.split(",")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "seq_len": SEQ, "cases": {}}
+    native = sdpa_route("cuda", torch.bfloat16, gqa=True, head_dim=HEAD_DIM, gqa_path="native")
     for shape in ("tsp_item", "ulysses_rank"):
+        if shape not in cases:
+            continue
         build, q_runs = _attention_case(shape)
         inputs = build()
         results["cases"][shape] = _compare(
-            {"native": _attention_step(inputs, q_runs, None),                 # the flash route's default
+            {"native": _attention_step(inputs, q_runs, native),
              "fused": _attention_step(inputs, q_runs, SdpaRoute("flash"))}, args.repeats)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(SEQ // DEGREE, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-    w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    results["cases"]["rms_norm"] = _compare({"chunked": _norm_step(x, w, False),
-                                             "one_pass": _norm_step(x, w, True)}, args.repeats)
+        del inputs
+        torch.cuda.empty_cache()
+    if "rms_norm" in cases:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(SEQ // DEGREE, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        w = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        results["cases"]["rms_norm"] = _compare({"chunked": _norm_step(x, w, False),
+                                                 "one_pass": _norm_step(x, w, True)}, args.repeats)
     for name, case in results["cases"].items():
         r = case["ratio"]
         print(f"{name}: " + ", ".join(f"{n} {t:.3f} ms (peak {case['peak_bytes'][n] / 2**20:,.0f} MiB)"

@@ -167,7 +167,7 @@ class Trainer:
     def _build_model(self) -> Parallelized:
         c, p = self.cfg, self.cfg.parallel
         with torch.device("meta"):                       # no rank ever holds the full model
-            model = Transformer(self.model_cfg, attention_kernel=self.attention.kernel)
+            model = Transformer(self.model_cfg, **self.attention.model_kwargs())
         # the baselines refuse options they do not know: the recompute settings go to TSP only
         tsp_only = ({"tsp_recompute": p.tsp_recompute, "checkpoint_replay_keeps": p.checkpoint_replay_keeps,
                      "attention_chunk_tokens": p.attention_chunk_tokens} if p.scheme == "tsp"

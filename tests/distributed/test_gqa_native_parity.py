@@ -7,7 +7,9 @@ gloo ranks with the native path (its CPU twin: the same per-group-member code on
 flash kernel, tests/helpers/gqa_route.py) and must equal one process on the fused route (SDPA
 enable_gqa, the log-sum-exp merge): the logits, the loss and every gradient, fp32, rtol 1e-5 / atol 1e-6,
 document masking on and off (off: the plain model's loss; on: the sum over documents, each run
-alone). One process: tests/unit/test_attention_gqa.py."""
+alone). One process: tests/unit/test_attention_gqa.py. A model built with attention_gqa=fused
+(train.attention_gqa) hands it to every call of TSP, the context-parallel baselines and ulysses:
+none takes the native path, and the result is the same."""
 
 from __future__ import annotations
 
@@ -47,7 +49,10 @@ CASES = [("tsp", 2, {}, False), ("tsp", 2, {"head_buckets": 2}, True),
          ("tp_x_sp", 4, {"tp_degree": 2, "sp_degree": 2}, False),
          ("ulysses", 2, {}, False), ("ulysses", 4, {}, True),
          # activation checkpointing: the blocks' replay runs the native forward again
-         ("tsp", 4, {"checkpointing": True}, True), ("sp", 2, {"checkpointing": True}, False)]
+         ("tsp", 4, {"checkpointing": True}, True), ("sp", 2, {"checkpointing": True}, False),
+         # train.attention_gqa=fused reaches every attention call: no native call at all
+         ("tsp", 2, {"attention_gqa": "fused"}, True), ("sp", 2, {"attention_gqa": "fused"}, False),
+         ("ulysses", 2, {"attention_gqa": "fused"}, False)]
 
 
 def _batch():
@@ -80,7 +85,7 @@ def _reference(documents: bool):
 def _native_rank(rank, world, scheme, options, documents, ids, labels, logits):
     mesh = build_mesh(world)
     options = dict(options)
-    model = Transformer(CFG)
+    model = Transformer(CFG, attention_gqa=options.pop("attention_gqa", "native"))
     init_model(model, SEED)
     if scheme == "ulysses":                      # its all-to-all attention, as the trainer builds it
         from tsp_trainer.engine.ulysses import distributed_attention
@@ -121,7 +126,10 @@ for _s, _w, _o, _d in CASES:
 def test_native_gqa_equals_one_process_on_the_fused_route(scheme, world, options, documents):
     ref_loss, ref_count, ref_grads, _ = _reference(documents)
     for rank, out in enumerate(RUNS.result(world, _key(scheme, options, documents))):
-        assert out["native_calls"] > 0, f"rank {rank} never took the native path"
+        if options.get("attention_gqa") == "fused":
+            assert out["native_calls"] == 0, f"rank {rank} took the native path under attention_gqa=fused"
+        else:
+            assert out["native_calls"] > 0, f"rank {rank} never took the native path"
         torch.testing.assert_close(out["logits"], out["expected_logits"], **TOL,
                                    msg=lambda m: f"rank {rank} logits: {m}")
         assert out["count"] == ref_count

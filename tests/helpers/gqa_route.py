@@ -1,5 +1,6 @@
 """The GQA-native attention path (model/attention_gqa.py) on CPU tensors: inside `native_gqa_route()`
-`attention_core` takes its CPU route with gqa_native set under GQA, the same per-group-member code
+`attention_core` takes its CPU route with gqa_native set under GQA when the call's gqa_path is
+native (train.attention_gqa; fused keeps the plain CPU route), the same per-group-member code
 the CUDA flash route runs (there on flash attention's varlen kernel, here on torch's CPU flash
 kernel). Yields a count of the native calls, so a test sees the path was taken."""
 
@@ -20,9 +21,9 @@ def native_gqa_route():
             calls["grouped"] += 1
             return super().grouped(q, k, v, q_runs, documents)
 
-    def route(device_type, dtype, *, gqa, head_dim, kernel="fa2"):
-        base = original(device_type, dtype, gqa=gqa, head_dim=head_dim, kernel=kernel)
-        return Counted(**{**base.__dict__, "gqa_native": gqa})
+    def route(device_type, dtype, *, gqa, head_dim, kernel="fa2", gqa_path="native"):
+        base = original(device_type, dtype, gqa=gqa, head_dim=head_dim, kernel=kernel, gqa_path=gqa_path)
+        return Counted(**{**base.__dict__, "gqa_native": gqa and gqa_path == "native"})
 
     layers.sdpa_route = route
     try:

@@ -226,7 +226,7 @@ def test_checkpoint_replay_keeps_auto_takes_the_leanest_only_where_the_budget_ne
     args = ["model.size=llama3_8b", "parallel.tsp_degree=8", "data.seq_len=2097152",
             "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
             "train.activation_checkpointing=true", "parallel.tsp_recompute=full",
-            "parallel.head_buckets=1", "train.checkpoint_segment_blocks=1"]
+            "parallel.head_buckets=1", "train.checkpoint_segment_blocks=1", "train.attention_gqa=fused"]
     cfg = load_config(None, args)
     model, hw = cfg.model.to_model_config(), get_profile("h100")
     preds = {lay.replay_keeps: predict(model, lay, cfg.data.seq_len, hw, prec=BF16, device="cuda")

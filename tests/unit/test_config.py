@@ -138,6 +138,8 @@ def test_choice_fields_list_the_choices():
            load_config, None, ["train.dtype=fp16"])
     raises("config key 'parallel.scheme'='ring' must be one of 'tsp'", load_config, None,
            ["parallel.scheme=ring"])
+    raises("config key 'train.attention_gqa'='expanded' must be one of 'auto', 'native', 'fused'",
+           load_config, None, ["train.attention_gqa=expanded"])
 
 
 def test_file_errors_are_one_line(tmp_path):

@@ -78,7 +78,7 @@ def test_auto_takes_one_when_it_fits_else_the_fewest_chunks_that_fit():
 def _overrides(cfg) -> list[str]:
     return ["model.size=llama3_8b", "parallel.scheme=ulysses", "parallel.tsp_degree=8", "parallel.head_buckets=1",
             f"data.seq_len={cfg.data.seq_len}", "data.micro_batch_size=1", "train.grad_accum=1", "train.dtype=bf16",
-            "train.activation_checkpointing=true"]
+            "train.activation_checkpointing=true", "train.attention_gqa=fused"]
 
 
 @pytest.mark.parametrize("scheme,degree", [("tsp", 2), ("ulysses", 1)])

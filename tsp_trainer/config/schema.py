@@ -28,6 +28,7 @@ DataFormat = Literal["auto", "jsonl", "parquet", "text", "arrow", "tokens", "hub
 LayoutChange = Literal["refuse", "restart"]
 DType = Literal["auto", "fp32", "bf16"]
 AttentionKernel = Literal["auto", "fa2", "fa3", "fa4", "cudnn"]
+AttentionGqa = Literal["auto", "native", "fused"]
 NonFinite = Literal["skip", "stop"]
 OffloadOptimizer = Literal["none", "cpu"]
 WandbMode = Literal["disabled", "offline", "online"]
@@ -295,6 +296,12 @@ class TrainSection:
     attention_kernel: AttentionKernel = setting(
         "auto", doc="CUDA attention: auto = the first of fa3, fa4, fa2 installed that takes the run; "
                     "CPU runs take auto only (docs/trainer.md)")
+    attention_gqa: AttentionGqa = setting(
+        "auto", doc="CUDA flash attention under GQA: fused = SDPA's one call (faster; its backward "
+                    "holds dK/dV per query head), native = one call per group member with the KV "
+                    "heads (no tensor per query head; slower at short lengths); auto = the faster "
+                    "that fits the planned memory: fused up to about 1M tokens, native where memory "
+                    "needs it or it is no slower (docs/trainer.md)")
     activation_checkpointing: bool | Auto = setting("auto", doc="recompute each block in backward; auto = "
                                                                 "only when nothing faster fits")
     checkpoint_segment_blocks: int | Auto = setting(

@@ -15,7 +15,8 @@ from tsp_trainer.parallel.tsp.recompute_rules import check_selective_route
 def check_device_support(cfg: TrainConfig, model_cfg: ModelConfig, *, device: torch.device,
                          attention_kernel: str = "fa2") -> None:
     """Raises ValueError for what `device` cannot run under `cfg` (train.dtype already resolved)
-    with the run's `attention_kernel`."""
+    with the run's `attention_kernel` (train.attention_gqa refuses nothing: both GQA paths take
+    what the flash route takes)."""
     bf16 = cfg.train.dtype == "bf16"
     check_precision(zero_stage=cfg.zero.stage, bf16=bf16)
     if device.type != "cuda":

@@ -50,10 +50,16 @@ KERNELS = {
 @dataclass(frozen=True)
 class Choice:
     """The kernel that runs: fa2 | fa3 | fa4 | cudnn | efficient (CUDA, no flash kernel takes the
-    dtype/head_dim) | cpu (SDPA's CPU kernels); `reason` says why, for the start-up log."""
+    dtype/head_dim) | cpu (SDPA's CPU kernels); `reason` says why, for the start-up log;
+    `gqa_path` the run's train.attention_gqa (model/attention_route.py GQA_PATHS), resolved."""
 
     kernel: str
     reason: str
+    gqa_path: str = "native"
+
+    def model_kwargs(self) -> dict[str, str]:
+        """The model's attention arguments (Transformer(attention_kernel=, attention_gqa=))."""
+        return {"attention_kernel": self.kernel, "attention_gqa": self.gqa_path}
 
 
 def _refusal(kernel: str, *, capability: tuple[int, int] | None, dtype: str, head_dim: int,
@@ -157,13 +163,17 @@ def check_run_attention_kernel(cfg: TrainConfig, model_cfg: ModelConfig) -> None
 
 
 def run_attention_kernel(cfg: TrainConfig, model_cfg: ModelConfig, *, device) -> Choice:
-    """select_attention_kernel for a run on `device` (a torch.device)."""
+    """select_attention_kernel for a run on `device` (a torch.device), with the run's
+    train.attention_gqa (concrete: plan/resolve.py resolved `auto`)."""
+    import dataclasses
+
     import torch
 
     cuda = device.type == "cuda"
-    return select_attention_kernel(
+    choice = select_attention_kernel(
         cfg.train.attention_kernel, capability=torch.cuda.get_device_capability(device) if cuda else None,
         gqa=model_cfg.num_heads != model_cfg.num_kv_heads, **_run_facts(cfg, model_cfg, cuda=cuda))
+    return dataclasses.replace(choice, gqa_path=cfg.train.attention_gqa)
 
 
 def installed_attention_kernels() -> frozenset[str]:

@@ -1,11 +1,12 @@
 """Which SDPA kernel `attention_core` asks for, decided from (device, dtype, GQA, head_dim) and the
-run's attention kernel, and the SDPA calls of that route.
+run's attention kernel and GQA path, and the SDPA calls of that route.
 
 On CUDA a bottom-right causal call (a zigzag chunk against its key prefix) must reach a fused
 kernel: torch's lower-right CausalBias otherwise materialises a dense [n_q, n_k] mask for the math
 kernel, out of memory at long context. So the route names one fused kernel and `attention_core`
-restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256 (under GQA its per-group-member
-calls with the KV heads, model/attention_gqa.py, so no dK/dV exists per query head),
+restricts SDPA to it: flash for bf16/fp16 with head_dim <= 256 (under GQA, by the run's
+train.attention_gqa: SDPA's fused GQA call, or the per-group-member calls with the KV heads,
+model/attention_gqa.py, so no dK/dV exists per query head),
 memory-efficient otherwise (K/V heads expanded under GQA), cuDNN for square causal calls when the
 run chose it (K/V expanded under GQA); what no fused
 kernel takes is refused before any process group exists. Document masking runs one varlen fused
@@ -33,6 +34,10 @@ from tsp_trainer.model.documents import DeviceVarlen, RowPlan, Segment, VarlenPl
 CPU_MASK_QUERY_BLOCK = 512
 
 _CPU_KERNELS = ("cpu_lse_merge", "cpu_blocked_mask")
+# train.attention_gqa's concrete values: how CUDA's flash route attends under GQA. "native": one
+# call per group member with the KV heads (model/attention_gqa.py), dK/dV never per query head;
+# "fused": SDPA's own GQA (one flash call, enable_gqa), whose backward writes dK/dV per query head
+GQA_PATHS = ("native", "fused")
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -202,18 +207,24 @@ def use_attention_kernel(choice: Choice) -> None:
 
 
 def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int,
-               kernel: str = "fa2") -> SdpaRoute:
+               kernel: str = "fa2", gqa_path: str = "native") -> SdpaRoute:
     """The kernel `attention_core` uses for these inputs (see the module docstring); `kernel`
-    (the run's train.attention_kernel choice) decides only whether cuDNN replaces flash."""
+    (the run's train.attention_kernel choice) decides only whether cuDNN replaces flash;
+    `gqa_path` (the run's train.attention_gqa choice, GQA_PATHS) whether the flash route under GQA
+    runs the GQA-native calls or SDPA's fused GQA call."""
     if device_type != "cuda":
         return SdpaRoute("cpu_lse_merge")
     if dtype in _HALF and head_dim <= FLASH_MAX_HEAD_DIM:
         if kernel == "cudnn":
             return SdpaRoute("cudnn", expand_kv=gqa)    # torch documents GQA for flash and math only
-        # torch pads head_dim to a multiple of 8 for flash. Under GQA FA2's backward would write
-        # dK/dV per query head: the KV heads' own calls instead (model/attention_gqa.py), whose
-        # varlen kernel calls take head_dim as it is (a multiple of 8; SDPA pads the others)
-        return SdpaRoute("flash", gqa_native=gqa and head_dim % 8 == 0)
+        if gqa_path not in GQA_PATHS:
+            raise ValueError(f"gqa_path={gqa_path!r} is not one of {', '.join(GQA_PATHS)}")
+        # torch pads head_dim to a multiple of 8 for flash. Under GQA FA2's backward writes dK/dV
+        # per query head ([B, n_k, H_q, d] each) before summing them per KV head: "native" runs
+        # the KV heads' own calls instead (model/attention_gqa.py; their varlen kernel calls take
+        # head_dim as it is, a multiple of 8; SDPA pads the others), which hold no tensor per
+        # query head but run slower (experiments/gqa_native_cost.py); "fused" one SDPA call
+        return SdpaRoute("flash", gqa_native=gqa and gqa_path == "native" and head_dim % 8 == 0)
     alignment = 8 if dtype in _HALF else 4
     if dtype in (*_HALF, torch.float32) and head_dim % alignment == 0:
         return SdpaRoute("efficient", expand_kv=gqa)
@@ -226,7 +237,8 @@ def sdpa_route(device_type: str, dtype: torch.dtype, *, gqa: bool, head_dim: int
 
 
 def check_cuda_attention(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                         kernel: str = "fa2") -> SdpaRoute:
-    """The CUDA route of a model under attention kernel `kernel`, or
+                         kernel: str = "fa2", gqa_path: str = "native") -> SdpaRoute:
+    """The CUDA route of a model under attention kernel `kernel` and GQA path `gqa_path`, or
     UnsupportedAttentionError (the Trainer calls this before it starts any process group)."""
-    return sdpa_route("cuda", dtype, gqa=num_heads != num_kv_heads, head_dim=head_dim, kernel=kernel)
+    return sdpa_route("cuda", dtype, gqa=num_heads != num_kv_heads, head_dim=head_dim, kernel=kernel,
+                      gqa_path=gqa_path)

@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    q_runs: tuple[tuple[int, int, int], ...] | None = None,
                    route: SdpaRoute | None = None, documents: Documents | None = None,
-                   kernel: str = "fa2") -> torch.Tensor:
+                   kernel: str = "fa2", gqa_path: str = "native") -> torch.Tensor:
     """Causal attention. q: [B, Tq, Hq, d]; k, v: [B, Tk, Hkv, d] in logical order (key j has
     position j). Returns [B, Tq, Hq * d].
 
@@ -47,11 +47,11 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     host ints from Rotary.runs; a positions tensor [Tq] is accepted and read once): the queries of
     a run see keys 0..first+(i-start), attended against that key prefix with a bottom-right
     aligned causal mask. `route` (default: `sdpa_route` of the inputs' device, dtype and shape,
-    under the run's attention `kernel`)
+    under the run's attention `kernel` and GQA path `gqa_path`)
     makes the SDPA calls: a fused kernel with torch's lower-right CausalBias on CUDA (no mask in
     memory), a boolean mask per block of queries on CPU (model/attention_route.py). A route with
-    gqa_native (CUDA flash under GQA) runs model/attention_gqa.py instead: kernel calls with the
-    KV heads, no K/V or dK/dV per query head.
+    gqa_native (CUDA flash under GQA, gqa_path "native") runs model/attention_gqa.py instead:
+    kernel calls with the KV heads, no K/V or dK/dV per query head.
 
     documents (document masking): each row's queries see only the keys of their own document
     (row b's starts in documents.starts[b]); the runs are cut into per-document segments
@@ -62,7 +62,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_runs = PositionRuns.of(q_runs).query_runs()
     b, tq, hq, d = q.shape
     gqa = hq != k.shape[2]
-    route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d, kernel=kernel)
+    route = route or sdpa_route(q.device.type, q.dtype, gqa=gqa, head_dim=d, kernel=kernel, gqa_path=gqa_path)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, H, T, d]
     if route.gqa_native and gqa:         # K/V and dK/dV at the KV heads (model/attention_gqa.py)
         if documents is not None and len(documents.starts) != b:
@@ -111,7 +111,7 @@ class Attention(nn.Module):
         # the queries are the keys; with document masking, at the positions of rope.runs
         runs = rope.runs if rope.documents is not None else None
         return self.o_proj(attention_core(q, k, v, runs, documents=rope.documents,
-                                          kernel=rope.attention_kernel))
+                                          kernel=rope.attention_kernel, gqa_path=rope.attention_gqa))
 
 
 def gated_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,

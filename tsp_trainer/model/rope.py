@@ -75,7 +75,8 @@ class Rotary:
     passes the positions of its own slice (e.g. two zigzag chunks). With document masking
     `documents` holds the rows' document starts; with reset_positions the tables are per row,
     cos, sin [B, T, head_dim], at positions restarted per document. `attention_kernel`: the run's
-    attention kernel (train.attention_kernel's choice), for every attention call of the pass."""
+    attention kernel (train.attention_kernel's choice), `attention_gqa` its GQA path
+    (train.attention_gqa's), for every attention call of the pass."""
 
     positions: torch.Tensor
     cos: torch.Tensor
@@ -83,10 +84,12 @@ class Rotary:
     runs: tuple[tuple[int, int, int], ...] = ()     # (start, stop, first position) per run
     documents: Documents | None = None
     attention_kernel: str = "fa2"
+    attention_gqa: str = "native"
 
     @classmethod
     def build(cls, positions: "PositionRuns | torch.Tensor", head_dim: int, theta: float,
-              scaling: RopeScaling | None = None, device=None, attention_kernel: str = "fa2") -> "Rotary":
+              scaling: RopeScaling | None = None, device=None, attention_kernel: str = "fa2",
+              attention_gqa: str = "native") -> "Rotary":
         """From runs (no host sync: the tables are built on `device`) or a positions tensor."""
         if isinstance(positions, torch.Tensor):
             runs = PositionRuns.of(positions)
@@ -100,12 +103,13 @@ class Rotary:
         if reset:
             tensor = rope_positions(runs.runs, docs, device=tensor.device)          # [B, T]
         cos, sin = rope_cos_sin(tensor, head_dim, theta, scaling)
-        return cls(tensor, cos, sin, runs.query_runs(), docs, attention_kernel)
+        return cls(tensor, cos, sin, runs.query_runs(), docs, attention_kernel, attention_gqa)
 
     @classmethod
     def for_model(cls, positions: "PositionRuns | torch.Tensor", cfg: ModelConfig, device=None,
-                  attention_kernel: str = "fa2") -> "Rotary":
-        return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device, attention_kernel)
+                  attention_kernel: str = "fa2", attention_gqa: str = "native") -> "Rotary":
+        return cls.build(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device, attention_kernel,
+                         attention_gqa)
 
 
 def check_fp32_positions(largest: int) -> None:

@@ -91,12 +91,13 @@ class LMHead(nn.Module):
 
 
 class Transformer(nn.Module):
-    """`attention_kernel`: the run's train.attention_kernel choice (model/attention_kernel.py),
-    handed to every attention call through the pass's Rotary."""
+    """`attention_kernel`: the run's train.attention_kernel choice (model/attention_kernel.py), and
+    `attention_gqa` its train.attention_gqa (model/attention_route.py GQA_PATHS), handed to every
+    attention call through the pass's Rotary."""
 
-    def __init__(self, cfg: ModelConfig, *, attention_kernel: str = "fa2"):
+    def __init__(self, cfg: ModelConfig, *, attention_kernel: str = "fa2", attention_gqa: str = "native"):
         super().__init__()
-        self.cfg, self.attention_kernel = cfg, attention_kernel
+        self.cfg, self.attention_kernel, self.attention_gqa = cfg, attention_kernel, attention_gqa
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -119,7 +120,7 @@ class Transformer(nn.Module):
         if positions is None:
             positions = PositionRuns.contiguous(input_ids.shape[1])
         rope = Rotary.for_model(positions, self.cfg, device=input_ids.device,
-                                attention_kernel=self.attention_kernel)
+                                attention_kernel=self.attention_kernel, attention_gqa=self.attention_gqa)
         x = self.embed_tokens(input_ids)
         for unit in self.block_units():
             x = unit(x, rope) if self.block_wrapper is None else self.block_wrapper(unit, x, rope)

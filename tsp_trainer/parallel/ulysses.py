@@ -122,14 +122,14 @@ class UlyssesAttention:
 
     @staticmethod
     def _local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               documents: Documents | None = None, kernel: str = "fa2") -> torch.Tensor:
+               documents: Documents | None = None, kernel: str = "fa2", gqa_path: str = "native") -> torch.Tensor:
         """q [B, S, Hq/D, d], k, v [B, S, Hkv', d] of every token -> [B, S, Hq/D, d] (the layout
         DistributedAttention's second all-to-all takes)."""
-        out = attention_core(q, k, v, None, documents=documents, kernel=kernel)              # [B, S, Hq/D * d]
+        out = attention_core(q, k, v, None, documents=documents, kernel=kernel, gqa_path=gqa_path)   # [B, S, Hq/D * d]
         return out.view(q.shape)
 
     def _group(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               documents: Documents | None, kernel: str) -> torch.Tensor:
+               documents: Documents | None, kernel: str, gqa_path: str) -> torch.Tensor:
         """One group's all-to-alls and attention: local q [B, T, hq, d], k, v [B, T, hkv, d] ->
         local output [B, T, hq, d], the all-to-alls recorded in the ledger. K/V heads fewer than D
         are repeated (each D / hkv times) so that every rank receives one."""
@@ -140,7 +140,7 @@ class UlyssesAttention:
         q, k, v = (_LedgerMark.apply(t.contiguous(), c, f"attn.a2a.{n}", f"attn.a2a.d{n}")
                    for t, n in ((q, "q"), (k, "k"), (v, "v")))
         with c.foreign_ops("DeepSpeed DistributedAttention all-to-all"):
-            out = self.attend(q, k, v, documents=documents, kernel=kernel)                   # [B, T, hq, d]
+            out = self.attend(q, k, v, documents=documents, kernel=kernel, gqa_path=gqa_path)   # [B, T, hq, d]
         return _LedgerMark.apply(out, c, "attn.a2a.o", "attn.a2a.do")
 
     def _groups(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -154,13 +154,13 @@ class UlyssesAttention:
             yield qc, k.narrow(2, first, per_group), v.narrow(2, first, per_group)
 
     def __call__(self, q, k, v, q_runs, comm: Comm, documents: Documents | None = None,
-                 kernel: str = "fa2") -> torch.Tensor:
+                 kernel: str = "fa2", gqa_path: str = "native") -> torch.Tensor:
         del q_runs                                     # contiguous slices: the all-to-all orders them
         if self.head_chunks == 1:
-            out = self._group(q, k, v, documents, kernel)                                    # [B, T, Hq, d]
+            out = self._group(q, k, v, documents, kernel, gqa_path)                          # [B, T, Hq, d]
         else:
             def run(qc, kc, vc):
-                return self._group(qc, kc, vc, documents, kernel)
+                return self._group(qc, kc, vc, documents, kernel, gqa_path)
             # under autograd each group keeps its local inputs only (_HeadChunk)
             keep_local = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             out = torch.cat([_HeadChunk.apply(run, *g) if keep_local else run(*g) for g in self._groups(q, k, v)],

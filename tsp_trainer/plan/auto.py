@@ -1,6 +1,6 @@
 """`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets,
 train.checkpoint_segment_blocks, train.offload_activations, train.offload_prefetch,
-parallel.checkpoint_replay_keeps and parallel.ulysses_head_chunks: the fastest combination by the planner's predicted step time
+parallel.checkpoint_replay_keeps, parallel.ulysses_head_chunks and train.attention_gqa: the fastest combination by the planner's predicted step time
 (predict.py) whose predicted peak per process (model state + the activation peak of
 activations.py and transients.py) fits the memory budget. An explicit value stays as written;
 `auto` chooses the others around it.
@@ -27,6 +27,13 @@ The offload's prefetch (train.offload_prefetch `auto`) is on wherever it fits: i
 back to the device behind compute, where fetching a block's saved tensors when its backward asks
 for them exposes each copy (predict.py) but holds one block's on the device instead of two, so it
 is the choice only when memory requires it.
+
+The GQA attention path (train.attention_gqa `auto`) is weighed where it changes what runs: on
+CUDA's flash route under GQA (bf16 / fp16; `search.gqa_paths`). SDPA's fused GQA call is faster
+(the native path's measured slowdown, plan/efficiency.py GQA_NATIVE_SLOWDOWN, is in the predicted
+step) but its backward holds dK/dV per query head (plan/reserved.py), so fused is the choice
+wherever a candidate with it fits and native only when memory needs it. Elsewhere the path changes
+nothing and `auto` writes fused without weighing it.
 
 Under checkpointing the replay keeping all is the fastest (no forward runs a third time), so
 checkpoint_replay_keeps `auto` resolves to all wherever it fits, else to attention, else to
@@ -68,12 +75,12 @@ from tsp_trainer.config import ModelConfig, TrainConfig
 from tsp_trainer.config.schema import resolved_dtype, resolved_zero_stage
 from tsp_trainer.config.validate import ulysses_head_chunk_counts
 from tsp_trainer.plan.hardware import PROFILES, HardwareProfile
-from tsp_trainer.plan.layout import (NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout,
+from tsp_trainer.plan.layout import (GQA_PATHS, NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS, TSP_RECOMPUTE, Layout,
                                      planned_scheme)
 from tsp_trainer.plan.precision import PRECISIONS
 from tsp_trainer.plan.peers import head_chunk_saving
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
-from tsp_trainer.plan.search import memory_variants, ranking_key
+from tsp_trainer.plan.search import gqa_paths, memory_variants, ranking_key
 
 AUTO = "auto"
 GIB = 2 ** 30
@@ -113,6 +120,8 @@ class MemoryChoice:
     offload_decided: bool = False               # train.offload_activations was auto (it is named)
     host_bytes: float = 0.0                     # predicted pinned host bytes per node
     offload_prefetch: bool = True               # named when the offload is on
+    attention_gqa: str = "fused"                # train.attention_gqa as the run takes it
+    gqa_decided: bool = False                   # train.attention_gqa was auto and weighed (it is named)
 
     def values(self) -> str:
         ac = str(self.activation_checkpointing).lower()
@@ -120,10 +129,11 @@ class MemoryChoice:
         offload = f", offload_activations={str(self.offload_activations).lower()}" if self.offload_decided else ""
         if self.offload_activations:
             offload += f", offload_prefetch={str(self.offload_prefetch).lower()}"
+        gqa = f", attention_gqa={self.attention_gqa}" if self.gqa_decided else ""
         return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
                 f"head_buckets={self.head_buckets}, "
                 f"checkpoint_replay_keeps={self.checkpoint_replay_keeps}, "
-                f"checkpoint_segment_blocks={self.checkpoint_segment_blocks}{chunks}{offload}")
+                f"checkpoint_segment_blocks={self.checkpoint_segment_blocks}{chunks}{offload}{gqa}")
 
     def line(self) -> str:
         """The start-up line: `auto: tsp_recompute=..., ... (predicted peak X of Y budget: source)`,
@@ -145,7 +155,8 @@ class MemoryChoice:
             train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing,
                                       checkpoint_segment_blocks=self.checkpoint_segment_blocks,
                                       offload_activations=self.offload_activations,
-                                      offload_prefetch=self.offload_prefetch))
+                                      offload_prefetch=self.offload_prefetch,
+                                      attention_gqa=self.attention_gqa))
 
     def facts(self) -> dict:
         """The W&B run facts of the choice."""
@@ -173,6 +184,14 @@ def uses_auto(cfg: TrainConfig) -> bool:
                     cfg.train.offload_activations, prefetch)
 
 
+def weighs_gqa(cfg: TrainConfig, *, cuda: bool) -> bool:
+    """Whether train.attention_gqa is auto where the path changes what runs (module docstring)."""
+    if cfg.train.attention_gqa != AUTO:
+        return False
+    prec = PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)]
+    return len(gqa_paths(cfg.model.to_model_config(), prec, "cuda" if cuda else "cpu")) > 1
+
+
 def _chunked_scheme(cfg: TrainConfig) -> bool:
     """Whether parallel.ulysses_head_chunks acts: scheme ulysses over D > 1 ranks."""
     return cfg.parallel.scheme == "ulysses" and cfg.parallel.tsp_degree > 1
@@ -194,7 +213,7 @@ def choose_auto_settings(cfg: TrainConfig, *, world_size: int, cuda: bool, devic
     """The `auto` settings of `cfg` resolved on this machine (None when none is auto): the budget
     of `memory_budget`, the GPU's profile for the ranking. refuses: raises ValueError for a
     candidate config this device cannot run (the Trainer passes its CUDA route rules)."""
-    if not uses_auto(cfg):
+    if not uses_auto(cfg) and not weighs_gqa(cfg, cuda=cuda):
         return None
     budget = memory_budget(cfg, world_size=world_size, cuda=cuda, device=device)
     return choose_memory_settings(cfg, world_size=world_size, budget=budget, cuda=cuda,
@@ -210,7 +229,7 @@ def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget,
     offload_auto = cfg.train.offload_activations == AUTO
     device_refuses = None if refuses is None else (
         lambda lay: refuses(_choice(lay, 0.0, budget, offload_auto=offload_auto).apply(cfg)))
-    layouts = _candidates(cfg, world_size)
+    layouts = _candidates(cfg, world_size, cuda=cuda)
     plain, helped = layouts, []
     if offload_auto:
         nest_auto = cfg.train.checkpoint_segment_blocks == AUTO
@@ -220,14 +239,14 @@ def choose_memory_settings(cfg: TrainConfig, *, world_size: int, budget: Budget,
     return choose_among(cfg.model.to_model_config(), plain, length_stages(cfg),
                         budget=budget, hw=hw, prec=PRECISIONS[resolved_dtype(cfg.train.dtype, cuda)],
                         cuda=cuda, refuses=device_refuses, head_chunks=head_chunk_candidates(cfg),
-                        helped=helped, offload_auto=offload_auto)
+                        helped=helped, offload_auto=offload_auto, gqa_auto=weighs_gqa(cfg, cuda=cuda))
 
 
 def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int, int]], *,
                  budget: Budget, hw: HardwareProfile | None, prec, cuda: bool,
                  refuses: Callable[[Layout], None] | None = None,
                  head_chunks: tuple[int, ...] | None = None,
-                 helped: list[Layout] = (), offload_auto: bool = False) -> MemoryChoice:
+                 helped: list[Layout] = (), offload_auto: bool = False, gqa_auto: bool = False) -> MemoryChoice:
     """The fastest of `layouts` (ranking_key) whose predicted peak at its worst stage ((seq_len,
     micro-batch) pairs) fits `budget`; AutoSettingsError naming the budget and the smallest
     predicted peak when none does. refuses: raises ValueError for a layout this device cannot run.
@@ -235,7 +254,8 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
     layout takes the fewest that fit (`_fewest_head_chunks`). helped: the layouts memory alone
     calls for (activation offload, nesting under offload `auto`), ranked with `layouts` only when
     none of these fits; an offloading one must also fit budget.host with its node's pinned bytes.
-    offload_auto: the choice names the offload (train.offload_activations was auto)."""
+    offload_auto: the choice names the offload (train.offload_activations was auto); gqa_auto the
+    GQA path (train.attention_gqa was auto and weighed)."""
     hw = hw or PROFILES[RANKING_PROFILE]
     ranked, refusal = _predicted(model, layouts, stages, budget, hw, prec, cuda, refuses, head_chunks)
     ranked.sort(key=lambda pc: ranking_key(pc[0], budget.bytes))
@@ -253,7 +273,7 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
     if best.memory["total"] > budget.bytes or not _host_fits(best, budget):
         raise _nothing_fits(ranked, budget, offload_auto)
     return _choice(best.layout, peak=best.memory["total"], budget=budget, chunks=chunks,
-                   offload_auto=offload_auto, host=best.memory["host_per_node"])
+                   offload_auto=offload_auto, host=best.memory["host_per_node"], gqa_auto=gqa_auto)
 
 
 def _predicted(model: ModelConfig, layouts: list[Layout], stages: list[tuple[int, int]], budget: Budget,
@@ -310,7 +330,8 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
     and MLP chunks as the run sets them). A ZeRO-3 run (sp, ulysses) is planned with its state
     sharded over all ranks and the layers' weights gathered for use (plan/state.py
     zero3_state_bytes, the peers' model). ZeRO-Offload's CPU Adam is planned under ZeRO 1-2, its
-    state on the host; under ZeRO-3 the plan keeps the optimizer on the device, an upper bound."""
+    state on the host; under ZeRO-3 the plan keeps the optimizer on the device, an upper bound.
+    train.attention_gqa as set, fused when auto (memory_variants weighs both where they differ)."""
     p, stage = cfg.parallel, resolved_zero_stage(cfg.zero.stage, cfg.parallel.scheme)
     return Layout(planned_scheme(p.scheme), p.tsp_degree, dp=world_size // p.tsp_degree, tp=p.tp_degree,
                   sp=p.sp_degree, zero_stage=stage,
@@ -319,10 +340,11 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
                   offload_prefetch=cfg.train.offload_prefetch is not False,
                   offload_optimizer=cfg.zero.offload_optimizer == "cpu" and stage in (1, 2),
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens,
-                  attention_chunk_tokens=p.attention_chunk_tokens)
+                  attention_chunk_tokens=p.attention_chunk_tokens,
+                  attention_gqa="fused" if cfg.train.attention_gqa == AUTO else cfg.train.attention_gqa)
 
 
-def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
+def _candidates(cfg: TrainConfig, world_size: int, *, cuda: bool = False) -> list[Layout]:
     """The run's layout under every value of the auto keys (the explicit ones fixed)."""
     p, ac = cfg.parallel, cfg.train.activation_checkpointing
     keeps, k = p.checkpoint_replay_keeps, cfg.train.checkpoint_segment_blocks
@@ -336,7 +358,8 @@ def _candidates(cfg: TrainConfig, world_size: int) -> list[Layout]:
                            offload=(False, True) if offload == AUTO else (offload,),
                            prefetch=(True, False) if prefetch == AUTO else (prefetch,),
                            segments=(tuple(n for n in NESTING_CANDIDATES if n <= max(1, model.num_layers))
-                                     if k == AUTO else (k,)))
+                                     if k == AUTO else (k,)),
+                           gqa=GQA_PATHS if weighs_gqa(cfg, cuda=cuda) else None)
 
 
 def length_stages(cfg: TrainConfig) -> list[tuple[int, int]]:
@@ -381,13 +404,13 @@ def _fewest_head_chunks(model: ModelConfig, staged: list[tuple[int, Prediction]]
 
 
 def _choice(layout: Layout, peak: float, budget: Budget, chunks: int | None = None, *,
-            offload_auto: bool = False, host: float = 0.0) -> MemoryChoice:
+            offload_auto: bool = False, host: float = 0.0, gqa_auto: bool = False) -> MemoryChoice:
     return MemoryChoice(layout.tsp_recompute, layout.activation_checkpointing, layout.head_buckets,
                         peak=peak, budget=budget, checkpoint_replay_keeps=layout.replay_keeps,
                         checkpoint_segment_blocks=layout.checkpoint_segment_blocks,
                         ulysses_head_chunks=chunks, offload_activations=layout.offload_activations,
-                        offload_decided=offload_auto, host_bytes=host,
-                        offload_prefetch=layout.offload_prefetch)
+                        offload_decided=offload_auto, host_bytes=host, attention_gqa=layout.attention_gqa,
+                        gqa_decided=gqa_auto, offload_prefetch=layout.offload_prefetch)
 
 
 def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None) -> Budget:
@@ -468,4 +491,4 @@ def choose_bench_settings(model: ModelConfig, *, degree: int, seq_len: int, micr
 
 __all__ = ["AUTO", "AutoSettingsError", "Budget", "MemoryChoice", "choose_among", "choose_auto_settings",
            "choose_bench_settings", "choose_memory_settings", "device_budget", "host_budget", "memory_budget",
-           "uses_auto"]
+           "uses_auto", "weighs_gqa"]

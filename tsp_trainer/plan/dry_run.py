@@ -223,9 +223,9 @@ def cuda_attention_path():
     original = layers.sdpa_route
     calls = {"forward": 0, "backward": 0}
 
-    def cuda_route(device_type, dtype, *, gqa, head_dim, kernel="fa2"):
+    def cuda_route(device_type, dtype, *, gqa, head_dim, kernel="fa2", gqa_path="native"):
         return _footprint_route(attention_route.sdpa_route("cuda", dtype, gqa=gqa, head_dim=head_dim,
-                                                           kernel=kernel), calls)
+                                                           kernel=kernel, gqa_path=gqa_path), calls)
 
     layers.sdpa_route = cuda_route
     try:

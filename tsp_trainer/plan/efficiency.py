@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -71,6 +72,35 @@ KERNEL_EFFICIENCY: dict[str, KernelEfficiency] = {
     "mi300x": KernelEfficiency(gemm=0.514, attention_forward=round(0.514 * 0.628 / 0.803, 3),
                                attention_backward=round(0.514 * 0.567 / 0.803, 3), elementwise=0.8),
 }
+
+
+# How much longer the GQA-native attention path (train.attention_gqa=native, model/attention_gqa.py)
+# takes than SDPA's fused GQA call for the same forward + backward, by sequence length S: the
+# median native / fused ratio of interleaved repeats of llama3_8b's heads (32 q, 8 KV, d 128) in
+# bf16 on D = 8, on an H200 (torch 2.11, FA2). "prefix": one TSP item, S / 8 zigzag queries x 4
+# heads against S keys x 1 KV head (the calls of schemes that split tokens); "square": one Ulysses
+# rank's S queries x 4 heads, square causal (schemes that split no tokens). 131,072 tokens from
+# docs/results/gqa_native_cost.json (5 repeats), the longer ones from
+# docs/results/gqa_native_cost_long.json (3 repeats); experiments/gqa_native_cost.py's docstring
+# gives the commands. The native path's extra launches and merges cost a quarter of a short call
+# and nothing measurable by 1M tokens (at 2M it runs 0.8% faster).
+GQA_NATIVE_SLOWDOWN = {
+    "prefix": ((131072, 1.255), (524288, 1.028), (1048576, 1.008), (2097152, 0.992)),
+    "square": ((131072, 1.018), (524288, 1.004)),
+}
+
+
+def gqa_native_slowdown_at(shape: str, seq_len: int) -> float:
+    """GQA_NATIVE_SLOWDOWN[shape] at seq_len: linear in log2(S) between the measured lengths, the
+    nearest measured value outside them."""
+    points = GQA_NATIVE_SLOWDOWN[shape]
+    if seq_len <= points[0][0]:
+        return points[0][1]
+    for (s0, r0), (s1, r1) in zip(points, points[1:]):
+        if seq_len <= s1:
+            w = math.log2(seq_len / s0) / math.log2(s1 / s0)
+            return r0 + w * (r1 - r0)
+    return points[-1][1]
 
 
 def kernel_efficiency(gpu: str) -> KernelEfficiency:
@@ -190,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["FAMILIES", "KERNEL_EFFICIENCY", "KernelEfficiency", "calibrate", "gpu_of_device",
+__all__ = ["FAMILIES", "GQA_NATIVE_SLOWDOWN", "KERNEL_EFFICIENCY", "gqa_native_slowdown_at", "KernelEfficiency", "calibrate", "gpu_of_device",
            "kernel_efficiency", "read_table", "write_table"]
 
 if __name__ == "__main__":

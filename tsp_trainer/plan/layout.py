@@ -1,6 +1,6 @@
 """How one job is laid out: the scheme, the model-parallel degree D = T x S_p (T splits weights, S_p
 splits tokens; TSP splits both D ways), DP replicas, the ZeRO stage, activation checkpointing (AC),
-TSP's head buckets and recompute mode, micro-batch and grad accumulation. `Layout` refuses what
+TSP's head buckets and recompute mode, micro-batch and grad accumulation, the GQA attention path. `Layout` refuses what
 the trainer refuses, so no layout the planner offers is one the trainer would not run."""
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ PLANNED_REPLAY_KEEPS = REPLAY_KEEPS
 # checkpointing): a segment of k blocks regains k - 1 block inputs on the GPU in backward, so
 # only small k pay off against HBM
 NESTING_CANDIDATES = (1, 2, 3, 4, 8)
+
+# train.attention_gqa's values (model/attention_route.py GQA_PATHS): CUDA's flash route under GQA
+# runs the per-group-member calls (native) or SDPA's fused GQA call (fused); the planner's searches
+# and `auto` weigh both where the model has GQA in bf16 (`search.gqa_paths`)
+GQA_PATHS = ("native", "fused")
 
 # the short marker of a tsp_recompute other than full in layout labels and tables
 RECOMPUTE_MARK = {"selective": "sel", "none": "keep"}
@@ -80,10 +85,16 @@ class Layout:
     # dX accumulators in fp32, as an untiled layer has them (the trainer puts them in the
     # activation dtype whenever the MLP's tokens are tiled)
     tiled_accumulators: bool = True
+    # train.attention_gqa: "native" (model/attention_gqa.py: no dK/dV per query head, slower) or
+    # "fused" (SDPA's GQA: FA2's backward writes dK/dV per query head, plan/reserved.py); acts on
+    # CUDA's flash route under GQA only (plan/transients.py native_gqa)
+    attention_gqa: str = "native"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"scheme={self.scheme!r} is not one of {', '.join(SCHEMES)}")
+        if self.attention_gqa not in GQA_PATHS:
+            raise ValueError(f"attention_gqa={self.attention_gqa!r} is not one of {', '.join(GQA_PATHS)}")
         self._check_recompute()
         for key in ("loss_chunk_tokens", "mlp_chunk_tokens", "attention_chunk_tokens"):
             value = getattr(self, key)
@@ -198,6 +209,8 @@ class Layout:
                 parts.append(REPLAY_MARK[self.replay_keeps])
         if self.checkpoint_segment_blocks > 1:
             parts.append(f"nest={self.checkpoint_segment_blocks}")
+        if self.attention_gqa != "native":
+            parts.append(f"gqa={self.attention_gqa}")
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
             parts.append("offload" if self.offload_prefetch else "offload noprefetch")
@@ -237,4 +250,4 @@ class Layout:
         return asdict(self)
 
 
-__all__ = ["NESTING_CANDIDATES", "PLANNED_REPLAY_KEEPS", "planned_scheme", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]
+__all__ = ["GQA_PATHS", "NESTING_CANDIDATES", "PLANNED_REPLAY_KEEPS", "planned_scheme", "RECOMPUTE_MARK", "REPLAY_KEEPS", "REPLAY_MARK", "SCHEMES", "TSP_RECOMPUTE", "UNTILED", "Layout"]

@@ -20,7 +20,7 @@ from tsp_trainer.plan.layout import NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
-from tsp_trainer.plan.search import candidate_layouts
+from tsp_trainer.plan.search import candidate_layouts, gqa_paths
 
 LIMIT_TOKENS = 1 << 27          # 134M tokens: the search stops here
 # the trainer's longest sequence: RoPE's fp32 angles take exact positions below 2^24 only
@@ -61,7 +61,8 @@ def _predictions(cfg: ModelConfig, scheme: str, seq_len: int, *, hw: HardwarePro
                                 schemes=(scheme,), max_degree=max_degree, zero_stages=prec.zero_stages,
                                 micro_batches=(1,), tsp_recompute=(tsp_recompute,),
                                 offload_optimizer=offload_optimizer, offload_activations=(offload,),
-                                fields=fields, replay_keeps=replay_keeps, segments=segments)
+                                fields=fields, replay_keeps=replay_keeps, segments=segments,
+                                gqa=gqa_paths(model, prec))
     return [predict(model, lay, seq_len, hw, global_batch=global_batch, prec=prec,
                     assumptions=assumptions) for lay in layouts]
 

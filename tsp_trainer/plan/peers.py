@@ -298,8 +298,9 @@ def _proxy(lay: PeerLayout, n: int, cfg: ModelConfig) -> Layout:
     """The one-GPU layout whose work, divided by D, is a peer rank's: every rank runs 1/D of each
     layer's FLOPs (Ulysses: all tokens of 1/D of the heads; CP: 1/D of the tokens against the
     causal prefix, zigzag-balanced), with the same checkpointing and tiling (a tiled MLP re-runs
-    gate/up in backward, a tiled loss its logits)."""
-    return Layout("tp", 1, dp=lay.dp, activation_checkpointing=lay.activation_checkpointing,
+    gate/up in backward, a tiled loss its logits). The peers' attention is SDPA's fused GQA call
+    (attention_gqa fused: no GQA-native slowdown)."""
+    return Layout("tp", 1, dp=lay.dp, activation_checkpointing=lay.activation_checkpointing, attention_gqa="fused",
                   micro_batch=lay.micro_batch, grad_accum=lay.grad_accum,
                   loss_chunk_tokens=loss_chunk_tokens(cfg, n) * lay.degree if lay.tiled_loss else UNTILED,
                   mlp_chunk_tokens=mlp_chunk_tokens(cfg, n) * lay.degree if lay.tiled_mlp else UNTILED)

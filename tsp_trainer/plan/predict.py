@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.plan.activations import ActivationEstimate, activation_memory
 from tsp_trainer.plan.communication import WIRE_FACTOR, data_parallel_comm, model_parallel_comm
-from tsp_trainer.plan.efficiency import KernelEfficiency, kernel_efficiency
+from tsp_trainer.plan.efficiency import KernelEfficiency, gqa_native_slowdown_at, kernel_efficiency
 from tsp_trainer.plan.flops import executed_by_family, hardware_flops_per_token
 from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.reserved import reserved_memory
 from tsp_trainer.plan.state import FP32_BYTES, state_bytes
+from tsp_trainer.plan.transients import native_gqa
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     eff_n = assumptions.comm_efficiency
     flops = hardware_flops_per_token(cfg, layout, seq_len, prec.act, chunks=layout.chunks)
     tokens_micro = layout.micro_batch * seq_len                    # per replica
-    t_compute = compute_seconds_per_token(cfg, layout, seq_len, hw, assumptions, prec) \
+    t_compute = compute_seconds_per_token(cfg, layout, seq_len, hw, assumptions, prec, device=device) \
         * tokens_micro / layout.degree
     overlappable, exposed = _model_parallel_seconds(mp, layout, hw, assumptions)
     # activation offload: every block's saved tensors go to the host in forward and come back in
@@ -142,15 +143,31 @@ def efficiencies(hw: HardwareProfile, assumptions: Assumptions = Assumptions()) 
 
 
 def compute_seconds_per_token(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
-                              assumptions: Assumptions = Assumptions(), prec: Precision = BF16) -> float:
+                              assumptions: Assumptions = Assumptions(), prec: Precision = BF16, *,
+                              device: str = "cuda") -> float:
     """Seconds of compute per training token on one GPU's worth of work (divide by D for a rank):
-    each kernel family's work at its achieved rate (plan/efficiency.py)."""
+    each kernel family's work at its achieved rate (plan/efficiency.py), the attention's slower by
+    `gqa_native_slowdown` where the layout runs the GQA-native path."""
     eff = efficiencies(hw, assumptions)
     work = executed_by_family(cfg, layout, seq_len, bytes_per_element=prec.act, chunks=layout.chunks)
+    slow = gqa_native_slowdown(cfg, layout, seq_len, prec, device)
     return (work["gemm"] / (hw.peak_flops * eff.gemm)
-            + work["attention_forward"] / (hw.peak_flops * eff.attention_forward)
-            + work["attention_backward"] / (hw.peak_flops * eff.attention_backward)
+            + slow * work["attention_forward"] / (hw.peak_flops * eff.attention_forward)
+            + slow * work["attention_backward"] / (hw.peak_flops * eff.attention_backward)
             + work["elementwise_bytes"] / (hw.hbm_bw * eff.elementwise))
+
+
+def gqa_native_slowdown(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision,
+                        device: str = "cuda") -> float:
+    """The attention time of `layout` at seq_len over that of SDPA's fused GQA call: the measured
+    GQA_NATIVE_SLOWDOWN (plan/efficiency.py) of its calls' shape where it runs the GQA-native path
+    (train.attention_gqa=native on CUDA's flash route under GQA, transients.native_gqa), else 1."""
+    t, s_p, _ = layout.axes
+    kv_heads = cfg.kv_shard_hidden(t) // cfg.head_dim          # per weight shard (a copy if fewer)
+    gqa = cfg.num_heads // t != kv_heads
+    if not native_gqa(prec.act, device, gqa, cfg.head_dim, layout.attention_gqa):
+        return 1.0
+    return gqa_native_slowdown_at("prefix" if s_p > 1 else "square", seq_len)
 
 
 def host_bytes_per_node(memory: dict[str, int], gpus_on_node: int) -> int:
@@ -290,4 +307,4 @@ def _optimizer_pcie_seconds(param_count: int, layout: Layout, prec: Precision, h
 
 
 __all__ = ["CPU_ADAM_BYTES", "OVERLAPPABLE_TAGS", "Assumptions", "Prediction", "compute_seconds_per_token",
-           "efficiencies", "exceeded_limits", "host_bytes_per_node", "predict"]
+           "efficiencies", "exceeded_limits", "gqa_native_slowdown", "host_bytes_per_node", "predict"]

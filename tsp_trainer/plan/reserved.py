@@ -8,10 +8,10 @@ source (docs/planner.md, "Memory beside the tensors", cites them) and added to t
                           (flash_api.cpp mha_bwd, `dq_accum`), for the largest query run of a call
   flash_gqa_dkv_expanded  under GQA FA2's backward writes dK, dV per query head,
                           [B, n_k, H_q, d] each in the activation dtype, then sums them per K/V head
-                          (`dk_expanded`, `dv_expanded`): 0 for the trainer's schemes, whose flash
-                          route under GQA calls the kernel with the KV heads only
-                          (model/attention_gqa.py, its buffers counted in transients.py); the peers'
-                          stacks (peers.py) hold it. The fp32 route expands K/V itself (counted in
+                          (`dk_expanded`, `dv_expanded`): the trainer's schemes hold it under
+                          train.attention_gqa=fused (SDPA's fused GQA call); 0 under native, whose
+                          calls take the KV heads only (model/attention_gqa.py, its buffers counted
+                          in transients.py); the peers' stacks (peers.py) hold it. The fp32 route expands K/V itself (counted in
                           transients.py)
   flash_split_kv          FA2's forward splits the keys only when B H_q ceil(n_q / 64) fills less than
                           80% of the SMs (`num_splits_heuristic`); then fp32 partial outputs
@@ -122,8 +122,9 @@ def reserved_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precis
     flash = e < 4                                   # bf16/fp16: the flash route (fp32: efficient)
     gqa = c["heads"] != c["kv_heads"]
     out = {"flash_dq_accum": flash_dq_accum_bytes(b, c["n_q"], c["heads"], cfg.head_dim) if flash else 0,
-           # the flash route under GQA is GQA-native (model/attention_gqa.py): nothing per query head
-           "flash_gqa_dkv_expanded": (0 if not flash or native_gqa(e, "cuda", gqa, cfg.head_dim) else
+           # the flash route under GQA, attention_gqa native (model/attention_gqa.py): nothing per query head
+           "flash_gqa_dkv_expanded": (0 if not flash or native_gqa(e, "cuda", gqa, cfg.head_dim,
+                                                                  layout.attention_gqa) else
                                       flash_gqa_dkv_expanded_bytes(b, c["n_k"], c["heads"], c["kv_heads"],
                                                                    cfg.head_dim, e)),
            "flash_split_kv": (flash_split_kv_bytes(b, c["n_q"], c["n_k"], c["heads"], cfg.head_dim,

@@ -1,5 +1,5 @@
 """Enumerate the layouts of a job (scheme, D, DP, ZeRO stage, activation checkpointing, TSP
-recompute mode, head buckets, micro-batch, grad accumulation), predict each one, keep those that
+recompute mode, head buckets, micro-batch, grad accumulation, GQA attention path), predict each one, keep those that
 fit in memory and rank them by predicted step time (`ranking_key`, which the trainer's `auto`
 settings share: plan/auto.py)."""
 
@@ -14,6 +14,7 @@ from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, SCHEMES, TSP_RECOMPUTE
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
+from tsp_trainer.plan.transients import native_gqa
 
 
 class PlanError(ValueError):
@@ -60,17 +61,27 @@ def ranking_key(p: Prediction, capacity: float):
     communication ties across recompute modes; where compute and transfers share the cores, as on
     CPU, the mode that recomputes least is the fastest), then no activation offload (its copies
     hidden behind compute tie with keeping the activations, and they still take PCIe and host
-    memory), then the offload's prefetch, then less nesting (checkpoint_segment_blocks), then less memory."""
+    memory), then the offload's prefetch, then less nesting (checkpoint_segment_blocks), then less
+    memory. The GQA-native path's measured slowdown (predict.gqa_native_slowdown) puts SDPA's fused
+    GQA first wherever both fit."""
     return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"],
             p.layout.offload_activations, not p.layout.offload_prefetch,
             p.layout.checkpoint_segment_blocks, p.memory["total"])
+
+
+def gqa_paths(cfg: ModelConfig, prec: Precision, device: str = "cuda") -> tuple[str, ...]:
+    """The train.attention_gqa values worth weighing for `cfg` in `prec` on `device`: fused and
+    native where the GQA-native path exists (CUDA's flash route under GQA), else native alone (the
+    Layout's default: there the path changes nothing)."""
+    exists = native_gqa(prec.act, device, cfg.num_heads != cfg.num_kv_heads, cfg.head_dim)
+    return ("fused", "native") if exists else ("native",)
 
 
 def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
                     checkpointing=(False, True), buckets: tuple[int, ...] | None = None,
                     offload: tuple[bool, ...] | None = None,
                     replay: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
-                    segments: tuple[int, ...] = (1,),
+                    segments: tuple[int, ...] = (1,), gqa: tuple[str, ...] | None = None,
                     prefetch: tuple[bool, ...] = (True, False)) -> list[Layout]:
     """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
     takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
@@ -80,8 +91,9 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
     off / on; None: base's own). A combination the trainer refuses (Layout's rules: no selective
     or none recompute with checkpointing or offload) is left out. buckets=None: every divisor of
     the K/V heads per weight shard. segments: the checkpoint_segment_blocks values taken under
-    checkpointing (nested checkpointing; 1 without it). prefetch: the offload_prefetch values
-    taken under activation offload (True without it: nothing to fetch)."""
+    checkpointing (nested checkpointing; 1 without it). gqa: the attention_gqa values (None:
+    base's own; `gqa_paths`). prefetch: the offload_prefetch values taken under activation offload
+    (True without it: nothing to fetch)."""
     tsp = base.scheme == "tsp"
     modes = recompute if tsp else ("full",)
     counts = (buckets or _buckets(cfg, base.degree)) if tsp else (1,)
@@ -93,13 +105,14 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
                 for keeps in (replay if tsp and ac else replay[:1]):
                     for off in offloads:
                         for k, ahead in product(segments if ac else (1,), prefetch if off else (True,)):
-                            try:
-                                out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
-                                                   head_buckets=nb, offload_activations=off,
-                                                   replay_keeps=keeps, checkpoint_segment_blocks=k,
-                                                   offload_prefetch=ahead))
-                            except ValueError:                  # refused by the trainer
-                                continue
+                            for path in (gqa or (base.attention_gqa,)):
+                                try:
+                                    out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
+                                                       head_buckets=nb, offload_activations=off,
+                                                       replay_keeps=keeps, checkpoint_segment_blocks=k,
+                                                       offload_prefetch=ahead, attention_gqa=path))
+                                except ValueError:              # refused by the trainer
+                                    continue
     return out
 
 
@@ -116,14 +129,15 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                       offload_activations: tuple[bool, ...] = (False, True),
                       fields: dict | None = None,
                       replay_keeps: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
-                      segments: tuple[int, ...] = (1,)) -> list[Layout]:
+                      segments: tuple[int, ...] = (1,), gqa: tuple[str, ...] | None = None) -> list[Layout]:
     """Every layout of `world` GPUs whose shapes split (config/validate.py's rules) and whose DP
     degree divides the global batch (in sequences), under each of `tsp_recompute` (TSP),
     activation checkpointing, head-bucket count and activation offload (`offload_activations`)
     the trainer takes (`memory_variants`), and under checkpointing each of `replay_keeps` (TSP's
     checkpoint_replay_keeps). `offload_optimizer`: every layout offloads (ZeRO 1 and 2 only, as
     the trainer requires). `fields`: Layout fields set on every layout (chunk settings,
-    tiled_accumulators). segments: the checkpoint_segment_blocks values of checkpointed layouts."""
+    tiled_accumulators). segments: the checkpoint_segment_blocks values of checkpointed layouts.
+    gqa: the attention_gqa values of every layout (None: native alone; `gqa_paths`)."""
     rejected = rejected if rejected is not None else {}
     if offload_optimizer:
         zero_stages = tuple(z for z in zero_stages if z >= 1)
@@ -154,7 +168,7 @@ def candidate_layouts(cfg: ModelConfig, *, seq_len: int, global_batch: int, worl
                                           **extra, **(fields or {}))
                             out += memory_variants(cfg, base, recompute=tsp_recompute,
                                                    offload=offload_activations, replay=replay_keeps,
-                                                   segments=segments)
+                                                   segments=segments, gqa=gqa)
     return out
 
 
@@ -193,7 +207,7 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
                                 schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
                                 zero_stages=prec.zero_stages, rejected=rejected,
                                 tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
-                                offload_activations=offload_activations)
+                                offload_activations=offload_activations, gqa=gqa_paths(cfg, prec))
     if not layouts:
         dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
         raise PlanError(

@@ -37,9 +37,11 @@ def expands_kv(e: int, device: str, gqa: bool) -> bool:
     return sdpa_route("cuda", dtype, gqa=True, head_dim=128).expand_kv
 
 
-def native_gqa(e: int, device: str, gqa: bool, head_dim: int) -> bool:
-    """Whether `attention_core` runs the GQA-native path (model/attention_gqa.py): on CUDA under
-    GQA on the flash route (bf16 / fp16, head_dim a multiple of 8)."""
+def native_gqa(e: int, device: str, gqa: bool, head_dim: int, path: str = "native") -> bool:
+    """Whether `attention_core` runs the GQA-native path (model/attention_gqa.py) under
+    train.attention_gqa=`path` (Layout.attention_gqa): on CUDA under GQA on the flash route
+    (bf16 / fp16, head_dim a multiple of 8) with path native. With `path` fused the same route runs
+    SDPA's fused GQA call, whose expanded dK/dV plan/reserved.py counts."""
     if device != "cuda" or not gqa:
         return False
     import torch
@@ -47,7 +49,7 @@ def native_gqa(e: int, device: str, gqa: bool, head_dim: int) -> bool:
     from tsp_trainer.model.attention_route import sdpa_route
 
     dtype = torch.float32 if e == 4 else torch.bfloat16
-    return sdpa_route("cuda", dtype, gqa=True, head_dim=head_dim).gqa_native
+    return sdpa_route("cuda", dtype, gqa=True, head_dim=head_dim, gqa_path=path).gqa_native
 
 
 def native_gqa_terms(e: int, n_q: int, hq: int, head_dim: int, kv: int) -> dict[str, int]:
@@ -63,7 +65,7 @@ def native_gqa_terms(e: int, n_q: int, hq: int, head_dim: int, kv: int) -> dict[
 
 def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int, n: int, *,
                       recomputed_qkv: bool, scatter_copies: int, device: str,
-                      head_dim: int) -> dict[str, int]:
+                      head_dim: int, gqa_path: str = "native") -> dict[str, int]:
     """Transient bytes of one zigzag attention call (all-gathered K/V, `attention_core` per run) for
     hq query and hkv key/value channels per call and n local tokens: forward, backward with
     recompute, and the dK/dV reduce-scatter (`scatter_copies` K/V-sized buffers alive then: dK/dV,
@@ -80,7 +82,7 @@ def _zigzag_attention(e: int, b: int, seq_len: int, s_p: int, hq: int, hkv: int,
     kv_exp = kv_full * hq // hkv if expands_kv(e, device, hq != hkv) else 0
     # CUDA flash route under GQA: the per-group-member calls (their merge buffers, dQ, dK/dV sums)
     grouped = (native_gqa_terms(e, b * 2 * c, hq, head_dim, kv_full)
-               if native_gqa(e, device, hq != hkv, head_dim) else {"fwd": 0, "bwd": 0})
+               if native_gqa(e, device, hq != hkv, head_dim, gqa_path) else {"fwd": 0, "bwd": 0})
     outs = 2 * e * b * c * hq + grouped["fwd"]            # SDPA outputs of the two runs
     qkv = e * n * (hq + 2 * hkv) if recomputed_qkv else 0
     # with B > 1 the zigzag reorders (zigzag.py) copy once more (a transpose made contiguous)
@@ -203,7 +205,8 @@ def _tsp_attention_terms(cfg: ModelConfig, layout: Layout, seq_len: int, prec: P
     kv_exp = kv * hq_b // hkv_b if expands_kv(e, device, hq_b != hkv_b) else 0
     # CUDA flash route under GQA: the per-group-member calls (model/attention_gqa.py)
     grouped = (native_gqa_terms(e, n, hq_b, cfg.head_dim, kv)
-               if native_gqa(e, device, hq_b != hkv_b, cfg.head_dim) else {"fwd": 0, "bwd": 0})
+               if native_gqa(e, device, hq_b != hkv_b, cfg.head_dim, layout.attention_gqa)
+               else {"fwd": 0, "bwd": 0})
     w = cfg.attn_shard_params(d_) * ew
     acc32 = (e if tiled else 4) * n * h                 # output / dX: fp32, or e once tiled
     w_fwd = min(3, d_) * w
@@ -309,13 +312,14 @@ def baseline_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Pr
     dgrad_in = a_n + (a_r if seqpar else 0)             # incoming gradient (+ its gathered copy)
     if s_p > 1:
         z = _zigzag_attention(e, b, seq_len, s_p, hq // t, hkv_t, n_r, recomputed_qkv=False,
-                              scatter_copies=3, device=device, head_dim=cfg.head_dim)
+                              scatter_copies=3, device=device, head_dim=cfg.head_dim,
+                              gqa_path=layout.attention_gqa)
         core_fwd, core_bwd = z["fwd"], z["bwd"]
         wgrad = 2 * ew * h * inter // t                 # a weight gradient and its all-reduced clone
     else:
         core_fwd = 0
         core_bwd = e * n_r * (2 * hq // t + 2 * hkv_t)  # d(out), dq, dk, dv
-        if native_gqa(e, device, hq // t != hkv_t, cfg.head_dim):   # a group member's dk, dv beside the sum
+        if native_gqa(e, device, hq // t != hkv_t, cfg.head_dim, layout.attention_gqa):   # a member's dk, dv beside the sum
             core_bwd += e * n_r * 2 * hkv_t
         wgrad = 0
     # backward: autograd frees each node's saved tensors as it runs, so the peak is where a block's

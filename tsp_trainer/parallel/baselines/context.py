@@ -46,11 +46,11 @@ class _ContextAttention(torch.autograd.Function):
     positions. Backward: re-gather K, V, recompute, reduce-scatter dK, dV to the token owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_runs, comm: Comm, documents, kernel: str):
+    def forward(ctx, q, k, v, q_runs, comm: Comm, documents, kernel: str, gqa_path: str):
         k_all, v_all = gather_kv(k, v, comm)
-        out = attention_core(q, k_all, v_all, q_runs, documents=documents, kernel=kernel)
+        out = attention_core(q, k_all, v_all, q_runs, documents=documents, kernel=kernel, gqa_path=gqa_path)
         ctx.save_for_backward(q, k, v)
-        ctx.comm, ctx.q_runs, ctx.documents, ctx.kernel = comm, q_runs, documents, kernel
+        ctx.comm, ctx.q_runs, ctx.documents, ctx.kernel, ctx.gqa_path = comm, q_runs, documents, kernel, gqa_path
         return out
 
     @staticmethod
@@ -59,21 +59,24 @@ class _ContextAttention(torch.autograd.Function):
         k_all, v_all = gather_kv(k, v, ctx.comm)
         with torch.enable_grad():
             ql, kl, vl = (t.detach().requires_grad_() for t in (q, k_all, v_all))
-            out = attention_core(ql, kl, vl, ctx.q_runs, documents=ctx.documents, kernel=ctx.kernel)
+            out = attention_core(ql, kl, vl, ctx.q_runs, documents=ctx.documents, kernel=ctx.kernel,
+                                 gqa_path=ctx.gqa_path)
             dq, dk_all, dv_all = torch.autograd.grad(out, (ql, kl, vl), dout)
         del out, kl, vl, k_all, v_all
         dk, dv = scatter_dkv(dk_all, dv_all, ctx.comm)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       q_runs: tuple[tuple[int, int, int], ...], comm: Comm,
-                      documents: Documents | None = None, kernel: str = "fa2") -> torch.Tensor:
+                      documents: Documents | None = None, kernel: str = "fa2",
+                      gqa_path: str = "native") -> torch.Tensor:
     """q [B, T, Hq, d], k, v [B, T, Hkv, d] of the local zigzag tokens, whose global positions
     are the runs `q_runs` (Rotary.runs) -> attention output [B, T, Hq * d]. A group of size 1
     holds the whole sequence in order. `documents`: the rows' document starts (masking);
-    `kernel`: the run's attention kernel (Rotary.attention_kernel)."""
+    `kernel`, `gqa_path`: the run's attention kernel and GQA path (Rotary.attention_kernel,
+    Rotary.attention_gqa)."""
     if comm.size == 1:
         return attention_core(q, k, v, q_runs if documents is not None else None, documents=documents,
-                              kernel=kernel)
-    return _ContextAttention.apply(q, k, v, q_runs, comm, documents, kernel)
+                              kernel=kernel, gqa_path=gqa_path)
+    return _ContextAttention.apply(q, k, v, q_runs, comm, documents, kernel, gqa_path)

@@ -44,7 +44,7 @@ class Groups:
     # the per-head q/k norm weights (Qwen3): each rank sees other heads (tp) and other tokens (sp)
     # of them, so their grads are summed over the whole model-parallel group (None: D = 1)
     head_norm_grad: Comm | None = None
-    # attention over the sp sub-axis: (q, k, v, q_runs, sp, documents, kernel) -> [B, T, Hq * d]; the
+    # attention over the sp sub-axis: (q, k, v, q_runs, sp, documents, kernel, gqa_path) -> [B, T, Hq * d]; the
     # K/V all-gather of context parallelism, or Ulysses' all-to-alls (parallel/ulysses.py)
     attend: Callable = context_attention
     # False when DeepSpeed ZeRO-3 shards the weights over every rank of the sp sub-axis and dp
@@ -136,7 +136,8 @@ class ParallelAttention(nn.Module):
         q = apply_rope(q, rope.cos, rope.sin)
         k = apply_rope(k, rope.cos, rope.sin)
         v = F.linear(x, wv, bv).view(b, t, -1, d)
-        out = g.attend(q, k, v, rope.runs, g.sp, rope.documents, rope.attention_kernel)   # [B, T_region, n_h/T * d]
+        out = g.attend(q, k, v, rope.runs, g.sp, rope.documents, rope.attention_kernel,
+                       rope.attention_gqa)                                # [B, T_region, n_h/T * d]
         return g.add_replicated_bias(g.leave_tp(F.linear(out, wo), "attn.tp"), self.o_proj.bias)
 
 

@@ -405,7 +405,7 @@ class _Item:
         self.gather = None
         if not graph:
             return attention_core(self.q, full[:, :, 0], full[:, :, 1], rope.runs, documents=rope.documents,
-                                  kernel=rope.attention_kernel)
+                                  kernel=rope.attention_kernel, gqa_path=rope.attention_gqa)
         self.q_leaf, self.sink = self.q.detach().requires_grad_(), []
         self.anchor = torch.zeros((), dtype=full.dtype, device=full.device, requires_grad=True)
         hooks = contextlib.nullcontext()
@@ -418,7 +418,7 @@ class _Item:
                 hooks = torch.autograd.graph.saved_tensors_hooks(self.dropped.pack, self.dropped.unpack)
             with hooks:
                 self.a = attention_core(self.q_leaf, k, v, rope.runs, documents=rope.documents,
-                                        kernel=rope.attention_kernel)
+                                        kernel=rope.attention_kernel, gqa_path=rope.attention_gqa)
         if drop_kv:
             self.dropped.kv = None                       # nothing refers to the gathered K/V now
         return self.a
