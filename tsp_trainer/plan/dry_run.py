@@ -434,19 +434,20 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
     extrapolated the same way; the shapes are those of the run. With offload_activations the runs
     have 2 and 3 layers (module docstring item 2); under nested checkpointing
     (checkpoint_segment_blocks k > 1) whole segments: k and 2 k layers (2 k and 3 k with offload),
-    extrapolated per segment to ceil(L / k) of them."""
+    plus the L mod k blocks of the model's last, shorter segment, extrapolated per segment to the
+    model's ceil(L / k) of them."""
     if layers is not None and layers >= cfg.num_layers:
         return run_step(cfg, scheme, **kwargs)
     if layers is not None:
         raise ValueError(f"layers={layers}: run the full model (None or >= {cfg.num_layers}) or "
                          "let simulate extrapolate from 1 and 2 layers (layers=None)")
     k = kwargs.get("checkpoint_segment_blocks", 1)
-    first = (2 if kwargs.get("offload_activations") else 1) * k
+    first = _first_run_layers(cfg.num_layers, bool(kwargs.get("offload_activations")), k)
     if cfg.num_layers <= first + k:
         return run_step(cfg, scheme, **kwargs)
     one = run_step(cfg.replace(num_layers=first), scheme, **kwargs)
     two = run_step(cfg.replace(num_layers=first + k), scheme, **kwargs)
-    extra = -(-(cfg.num_layers - first) // k)
+    extra = (cfg.num_layers - first) // k
 
     def lin(a: int, b: int) -> int:
         return a + extra * (b - a)
@@ -479,8 +480,15 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
 # the full-scale dry run (tsp-plan --dry-run)
 
 
-def _extrapolation(offload: bool, k: int) -> str:
+def _first_run_layers(num_layers: int, offload: bool, k: int) -> int:
+    """Layers of `simulate`'s first run: one segment of k blocks (two with offload), plus the
+    L mod k blocks of the model's last, shorter segment, so both runs end as the model does."""
     first = (2 if offload else 1) * k
+    return first + (num_layers - first) % k
+
+
+def _extrapolation(num_layers: int, offload: bool, k: int) -> str:
+    first = _first_run_layers(num_layers, offload, k)
     return f"extrapolated from {first} and {first + k} layers"
 
 
@@ -526,7 +534,8 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
               "checkpoint_replay_keeps": checkpoint_replay_keeps, "gpu": gpu,
               "attention_chunk_tokens": attention_chunk_tokens,
               "checkpoint_segment_blocks": checkpoint_segment_blocks, "offload_prefetch": offload_prefetch,
-              "layers": "all" if full_depth else _extrapolation(offload_activations, checkpoint_segment_blocks),
+              "layers": "all" if full_depth else _extrapolation(cfg.num_layers, offload_activations,
+                                                                      checkpoint_segment_blocks),
               "schemes": {}}
     for scheme in schemes:
         if log:
