@@ -168,18 +168,18 @@ def test_bf16_gradient_reductions_and_accumulators_are_fp32(scheme, options, bia
 
 
 def test_bf16_training_follows_the_fp32_loss_curve_with_fp32_gradient_accumulation():
-    """50 steps of the tiny model, TSP D = 2, ZeRO-1 (bf16: DeepSpeed's BF16_Optimizer with fp32
+    """25 steps of the tiny model, TSP D = 2, ZeRO-1 (bf16: DeepSpeed's BF16_Optimizer with fp32
     gradient buffers), then two steps with ZeRO-2 (fp32 gradient partition), in bf16 and fp32.
 
     Tolerance: every step's loss within 0.02 of the fp32 run, the mean gap below 0.005
-    (measured 0.0015 and 0.0005 at losses of 5.2-6.9; the same runs with bf16 gradient
-    accumulation measure 0.0029 and 0.0008: at this size the loss curve cannot tell them apart,
-    which is why the dtypes are asserted). bf16 keeps 8 significant
+    (measured 0.0025 and 0.0007 at losses of 6.0-6.9; bf16 gradient accumulation gives gaps of
+    the same size: at this size the loss curve cannot tell them apart, which is why the dtypes
+    are asserted). bf16 keeps 8 significant
     bits: each matmul input carries up to 0.4% relative rounding, the loss (an fp32 mean over 128
-    tokens) moves by ~1e-3 per step from it, and 50 steps let the two runs drift apart by a few
-    times that; 0.02 leaves a margin of 13x. A gradient path that loses a term or a scale drifts by
+    tokens) moves by ~1e-3 per step from it, and 25 steps let the two runs drift apart by a few
+    times that; 0.02 leaves a margin of 8x. A gradient path that loses a term or a scale drifts by
     more than 0.1 within a few steps at lr 3e-3."""
-    common = ["train.steps=50", "checkpoint.enabled=false", "logging.log_every=100",
+    common = ["train.steps=25", "checkpoint.enabled=false", "logging.log_every=100",
               "parallel.tsp_degree=2", "zero.stage=1"]
     runs = [common + ["train.dtype=fp32"], common + ["train.dtype=bf16"],
             ["train.steps=2", "checkpoint.enabled=false", "zero.stage=2", "train.dtype=bf16",
@@ -191,5 +191,5 @@ def test_bf16_training_follows_the_fp32_loss_curve_with_fp32_gradient_accumulati
         assert run["grad_accum_dtype"] == run["communication_dtype"] == "torch.float32", run
     assert bf16["optimizer"] == "BF16_Optimizer" and zero2["optimizer"] == "DeepSpeedZeroOptimizer"
     gaps = [abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"])]
-    assert len(gaps) == 50 and max(gaps) < 0.02 and sum(gaps) / 50 < 0.005, gaps
-    assert sum(bf16["losses"][25:]) / 25 < bf16["losses"][0] - 0.3      # it trains (batches vary: noisy)
+    assert len(gaps) == 25 and max(gaps) < 0.02 and sum(gaps) / 25 < 0.005, gaps
+    assert sum(bf16["losses"][12:]) / 13 < bf16["losses"][0] - 0.3      # it trains (batches vary: noisy)

@@ -137,9 +137,13 @@ def test_cli_as_a_user_runs_it(tmp_path, checkpoint):
     """`tsp-eval` on one process and under torchrun (2 processes, TSP D=2): the table on stdout,
     exit 0; bad input: exit 2 and one line naming the flag, before any process group."""
     out = tmp_path / "out"
+    # the bad input beside the good run (it stops before anything is read or written)
+    bad = subprocess.Popen([str(BIN / "tsp-eval"), "passkey", str(checkpoint), "--lengths", "129"],
+                           cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ok = subprocess.run([str(BIN / "tsp-eval"), "passkey", str(checkpoint), "--lengths", "128",
                          "--depths", "0,0.5,1", "--samples", "2", "--out", str(out)],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    _, bad_err = bad.communicate(timeout=120)
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "tsp-eval passkey: 100%" in ok.stderr and "6/6" in ok.stderr    # the progress bar
     results = out / checkpoint.name / "step_00000002"
@@ -159,10 +163,8 @@ def test_cli_as_a_user_runs_it(tmp_path, checkpoint):
     torchrun = tmp_path / "tr" / checkpoint.name / "step_00000002" / "passkey.json"
     for a, b in zip(json.loads(torchrun.read_text())["cells"], same, strict=True):
         assert a == {**b, "key_nll": pytest.approx(b["key_nll"], rel=1e-5)}
-    bad = subprocess.run([str(BIN / "tsp-eval"), "passkey", str(checkpoint), "--lengths", "129"],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
-    assert bad.stderr == ("tsp-eval: error: --lengths=129 is not divisible by 2 x --tsp-degree = 2 "
+    assert bad_err == ("tsp-eval: error: --lengths=129 is not divisible by 2 x --tsp-degree = 2 "
                           "(zigzag cuts each sequence into 2D chunks); use a multiple of 2, e.g. 128 "
                           "or 130\n")
 

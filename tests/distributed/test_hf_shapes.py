@@ -1,6 +1,6 @@
 """Qwen3 (per-head q/k RMSNorm), an explicit head_dim (Llama, Mistral) and a prime vocabulary
 (padded to a multiple of the degree inside, tied and untied), imported from tiny folders saved by
-transformers, under TSP and every baseline at D = 2 and 4, against transformers itself on the same
+transformers, under TSP and every baseline at D = 2 and 4 (pairwise at D = 4: AT_D4), against transformers itself on the same
 weights (fp32): the logits, the loss and every gradient; the ledger of a step against the closed
 forms; the loss and gradients with document masking (each document alone in transformers); the
 weights after 3 AdamW steps; those weights written as TSP's checkpoint shards and read back into a
@@ -51,6 +51,15 @@ SCHEMES = {
         ("tp_x_sp", {"tp_degree": 2, "sp_degree": 2})],
 }
 
+# Pairwise at D = 4: every scheme meets every shape at D = 2, and tsp and tp_x_sp (which needs 4
+# ranks) every shape at D = 4 too; there each other case runs on the shapes named here, so every
+# shape and every scheme meet D = 4 and each shape's features (q/k norms, biases, tying, head_dim
+# above and below hidden / heads, a prime vocabulary) meet a Megatron baseline and sp at D = 4.
+AT_D4 = {("tsp", "none"): ("qwen3", "qwen3_bias_tied", "mistral_head_dim"),
+         ("tp", None): ("qwen3", "llama_vocab_prime_tied"),
+         ("tp_sp", None): ("qwen3_bias_tied", "mistral_head_dim"),
+         ("sp", None): ("llama_head_dim", "qwen3_vocab_prime")}
+
 # K/V heads fewer than D (hf_shapes.FEW_KV_HEADS), where they are: MQA at D = 2 and 4 (one group of
 # 2 and 4 sharers), GQA 8/2 at D = 4 (two groups of 2). One K/V head per shard cannot be bucketed;
 # TSP's kept items (tsp_recompute=none keeps what selective keeps) reuse the shared gather, and so
@@ -69,9 +78,12 @@ RESHARD_TO = {2: "sp", 4: "tp_x_sp"}
 
 
 def _schemes(shape: str, world: int) -> list:
-    if shape not in hf_shapes.FEW_KV_HEADS:
-        return SCHEMES[world]
-    return FEW_KV_SCHEMES.get((shape, world), [])
+    if shape in hf_shapes.FEW_KV_HEADS:
+        return FEW_KV_SCHEMES.get((shape, world), [])
+    if world == 2:
+        return SCHEMES[2]
+    return [(scheme, options) for scheme, options in SCHEMES[4]
+            if shape in AT_D4.get((scheme, options.get("tsp_recompute")), (shape,))]
 
 
 @pytest.fixture(scope="module")

@@ -90,3 +90,27 @@ def test_native_gqa_backward_peaks_lower_than_sdpa_enable_gqa(shape):
     assert native["peak"] < fused["peak"], (native["peak"], fused["peak"])
     if shape == "square":
         assert fused["peak"] - native["peak"] >= expanded // 4, (native["peak"], fused["peak"])
+
+
+def test_a_gqa_model_trains_the_same_on_either_path():
+    """A whole GQA model on CUDA in bf16, built with train.attention_gqa's two values: one forward
+    and backward each, the loss and every gradient agreeing to bf16 rounding (the fused path is
+    auto's choice at 128K, the native path at millions of tokens)."""
+    from tests.distributed.tsp_cases import init_model, make_batch
+    from tsp_trainer.config import model_config
+    from tsp_trainer.model import Transformer
+
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=2)
+    ids, labels = (t.to(CUDA) for t in make_batch(cfg, 2, 512))
+    runs = {}
+    for path in ("native", "fused"):
+        model = Transformer(cfg, attention_gqa=path)
+        init_model(model, 7)
+        model.to(device=CUDA, dtype=torch.bfloat16)
+        loss = model.loss(ids, labels)
+        loss.backward()
+        runs[path] = (loss.float().item(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (native_loss, native_grads), (fused_loss, fused_grads) = runs["native"], runs["fused"]
+    assert native_loss == pytest.approx(fused_loss, rel=1e-2)
+    for name, g in native_grads.items():
+        assert torch.isfinite(g).all() and _rel_err(g, fused_grads[name]) < REL_ERR, name

@@ -146,10 +146,16 @@ def test_glossary_examples_print_what_the_glossary_says(tmp_path):
     run_blocks(scenario("docs/guides/glossary.md", "glossary"), cwd, env)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bring_your_own_model_and_data_end_to_end(tmp_path):
     """The guide as written: a tiny HF folder and jsonl files, then check, train (4 processes, 6
-    steps), resume (4 more), export and eval."""
+    steps), resume (4 more), export and eval. Slow (two 4-process launches and four more
+    interpreters); the default suite runs each step's code: an HF folder trained from under
+    DP 2 x TSP 2 and exported with its tokenizer (tests/distributed/test_hf_interop.py),
+    tsp-check and tsp-launch (tests/integration/test_tsp_launch.py, test_interrupt_launch.py),
+    the resume (test_interrupt_launch.py, tests/distributed/test_resume_settings.py), tsp-eval
+    loss (tests/distributed/test_eval_cli.py)."""
     cwd, env = workspace(tmp_path)
     run_blocks(scenario("docs/guides/bring_your_own.md", "byo"), cwd, env)
     assert (cwd / "runs/my_run/checkpoints/latest").read_text().strip() == "step_00000010"

@@ -1,6 +1,6 @@
 """`launch/torchrun.sh` runs a short variant of recipes/tiny_cpu.yaml (the plain `accelerate
-launch` line of its comment runs as written, to the end with the loss falling, in
-test_lifecycle_launch.py's SIGTERM test). Subprocesses, like a user would run them. The launch
+launch` line of its comment runs, stopped, resumed and to the end with the loss falling, in
+test_interrupt_launch.py). Subprocesses, like a user would run them. The launch
 scripts' command lines (torchrun.sh on one CPU node and on 128 GPU nodes, the SLURM batch script
 and its USR1 requeue) run against stand-ins for python, srun, scontrol and tsp-launch that record their argv."""
 
@@ -26,17 +26,19 @@ def _env():
 
 def test_torchrun_script_and_bad_recipe_message(tmp_path):
     env = dict(_env(), NPROC="2", MASTER_PORT="0", PYTHON=sys.executable)
+    # the bad recipe's tsp-train beside the run (it stops before anything is written)
+    bad = subprocess.Popen([str(BIN / "tsp-train"), "recipes/tiny_cpu.yaml", "train.stpes=3"], cwd=REPO,
+                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = subprocess.run(["bash", "launch/torchrun.sh", "recipes/tiny_cpu.yaml", "train.steps=6",
                            "optim.warmup_steps=2", "data.seq_len=64", "checkpoint.every=0",
                            "train.eval_every=0", f"train.output_dir={tmp_path / 'tr'}",
                            "logging.progress_bar=false"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    _, bad_err = bad.communicate(timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tsp-train: done: 6 steps" in proc.stdout
-    bad = subprocess.run([str(BIN / "tsp-train"), "recipes/tiny_cpu.yaml", "train.stpes=3"],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
-    assert "train.stpes" in bad.stderr and "train.steps" in bad.stderr
+    assert "train.stpes" in bad_err and "train.steps" in bad_err
     assert not (REPO / "runs" / "default").exists()
 
 

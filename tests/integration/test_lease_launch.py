@@ -1,6 +1,8 @@
 """One job per output folder, through the real CLI: two `tsp-train` jobs started at the same moment
 into one new folder (both with train.resume=auto, which alone would accept either): exactly one
-trains, the other exits 2 before start-up with one line naming the holder."""
+trains, the other exits 2 before start-up with one line naming the holder. A lease held by
+another live process is refused with one line naming it, and taken over once that process is
+gone (the lease in one process: tests/unit/test_lease.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+from tsp_trainer.run.lease import LEASE_FILE, LeaseHeld, RunLease
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,3 +66,35 @@ def test_two_jobs_into_one_folder_at_once_one_runs_the_other_is_refused(tmp_path
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 31))              # one job's metrics, each step once
     assert not (out / "lease.json").exists()        # released at the winner's exit
+
+
+def acquire(out, warnings=None):
+    return RunLease.acquire(out, warn=(warnings if warnings is not None else []).append, heartbeat_s=0)
+
+
+def test_a_live_holder_in_another_process_is_refused_with_one_line_naming_it(tmp_path):
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom tsp_trainer.run.lease import RunLease\n"
+         f"RunLease.acquire({str(out)!r}, warn=print)\nprint('held', flush=True)\ntime.sleep(60)"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), SLURM_JOB_ID="777"),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeld) as err:
+            acquire(out)
+        line = str(err.value)
+        assert "\n" not in line
+        assert line.startswith(f"train.output_dir={str(out)!r} is in use by another job (host {socket.gethostname()}, "
+                               f"pid {holder.pid}, job 777, since 20"), line
+        assert str(out / LEASE_FILE) in line
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel dropped the dead holder's lock: the folder is taken over, with one warning.
+    warnings = []
+    lease = acquire(out, warnings)
+    assert len(warnings) == 1 and f"pid {holder.pid}" in warnings[0], warnings
+    assert "taking over the stale lease" in warnings[0] and "its process is gone" in warnings[0]
+    assert json.loads((out / LEASE_FILE).read_text())["pid"] == os.getpid()
+    lease.release()

@@ -1,10 +1,9 @@
-"""The run lifecycle as a user meets it, through the real launchers (subprocesses): SIGTERM to
-`accelerate launch` (recipes/tiny_cpu.yaml's line as written) mid-run gives a checkpoint and a
-clean stop, and the relaunch continues the same run to the recipe's end, the loss falling; two jobs on one machine do not collide; input errors are one line from rank 0 before
-start-up; the launch lines in the recipes name a launcher config that fits; the SLURM script
-forwards a preemption signal to the trainer and requeues (with stand-ins for srun / scontrol)."""
+"""The run lifecycle as a user meets it, through the real launchers (subprocesses): two jobs on one
+machine do not collide; input errors are one line from rank 0 before start-up; the launch lines in
+the recipes name a launcher config that fits; the SLURM script forwards a preemption signal to the
+trainer and requeues (with stand-ins for srun / scontrol). A run stopped by SIGTERM and by Ctrl-C
+and resumed through the launchers: test_interrupt_launch.py."""
 
-import json
 import os
 import re
 import shlex
@@ -50,7 +49,7 @@ def test_recipe_launch_lines_name_a_launcher_config_for_their_world(recipe, tmp_
     """The commented launch line works as written: it names an existing launcher config (not only
     --num_processes, which fails on CPU) and this recipe, which validates at that config's number
     of processes. (tiny_cpu's accelerate line is also run as written, by
-    test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues.)"""
+    test_interrupt_launch.py.)"""
     line = recipe_launch_line(recipe)
     if line.startswith("sbatch "):
         script = (REPO / line.split()[1]).read_text()
@@ -77,54 +76,6 @@ def test_readme_main_job_is_a_recipe_launch_line():
     lines = [recipe_launch_line("tiny_cpu.yaml", (launcher,)) for launcher in ("tsp-launch",
                                                                                 "accelerate launch")]
     assert any(line in readme for line in lines), lines
-
-
-def test_sigterm_to_the_launcher_checkpoints_and_the_requeue_continues(tmp_path):
-    """recipes/tiny_cpu.yaml's plain `accelerate launch` line as written (4 ranks, 60 steps,
-    checkpoints every 20), run as a preempted job: SIGTERM to the launcher once step 3 is logged:
-    torch elastic forwards it to the ranks, which agree, checkpoint the step they reached and exit
-    75; the launcher then exits non-zero with its own SignalException traceback (documented). The
-    relaunch with train.resume=auto continues the same W&B run to the recipe's end: metrics.jsonl
-    holds each of the 60 steps once, the loss falls, the last checkpoint is step 60."""
-    out = tmp_path / "run"
-    args = [f"train.output_dir={out}", "train.resume=auto", "logging.wandb_mode=offline",
-            "logging.progress_bar=false"]
-    env = _env(WANDB_MODE="offline", WANDB_SILENT="true")
-    proc = subprocess.Popen(_accelerate(args), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 400
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    k = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    seconds = time.monotonic() - t0
-    latest = (out / "checkpoints" / "latest").read_text().strip()
-    step = int(latest.split("_")[1])
-    print(f"\nSIGTERM to the launcher after step {k} was logged: checkpoint {latest}, launcher "
-          f"exited {seconds:.2f} s after the signal with code {proc.returncode}")
-    assert step in (k, k + 1, k + 2) and step < 20, (k, latest)      # the step in flight, or the next
-    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds)
-    assert f"tsp-train: stopped after step {step} of 60 (signal SIGTERM)" in stdout, stdout
-    assert "exit code 75" in stdout and "SignalException" in stderr
-    first_id = json.loads((out / "run.json").read_text())["wandb_run_id"]
-
-    again = subprocess.run(_accelerate(args), cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoints' / latest} at step {step}" in again.stderr
-    assert "tsp-train: done: 60 steps" in again.stdout
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(1, 61))
-    first, last = lines[0]["train/loss"], sum(m["train/loss"] for m in lines[-5:]) / 5
-    assert last < first - 0.8, (first, last)              # measured 6.93 -> ~5.6
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000060"
-    assert (out / "config.yaml").exists()
-    assert json.loads((out / "run.json").read_text())["wandb_run_id"] == first_id
-    runs = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(first_id) for r in runs)
 
 
 @pytest.mark.slow
@@ -173,6 +124,17 @@ def _single_process_error(out):
 def test_input_error_is_one_line_and_exit_code_2(tmp_path):
     """A relaunch into a used folder with resume=none: tsp-train exits 2 with one line."""
     _single_process_error(_used_folder(tmp_path))
+
+
+def test_a_refused_tsp_train_leaves_no_folder(tmp_path):
+    """Rank 0 takes the lease (making the folder) before the data check refuses the run."""
+    out = tmp_path / "made" / "run"
+    proc = subprocess.run([sys.executable, "-m", "tsp_trainer", "train", "recipes/tiny_cpu.yaml", "parallel.tsp_degree=1",
+                           f"data.source={tmp_path / 'missing'}", f"train.output_dir={out}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "does not exist" in proc.stderr
+    assert not (tmp_path / "made").exists()
 
 
 @pytest.mark.slow

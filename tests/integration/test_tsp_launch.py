@@ -60,15 +60,16 @@ def test_a_ranks_exit_75_is_the_jobs_exit_code(tmp_path):
 
 def test_check_command_passes_a_good_recipe_and_refuses_a_used_folder(tmp_path):
     check = [sys.executable, "-m", "tsp_trainer", "check", "--world-size", "4", "recipes/tiny_cpu.yaml"]
-    good = subprocess.run(check + [f"train.output_dir={tmp_path / 'new'}"], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert good.returncode == 0, good.stderr
-    assert good.stdout.strip() == (f"tsp-check: ok: recipes/tiny_cpu.yaml on 4 processes (dp 2 x tsp 2), "
-                                   f"output {tmp_path / 'new'}")
-    bad = subprocess.run(check + [f"train.output_dir={_used_folder(tmp_path)}"], cwd=REPO, env=_env(),
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.startswith("tsp-check: error: train.output_dir=") and bad.stderr.count("\n") == 1
-    wrong_world = subprocess.run(check[:5] + ["3"] + check[6:], cwd=REPO, env=_env(),
-                                 capture_output=True, text=True, timeout=120)
-    assert wrong_world.returncode == 2 and "world size 3" in wrong_world.stderr
+    # the three checks side by side (each its own process; none writes anything)
+    good, bad, wrong_world = [
+        subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for argv in (check + [f"train.output_dir={tmp_path / 'new'}"],
+                     check + [f"train.output_dir={_used_folder(tmp_path)}"], check[:5] + ["3"] + check[6:])]
+    (good_out, good_err), (bad_out, bad_err), (_, wrong_err) = (p.communicate(timeout=120)
+                                                                for p in (good, bad, wrong_world))
+    assert good.returncode == 0, good_err
+    assert good_out.strip() == (f"tsp-check: ok: recipes/tiny_cpu.yaml on 4 processes (dp 2 x tsp 2), "
+                                f"output {tmp_path / 'new'}")
+    assert bad.returncode == 2 and bad_out == ""
+    assert bad_err.startswith("tsp-check: error: train.output_dir=") and bad_err.count("\n") == 1
+    assert wrong_world.returncode == 2 and "world size 3" in wrong_err

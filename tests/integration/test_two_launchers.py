@@ -5,7 +5,8 @@ placement line shows each TSP group inside one launcher and the DP groups across
 equal one launcher's 4 processes; SIGKILL of one launcher's process group ends the other within
 train.collective_timeout_s plus a margin, each surviving rank naming the lost node in one line.
 
-Each test starts 4 ranks in two launchers (the set of five: 524 s on the loaded 2-core machine): slow."""
+Each test starts 4 ranks in two launchers: slow. The launchers' runs are pairwise: tsp-launch and
+torchrun train to the end; accelerate launch and torchrun lose a node."""
 
 from __future__ import annotations
 
@@ -115,7 +116,16 @@ def one_launcher_losses(tmp_path_factory) -> dict[int, float]:
     return losses(out)
 
 
-@pytest.mark.parametrize("launcher", ["tsp-launch", "accelerate", "torchrun"])
+def _placed_as_one_job(rank_0_log: str) -> None:
+    """TSP groups node-local (one launcher's ranks), DP across the launchers."""
+    where = placement(rank_0_log)
+    assert where["nodes"] == {0: [0, 1], 1: [2, 3]}
+    assert where["tsp"] == [[0, 1], [2, 3]] and where["tsp_local"]
+    assert where["dp"] == [[0, 2], [1, 3]] and where["dp_nodes"] == [0, 1]
+
+
+# accelerate launch is placed and trains as one job in the kill test below (tsp-launch runs it too)
+@pytest.mark.parametrize("launcher", ["tsp-launch", "torchrun"])
 def test_two_launchers_train_as_one(launcher, tmp_path, one_launcher_losses):
     """TSP groups node-local (one launcher's ranks), DP across the launchers, the losses of one
     launcher's run, exit 0 on both."""
@@ -124,10 +134,7 @@ def test_two_launchers_train_as_one(launcher, tmp_path, one_launcher_losses):
     for node, (code, _, err) in enumerate(results):
         assert code == 0, (node, err[-4000:])
     assert "tsp-train: done: 3 steps" in results[0][1]
-    where = placement(results[0][2])
-    assert where["nodes"] == {0: [0, 1], 1: [2, 3]}
-    assert where["tsp"] == [[0, 1], [2, 3]] and where["tsp_local"]
-    assert where["dp"] == [[0, 2], [1, 3]] and where["dp_nodes"] == [0, 1]
+    _placed_as_one_job(results[0][2])
     assert losses(out) == one_launcher_losses
 
 
@@ -137,10 +144,13 @@ def steps_logged(out: Path) -> int:
 
 
 @pytest.mark.parametrize("launcher,victim", [("accelerate", 1), ("torchrun", 0)])
-def test_killing_one_launcher_ends_the_other_naming_the_lost_node(launcher, victim, tmp_path):
+def test_killing_one_launcher_ends_the_other_naming_the_lost_node(launcher, victim, tmp_path,
+                                                                  one_launcher_losses):
     """SIGKILL of one launcher's process group (what a dead node looks like to the other) after
     step 2: the other launcher exits non-zero within the collective timeout plus a margin, and
-    each of its ranks says in one line which node (machine rank, host, ranks) it lost."""
+    each of its ranks says in one line which node (machine rank, host, ranks) it lost. Until then
+    the two trained as one job: placed as one, the steps logged are one launcher's (a constant
+    rate: the same first steps as its 3-step run)."""
     out = tmp_path / "run"
     procs = start_two(launcher, ["train.steps=400", f"train.output_dir={out}", *RUN])
     deadline = time.monotonic() + 600
@@ -152,7 +162,7 @@ def test_killing_one_launcher_ends_the_other_naming_the_lost_node(launcher, vict
     survivor = procs[1 - victim]
     code, _, err = finish([survivor], timeout=TIMEOUT_S + 60)[0]
     seconds = time.monotonic() - t0
-    procs[victim].wait(timeout=30)
+    _, victim_err = procs[victim].communicate(timeout=30)
     print(f"\n{launcher}: node {1 - victim}'s launcher exited {code} {seconds:.1f} s after node "
           f"{victim}'s was killed")
     assert code != 0, err[-3000:]
@@ -162,3 +172,8 @@ def test_killing_one_launcher_ends_the_other_naming_the_lost_node(launcher, vict
     assert lines, err[-3000:]
     assert all(lost in x and f", node {1 - victim} (host " in x for x in lines), lines
     assert {int(x.split("(rank ")[1].split(",")[0]) for x in lines} <= {2 * (1 - victim), 2 * (1 - victim) + 1}
+    _placed_as_one_job(victim_err if victim == 0 else err)          # rank 0's log: node 0's
+    logged = losses(out)
+    assert len(logged) >= 2
+    assert {s: logged[s] for s in one_launcher_losses if s in logged} == \
+        {s: one_launcher_losses[s] for s in one_launcher_losses if s in logged}

@@ -13,7 +13,6 @@ from tests.integration.test_doc_commands import run_blocks, scenario, workspace
 @pytest.mark.timeout(600)
 def test_ulysses_doc_commands_run_as_written(tmp_path):
     cwd, env = workspace(tmp_path)
-    run_blocks(scenario("docs/parallelism.md", "ulysses-shapes"), cwd, env)
-    run_blocks(scenario("docs/parallelism.md", "ulysses-head-chunks"), cwd, env)
-    run_blocks(scenario("docs/parallelism.md", "zero3-scheme"), cwd, env)
-    run_blocks(scenario("docs/parallelism.md", "ulysses"), cwd, env)
+    # the refusals first: consecutive blocks that must fail run side by side (run_blocks)
+    run_blocks([block for name in ("ulysses-shapes", "ulysses-head-chunks", "zero3-scheme", "ulysses")
+                for block in scenario("docs/parallelism.md", name)], cwd, env)

@@ -3,6 +3,7 @@ on every module's imports (ast), the absence of import cycles among tsp_trainer 
 size that keeps trainer.py a conductor."""
 
 import ast
+import functools
 import pathlib
 
 import tsp_trainer
@@ -17,9 +18,10 @@ def _imports(path: pathlib.Path) -> set[str]:
     return names
 
 
-def _modules():
-    for path in sorted(ROOT.rglob("*.py")):
-        yield path.relative_to(ROOT).as_posix(), _imports(path)
+@functools.lru_cache(maxsize=1)
+def _modules() -> tuple[tuple[str, set[str]], ...]:
+    """(path under the package, the names it imports) for every module, parsed once per session."""
+    return tuple((path.relative_to(ROOT).as_posix(), _imports(path)) for path in sorted(ROOT.rglob("*.py")))
 
 
 def _uses(names: set[str], package: str) -> bool:

@@ -7,6 +7,8 @@ for the device."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -99,20 +101,25 @@ def test_attention_path_is_named():
         run_step(GQA, "tsp", world_size=2, degree=2, seq_len=SEQ, attention="gpu")
 
 
-def _fused_calls_per_item(**options) -> dict[str, float]:
+@functools.lru_cache(maxsize=None)
+def _fused_calls_per_item(activation_checkpointing: bool, tsp_recompute: str,
+                          checkpoint_replay_keeps: str) -> dict[str, float]:
     """Attention passes per layer and step through the CUDA route, per item (owner, head bucket):
-    TSP at D 2 with 2 head buckets, bf16, `options` passed to run_step. An item's pass is the
+    TSP at D 2 with 2 head buckets, bf16, one layer (every layer issues the same calls), the
+    settings passed to run_step (one run per distinct setting). An item's pass is the
     GQA-native path's kernel calls (model/attention_gqa.py) with 2 query heads per KV head: rank
     0's zigzag runs, chunks 0 and 3 of 4 (64 tokens each), against the 256 keys: chunk 0 one causal
     block (G = 2 calls), chunk 3 its prefix (1 call) and its diagonal (2): 5 calls."""
-    degree, buckets, seq = 2, 2, 256
-    res = run_step(GQA, "tsp", world_size=degree, degree=degree, seq_len=seq, dtype=torch.bfloat16,
-                   rank=0, attention="cuda", head_buckets=buckets, **options)
+    degree, buckets, seq, cfg = 2, 2, 256, GQA.replace(num_layers=1)
+    res = run_step(cfg, "tsp", world_size=degree, degree=degree, seq_len=seq, dtype=torch.bfloat16,
+                   rank=0, attention="cuda", head_buckets=buckets,
+                   activation_checkpointing=activation_checkpointing, tsp_recompute=tsp_recompute,
+                   checkpoint_replay_keeps=checkpoint_replay_keeps)
     groups = GQA.num_heads // GQA.num_kv_heads
     c = seq // (2 * degree)
     per_pass = grouped_kernel_calls(((0, c, 0), (c, 2 * c, 3 * c)), 2 * c, seq, groups)
     assert per_pass == 5
-    return {k: n / GQA.num_layers / (degree * buckets * per_pass)
+    return {k: n / cfg.num_layers / (degree * buckets * per_pass)
             for k, n in res.info["fused_attention_calls"].items()}
 
 
@@ -123,7 +130,7 @@ def test_attention_forward_runs_twice_under_checkpointing_and_full_recompute_onc
     recompute, so every mode runs the forward twice (forward, replay); without it full recompute
     runs it twice (forward, backward), selective and none once. The backward kernel runs once per
     item in every case."""
-    per_layer = _fused_calls_per_item(activation_checkpointing=ac, tsp_recompute=mode)
+    per_layer = _fused_calls_per_item(ac, mode, "all")
     forwards = 2 if ac or mode == "full" else 1
     assert per_layer == {"forward": forwards, "backward": 1}
 
@@ -133,5 +140,5 @@ def test_checkpoint_replay_keeping_nothing_runs_the_attention_forward_a_third_ti
     """Fused attention calls per item under checkpointing: a replay that keeps the attention
     items (all, attention) serves the backward, one that keeps nothing leaves the backward to run
     the attention forward once more, as full recompute does."""
-    per_layer = _fused_calls_per_item(activation_checkpointing=True, checkpoint_replay_keeps=keeps)
+    per_layer = _fused_calls_per_item(True, "full", keeps)      # "all": the full-AC run above
     assert per_layer == {"forward": forwards, "backward": 1}

@@ -1,8 +1,7 @@
 """Refusals that name what is wrong and leave nothing behind: a recipe that is not text, a weight
-decay that would wreck the weights at the first update, the folder a refused run made."""
+decay that would wreck the weights at the first update, the folder a refused run made (through
+tsp-train: tests/integration/test_lifecycle_launch.py)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -60,14 +59,3 @@ def test_a_lease_keeps_a_folder_with_a_run_in_it_and_folders_it_did_not_make(tmp
     tmp_path.joinpath("existing").mkdir()
     RunLease.acquire(tmp_path / "existing", warn=print, heartbeat_s=0).release()
     assert (tmp_path / "existing").is_dir()
-
-
-def test_a_refused_tsp_train_leaves_no_folder(tmp_path):
-    """Rank 0 takes the lease (making the folder) before the data check refuses the run."""
-    out = tmp_path / "made" / "run"
-    proc = subprocess.run([sys.executable, "-m", "tsp_trainer", "train", str(RECIPE), "parallel.tsp_degree=1",
-                           f"data.source={tmp_path / 'missing'}", f"train.output_dir={out}"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "does not exist" in proc.stderr
-    assert not (tmp_path / "made").exists()
