@@ -181,7 +181,7 @@ class Trainer:
             from tsp_trainer.checkpoint.hf import load_hf_state_dict
             par.load_full_state_dict(load_hf_state_dict(c.model.init_from, self.model_cfg))
         wrap_blocks(model, checkpointing=c.train.activation_checkpointing, offload=c.train.offload_activations,
-                    segment_blocks=c.train.checkpoint_segment_blocks)   # offload around checkpoints
+                    segment_blocks=c.train.checkpoint_segment_blocks, prefetch=c.train.offload_prefetch)
         return par
 
     def _build_loaders(self):

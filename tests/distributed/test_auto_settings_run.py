@@ -102,7 +102,8 @@ def test_offload_auto_offloads_when_only_the_offload_fits_and_trains(tmp_path):
                             f"train.memory_budget_gib={(peak[True] + peak[False]) / 2 / GIB!r}"]
     outs = run_on_ranks(_offload_rank, 2, auto_run)
     lines = [x for x in outs[0]["log"] if x.startswith("[rank 0] auto:")]
-    assert len(lines) == 1 and "checkpoint_segment_blocks=1, offload_activations=true (predicted peak " in lines[0]
+    assert len(lines) == 1 and ("checkpoint_segment_blocks=1, offload_activations=true, offload_prefetch=true "
+                                "(predicted peak ") in lines[0]
     assert all(o["offloaded"] for o in outs)
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["offload_activations"] is True
     assert outs[0]["losses"] == outs[1]["losses"] and len(outs[0]["losses"]) == 2

@@ -2,7 +2,8 @@
 keeping one block input per segment of k blocks and re-running the segment forward in backward
 gives the same loss and every gradient as per-block checkpointing, bit for bit (the same values
 computed in the same order), on 1, 2 and 4 gloo ranks, with GQA, document masking on and off, the
-offload of the kept inputs on and off, for TSP and the baselines. It costs exactly
+offload of the kept inputs on and off (with it the inner inputs regained on the host, fetched
+ahead or on demand: train.offload_prefetch), for TSP and the baselines. It costs exactly
 L - ceil(L / k) more block forwards (counted), and the host holds ceil(L / k) block inputs
 instead of L. Through the Trainer: tests/distributed/test_trainer.py's checkpointed case."""
 
@@ -31,8 +32,9 @@ SEED, SEQ = 5, 32
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_layers=3, num_heads=8, num_kv_heads=4,
                   intermediate_size=128, max_seq_len=64, qkv_bias=True, o_bias=True)
 LENGTHS = [[5, 11, 1, 15], [3, 29]]
-# (name, checkpoint_segment_blocks, offload): the first is the per-block reference
-VARIANTS = (("per_block", 1, False), ("per_block_offload", 1, True), ("k2", 2, False), ("k3_offload", 3, True))
+# (name, checkpoint_segment_blocks, offload, prefetch): the first is the per-block reference
+VARIANTS = (("per_block", 1, False, True), ("per_block_offload", 1, True, True), ("k2", 2, False, True),
+            ("k3_offload", 3, True, True), ("k2_offload_on_demand", 2, True, False))
 
 
 def _batch():
@@ -50,8 +52,8 @@ def _variants(model, loss_sum, comms, ledger=None) -> dict:
     calls = [0]
     hooks = [b.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for b in model.layers]
     out = {}
-    for name, k, offload in VARIANTS:
-        wrap_blocks(model, checkpointing=True, offload=offload, segment_blocks=k)
+    for name, k, offload, prefetch in VARIANTS:
+        wrap_blocks(model, checkpointing=True, offload=offload, segment_blocks=k, prefetch=prefetch)
         model.zero_grad(set_to_none=True)
         calls[0] = 0
         if ledger is not None:
@@ -84,7 +86,7 @@ def _assert_exact(out: dict, where: str) -> None:
     assert ref["calls"] == 2 * L, where                       # per-block: forward + replay
     per_input = out["per_block_offload"]["host"] / L          # per-block offload: every block input
     assert per_input > 0
-    for name, k, offload in VARIANTS[1:]:
+    for name, k, offload, _ in VARIANTS[1:]:
         got = out[name]
         assert torch.equal(got["loss"], ref["loss"]), f"{where} {name} loss"
         assert got["grads"].keys() == ref["grads"].keys()
@@ -141,7 +143,7 @@ def test_nested_checkpointing_equals_per_block(scheme, world, options, masking):
         _assert_exact(out, f"rank {rank}")
         # the planner's ledger counts the re-run block forwards (plan/communication.py)
         axes = {"tp": 2, "sp": 2} if scheme == "tp_x_sp" else {}
-        for name, k, _ in VARIANTS:
+        for name, k, *_ in VARIANTS:
             layout = Layout(scheme, world, micro_batch=len(LENGTHS), activation_checkpointing=True,
                             checkpoint_segment_blocks=k, head_buckets=options.get("head_buckets", 1), **axes)
             model = {key: {"count": v["count"], "bytes": v["bytes"]}

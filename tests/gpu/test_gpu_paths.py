@@ -6,7 +6,8 @@
   and backward, against the CPU log-sum-exp route;
 * pinned host staging of async checkpoints (checkpoint/background.py HostStaging);
 * activation offload to pinned host memory on a side stream (model/offload.py) against the same
-  model without offload;
+  model without offload, and with nesting's regained inputs on the host or fetched on demand
+  against per-block checkpointing;
 * the CUDA allocator's peak memory (observability/metrics.py peak_memory_bytes);
 * RMSNorm on CUDA through torch's fused kernel (model/rms_norm.py) against the chunked function.
 
@@ -178,6 +179,45 @@ def test_activation_offload_on_cuda_matches_no_offload(ac):
     assert off_loss == pytest.approx(plain_loss, rel=1e-6)
     for n, g in plain_grads.items():
         torch.testing.assert_close(off_grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("k,prefetch", [(1, False), (3, True), (3, False)],
+                         ids=["on-demand", "nested", "nested-on-demand"])
+def test_nested_offload_and_fetching_on_demand_on_cuda_match_per_block_offload(k, prefetch):
+    """Nested checkpointing under the offload (the regained inner inputs in pinned host memory,
+    copied on the side stream and fetched back for their blocks) and the offload fetching on
+    demand (train.offload_prefetch=false): the loss and every gradient equal per-block
+    checkpointing's with the prefetching offload, the host is empty after the backward; fetching on
+    demand lowers the device peak, and nesting raises it by less than one block input (the two
+    inner inputs a segment of 3 regains are not on the device). CPU twins, bit-identical on 1, 2
+    and 4 ranks: tests/distributed/test_nested_checkpoint.py, test_offload.py; the device count on
+    CPU: test_offload.py."""
+    from tsp_trainer.model.activation_checkpoint import wrap_blocks
+
+    cfg = model_config("tiny", num_layers=5, num_heads=8, num_kv_heads=4)
+    ids, labels = make_batch(cfg, 2, 1024)
+    ids, labels = ids.to(CUDA), labels.to(CUDA)
+    model = Transformer(cfg)
+    init_model(model, 7)
+    model.to(CUDA)
+    runs = {}
+    for name, segment, ahead in (("reference", 1, True), ("variant", k, prefetch)):
+        wrap_blocks(model, checkpointing=True, offload=True, segment_blocks=segment, prefetch=ahead)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        reset_peak_memory(torch.device(CUDA))
+        loss = model.loss(ids, labels)
+        loss.backward()
+        torch.cuda.synchronize()
+        assert model.block_wrapper.host_bytes == 0 and model.block_wrapper.fetched_bytes == 0
+        runs[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                      peak_memory_bytes(torch.device(CUDA)))
+    (ref_loss, ref_grads, ref_peak), (loss, grads, peak) = runs["reference"], runs["variant"]
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+    block_input = ids.numel() * cfg.hidden_size * 4
+    assert peak < ref_peak if not prefetch else peak < ref_peak + block_input
 
 
 # ---- peak memory -----------------------------------------------------------------------------

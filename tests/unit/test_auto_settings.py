@@ -289,7 +289,8 @@ def test_auto_plans_a_zero3_run_with_its_state_sharded_over_every_rank(scheme):
 OFFLOAD_ARGS = ["model.size=1b", "parallel.tsp_degree=2", "data.seq_len=1048576", "data.micro_batch_size=1",
                 "train.grad_accum=1", "train.dtype=bf16", "train.activation_checkpointing=true",
                 "parallel.tsp_recompute=full", "parallel.head_buckets=1", "train.checkpoint_segment_blocks=auto",
-                "parallel.checkpoint_replay_keeps=all", "train.offload_activations=auto"]
+                "parallel.checkpoint_replay_keeps=all", "train.offload_prefetch=true",
+                "train.offload_activations=auto"]
 
 
 def _offload_predictions(cfg: TrainConfig) -> dict[tuple[bool, int], object]:
@@ -356,7 +357,42 @@ def test_offload_auto_refusals_name_the_binding_memory():
         _offload_choice(cfg, only_offload, GIB)
     message = str(info.value)
     assert "\n" not in message and "nothing fits the host budget of 1.0 GiB per node (host)" in message
-    assert f"needs {preds[(True, 1)].memory['host_per_node'] / GIB:.1f} GiB" in message
+    # nesting under the offload regains its inner inputs on the host: every k has the same device
+    # peak, and the refusal names the k pinning the least
+    least_host = min(p.memory["host_per_node"] for (off, _), p in preds.items()
+                     if off and p.memory["total"] <= only_offload)
+    assert least_host < preds[(True, 1)].memory["host_per_node"]
+    assert f"needs {least_host / GIB:.1f} GiB" in message
+
+
+def test_offload_prefetch_auto_is_on_unless_only_fetching_on_demand_fits():
+    """train.offload_prefetch=auto under the offload: prefetch wherever it fits (its copies are
+    hidden; on demand they are exposed), on demand only when the budget needs that block's bytes;
+    the start-up line names it, and a run without offload resolves it to true."""
+    from dataclasses import replace
+
+    from tsp_trainer.plan.resolve import resolve_run
+
+    args = [a for a in OFFLOAD_ARGS if "offload" not in a and "segment" not in a]
+    cfg = load_config(None, args + ["train.offload_activations=true", "train.checkpoint_segment_blocks=1"])
+    model, hw, lay = cfg.model.to_model_config(), get_profile("h100"), run_layout(cfg, 2)
+    on, off = (predict(model, replace(lay, activation_checkpointing=True, offload_prefetch=ahead),
+                       cfg.data.seq_len, hw, prec=BF16) for ahead in (True, False))
+    block_input = on.activation.terms["ac_block_input"]
+    assert on.memory["total"] - off.memory["total"] == block_input            # one block input less
+    assert off.times["offload_fetch_exposed_per_micro"] > 0 == on.times["offload_fetch_exposed_per_micro"]
+    assert off.step_time > on.step_time
+    ample = _offload_choice(cfg, on.memory["total"], None)
+    assert ample.offload_prefetch is True and ample.line().endswith(
+        f"offload_prefetch=true (predicted peak {on.memory['total'] / GIB:.1f} GiB of "
+        f"{on.memory['total'] / GIB:.1f} GiB budget: device)")
+    short = _offload_choice(cfg, on.memory["total"] - 1, None)
+    assert short.offload_prefetch is False and short.peak == off.memory["total"]
+    assert short.apply(cfg).train.offload_prefetch is False
+    with pytest.raises(AutoSettingsError, match="offload_prefetch=false\); use more"):
+        _offload_choice(cfg, off.memory["total"] - 1, None)
+    plain = resolve_run(_cfg("train.memory_budget_gib=64"), world_size=4, cuda=False)
+    assert plain.cfg.train.offload_prefetch is True
 
 
 def test_offload_auto_loads_and_its_host_budget_on_cpu_is_what_the_device_budgets_leave(monkeypatch):

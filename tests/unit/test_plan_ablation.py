@@ -7,6 +7,7 @@ a fixed --seq-len, head buckets are searched, and `auto` tiles only where the bl
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -224,9 +225,12 @@ def test_the_auto_settings_plan_with_the_runs_own_chunks():
 
 
 def test_nesting_pins_one_block_input_per_segment_and_costs_the_extra_forward():
-    """checkpoint_segment_blocks = k: the host holds ceil(L / k) block inputs (L = 32: 8 at
-    k = 4, 11 at k = 3), the GPU's backward up to k - 1 more than per-block checkpointing's, and
-    the step runs L - ceil(L / k) more block forwards (the FLOP model's re-runs, the step time)."""
+    """checkpoint_segment_blocks = k: ceil(L / k) block inputs kept, and the segment being
+    backpropagated regains up to k - 1 more: with offload on the host, which holds at the most
+    the kept inputs not yet used plus those regained (L = 32: 8 + 3 at k = 4; 11 + 1 at k = 3,
+    whose last segment has 2 blocks, or 10 + 2 before it), the GPU's backward as per-block
+    checkpointing's; without offload on the GPU, k - 1 more there. The step runs L - ceil(L / k)
+    more block forwards (the FLOP model's re-runs, the step time)."""
     from tsp_trainer.plan.flops import forward_runs, recompute_runs
 
     s = 1 << 20
@@ -234,12 +238,15 @@ def test_nesting_pins_one_block_input_per_segment_and_costs_the_extra_forward():
     block_input = 2 * s // 8 * CFG.hidden_size
     base = Layout("tsp", 8, activation_checkpointing=True, offload_activations=True)
     per_block = predict(model, base, s, H100)
-    for k, kept in ((3, 11), (4, 8)):
-        nested = predict(model, Layout("tsp", 8, activation_checkpointing=True, offload_activations=True,
-                                       checkpoint_segment_blocks=k), s, H100)
-        assert nested.memory["host_offloaded"] == kept * block_input
-        assert nested.activation.phases["backward"] - per_block.activation.phases["backward"] == \
-            (k - 1) * block_input
+    in_hbm = predict(model, replace(base, offload_activations=False), s, H100)
+    for k, kept, host in ((3, 11, 12), (4, 8, 11)):
+        nested = predict(model, replace(base, checkpoint_segment_blocks=k), s, H100)
+        assert nested.memory["host_offloaded"] == host * block_input
+        assert nested.activation.terms["kept_block_inputs"] == kept
+        assert nested.activation.phases["backward"] == per_block.activation.phases["backward"]
+        nested_in_hbm = predict(model, replace(in_hbm.layout, checkpoint_segment_blocks=k), s, H100)
+        assert nested_in_hbm.activation.phases["backward"] - in_hbm.activation.phases["backward"] == \
+            (k - 1 - (32 - kept)) * block_input                  # k - 1 regained, L - kept not kept
         extra = recompute_runs(CFG, nested.layout, s)["qkv"] - recompute_runs(CFG, base, s)["qkv"]
         assert extra == pytest.approx((CFG.num_layers - kept) / CFG.num_layers)
         assert nested.step_time > per_block.step_time

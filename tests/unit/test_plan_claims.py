@@ -25,9 +25,9 @@ def test_every_ablation_row_is_a_result_and_an_unconfirmed_one_would_be_marked(t
     table = capsys.readouterr().out
     rows = _rows(table)
     assert all(s.confirmed for s in STEPS)
-    assert "| 7,016,448 |" in rows["+ lean replay"] and "keep=nothing" in rows["+ lean replay"]
-    assert "| 7,416,832 |" in rows["+ chunked attention"]
-    assert "| 8,626,176 |" in rows["+ norm handoff"]
+    assert "| 8,096,768 |" in rows["+ lean replay"] and "keep=nothing" in rows["+ lean replay"]
+    assert "| 9,789,440 |" in rows["+ chunked attention"]
+    assert "| 11,415,552 |" in rows["+ norm handoff"]
     for step in STEPS[1:]:                                   # every row is printed as a result
         assert step.name in rows and "not a result" not in rows[step.name]
     assert UNCONFIRMED not in table
@@ -45,7 +45,7 @@ def test_every_ablation_row_is_a_result_and_an_unconfirmed_one_would_be_marked(t
                               segments=step.segments, fields=step.fields)
     marked = format_ablation([AblationRow(step, longest)], header="h")
     line = _rows(marked)[f"+ chunked attention ({UNCONFIRMED})"]
-    assert "| not a result (7,416,832 predicted) |" in line
+    assert "| not a result (9,789,440 predicted) |" in line
     assert f"{UNCONFIRMED}: the dry run of the real code" in marked
 
 

@@ -258,3 +258,51 @@ def test_the_model_counts_the_copies_of_kv_heads_fewer_than_the_degree(case):
     act = activation_memory(MQA, layout, SEQ, prec, device="cpu")
     assert act.stored == pytest.approx(res.stored_bytes, rel=0.01)
     assert act.peak == pytest.approx(res.peak_bytes, rel=0.10)
+
+
+def test_offload_fetching_on_demand_holds_one_block_input_less_and_nesting_regains_on_the_host():
+    """Checkpointed TSP under activation offload on fake tensors: nesting (k = 2) leaves the device
+    peak at per-block checkpointing's (its regained inner inputs wait on the host, whose peak is
+    the planner's: of 4 layers, 2 kept + 1 regained), and fetching on demand
+    (train.offload_prefetch=false) lowers it by exactly one block input, as the planner says."""
+    cfg, seq = CFG.replace(num_layers=4), 256
+    kw = dict(world_size=4, degree=4, seq_len=seq, offload_activations=True, activation_checkpointing=True,
+              attention="cuda")
+    runs, plans = {}, {}
+    for k, prefetch in ((1, True), (2, True), (2, False)):
+        runs[k, prefetch] = simulate(cfg, "tsp", layers=4, checkpoint_segment_blocks=k,
+                                     offload_prefetch=prefetch, **kw)
+        plans[k, prefetch] = activation_memory(cfg, Layout("tsp", 4, activation_checkpointing=True,
+                                                           offload_activations=True, checkpoint_segment_blocks=k,
+                                                           offload_prefetch=prefetch), seq, BF16, device="cuda")
+    block_input = plans[1, True].terms["ac_block_input"]
+    assert runs[2, True].peak_bytes == runs[1, True].peak_bytes
+    assert plans[2, True].peak == plans[1, True].peak
+    assert runs[2, True].peak_bytes - runs[2, False].peak_bytes == block_input
+    assert plans[2, True].peak - plans[2, False].peak == block_input
+    for key, run in runs.items():
+        assert run.host_bytes == plans[key].host, key
+        assert run.peak_bytes == pytest.approx(plans[key].peak, rel=0.10), key
+    assert runs[2, False].host_bytes == 3 * block_input
+
+
+@pytest.mark.slow
+def test_nested_extrapolation_with_a_shorter_last_segment_equals_a_full_depth_run():
+    """Under nesting with offload (k = 2 over 9 layers: the last segment has one block) the dry
+    run extrapolates from runs that end in a segment as short as the model's (5 and 7 layers):
+    device peak, saved bytes, host bytes, parameters and ledger equal a 9-layer run's, and the
+    host bytes are the planner's (4 kept + 1 regained block inputs)."""
+    cfg, seq = CFG.replace(num_layers=9), 256
+    kw = dict(world_size=4, degree=4, seq_len=seq, offload_activations=True, activation_checkpointing=True,
+              attention="cuda", checkpoint_segment_blocks=2, offload_prefetch=False)
+    guess = simulate(cfg, "tsp", **kw)
+    full = simulate(cfg, "tsp", layers=9, **kw)
+    assert guess.info["extrapolated_from_layers"] == [5, 7]
+    assert guess.comm == full.comm
+    assert (guess.stored_bytes, guess.peak_bytes, guess.host_bytes) == \
+        (full.stored_bytes, full.peak_bytes, full.host_bytes)
+    assert (guess.param_count, guess.param_bytes) == (full.param_count, full.param_bytes)
+    plan = activation_memory(cfg, Layout("tsp", 4, activation_checkpointing=True, offload_activations=True,
+                                         checkpoint_segment_blocks=2, offload_prefetch=False), seq, BF16,
+                             device="cuda")
+    assert full.host_bytes == plan.host == 5 * plan.terms["ac_block_input"]

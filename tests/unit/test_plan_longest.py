@@ -124,3 +124,26 @@ def test_cli_max_seq_len_and_dry_run_are_separate_modes(capsys):
         cli.main(["--max-seq-len", "--dry-run"])
     assert info.value.code == 2
     assert "--max-seq-len and --dry-run are two modes" in capsys.readouterr().err
+
+
+def test_the_search_stops_at_the_trainers_longest_sequence():
+    """RoPE's fp32 angles take exact positions below 2^24 only (the trainer refuses longer
+    sequences), so TSP's answer stops at 16,777,216 tokens, bound by the RoPE positions, however
+    much memory is left; below a limit the search still finds the longest fitting granule."""
+    from types import SimpleNamespace
+
+    from tsp_trainer.config.model import FP32_EXACT_POSITIONS
+    from tsp_trainer.plan.longest import TRAINER_LIMIT, search_longest
+
+    def fitting_up_to(tokens):
+        def predictions(seq_len):
+            return [SimpleNamespace(fits=seq_len <= tokens, memory={"total": seq_len, "host_per_node": 0},
+                                    layout=SimpleNamespace(checkpoint_segment_blocks=1), exceeds=("HBM",))]
+        return predictions
+
+    assert TRAINER_LIMIT == FP32_EXACT_POSITIONS == 16_777_216
+    seq, best, bound = search_longest(fitting_up_to(1 << 30), 1024, limit=TRAINER_LIMIT, limit_name="RoPE positions")
+    assert (seq, bound, best.memory["total"]) == (16_777_216, "RoPE positions", 16_777_216)
+    assert search_longest(fitting_up_to(1 << 30), 3072, limit=TRAINER_LIMIT)[0] == 16_777_216 // 3072 * 3072
+    assert search_longest(fitting_up_to(5_000_000), 1024, limit=TRAINER_LIMIT)[:1] == (4_999_168,)
+    assert search_longest(fitting_up_to(5_000_000), 1024, limit=TRAINER_LIMIT)[2] == "HBM"

@@ -317,6 +317,12 @@ class TrainSection:
                    "nothing fits the memory budget without it or nesting, then where the node's "
                    "host memory holds the pinned copies and the planner predicts it faster than "
                    "nesting (docs/long_context/longest_context.md)")
+    offload_prefetch: bool | Auto = setting(
+        "auto", doc="with train.offload_activations: a block's backward fetches the next block's "
+                    "saved tensors from the host ahead (two blocks' on the device, the copies hidden); "
+                    "false fetches each block's when its backward asks (one block's, the copies "
+                    "exposed); auto = true unless only false fits the memory budget "
+                    "(docs/long_context/longest_context.md)")
     eval_every: int = setting(0, min=0, doc="optimizer steps between evaluations; 0 = off")
     eval_batches: int = setting(4, min=1, doc="micro-batches per evaluation")
     seed: int = setting(0, min=0, doc="RNG seed for data order and per-rank streams")

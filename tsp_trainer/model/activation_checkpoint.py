@@ -10,15 +10,23 @@ recomputes nothing again. The model itself uses none of this; parallel/tsp does.
 
 Nested checkpointing (`train.checkpoint_segment_blocks` = k > 1; Chen et al. 2016's sqrt(L)
 checkpointing with a chosen k): the model hands the wrapper segments of k consecutive blocks
-(Transformer.blocks_per_call), and `checkpointed_segment` keeps only each segment's input (on the
-device, or on the host under activation offload). In backward, torch's nested non-reentrant
-checkpoint re-runs the segment's forward from that input to regain its inner block inputs (the
-inner checkpoints' inputs are tensors the outer one saved), stopping at the last block's input,
-then each block is replayed and backpropagated as under plain per-block checkpointing. Cost: k - 1
-more block forwards per segment; block inputs kept: ceil(L / k) instead of L, plus up to k - 1
-regained ones on the device while the segment is backpropagated. The same values in the same
-order are computed, so losses and gradients equal per-block checkpointing's (tests/distributed/
+(Transformer.blocks_per_call), and `checkpointed_segment` runs each block as `checkpointed_block`
+but keeps only the segment's input (on the device, or on the host under activation offload): the
+inner blocks' inputs, which their checkpoints save, are dropped in forward (`_SegmentInputs`). In
+backward, the first inner input asked for (the last block's) re-runs the segment's blocks but the
+last without grad from the kept input, and stashes each inner input it regains: on the device, or
+under offload in host memory (model/offload.py `stash`), fetched back for its own block's backward.
+Then each block is replayed and backpropagated as under per-block checkpointing. Cost: k - 1 more
+block forwards per segment; block inputs kept: ceil(L / k) instead of L, plus up to k - 1 regained
+ones while the segment is backpropagated (on the device without offload, on the host with it). The
+same values are computed in the same order (the re-run is the first forward's computation, no
+randomness in a block), so losses and gradients equal per-block checkpointing's (tests/distributed/
 test_nested_checkpoint.py).
+
+The re-run is written here rather than as torch's nested non-reentrant checkpoint: torch's outer
+checkpoint keeps what its recompute saves, the inner checkpoints' inputs, in its own frame on the
+device (its recomputation hook stores them for the holders of the first forward), and a
+saved_tensors_hooks pushed inside that recompute would take those saves from it.
 """
 
 from __future__ import annotations
@@ -105,17 +113,75 @@ def checkpointed_block(block, x: torch.Tensor, rope):
                                              context_fn=_pass_contexts)
 
 
-def checkpointed_segment(segment, x: torch.Tensor, rope):
-    """block_wrapper(segment, x, rope) for nested checkpointing: the segment (a BlockSegment of
-    model/transformer.py) is checkpointed as a whole, each of its blocks as `checkpointed_block`."""
-    return torch.utils.checkpoint.checkpoint(segment, x, rope, checkpointed_block, use_reentrant=False)
+def checkpointed_segment(segment, x: torch.Tensor, rope, host=None):
+    """block_wrapper(segment, x, rope) for nested checkpointing: the blocks of the segment (a
+    BlockSegment of model/transformer.py) as `checkpointed_block`, only the segment's input kept
+    (module docstring). host: activation offload's store of this call (model/offload.py), which
+    keeps the segment input and stashes the regained inner inputs in host memory; None keeps all
+    on the device."""
+    if not torch.is_grad_enabled() or len(segment) == 1:
+        return segment(x, rope, checkpointed_block)
+    inputs = _SegmentInputs(segment, rope, host)
+    for j, block in enumerate(segment.blocks):
+        with torch.autograd.graph.saved_tensors_hooks(inputs.packer(j), inputs.unpack):
+            x = checkpointed_block(block, x, rope)
+    return x
 
 
-def wrap_blocks(model, *, checkpointing: bool, offload: bool, segment_blocks: int = 1) -> None:
+class _SegmentInputs:
+    """The block inputs of one segment that its blocks' checkpoints save (each saves exactly its
+    input x: the RoPE tables are no tensor argument): the first kept (by `host` or as is), the
+    inner ones dropped in forward and regained by one re-run of the segment in backward."""
+
+    def __init__(self, segment, rope, host):
+        self.segment, self.rope, self.host = segment, rope, host
+        self.first = None                       # the kept segment input, as packed
+        self.regained: dict[int, object] = {}   # inner index j -> its input (packed when offloaded)
+        self.stash = None
+
+    def packer(self, j: int):
+        def pack(t: torch.Tensor):
+            if j > 0:
+                return ("inner", j)
+            self.first = t if self.host is None else self.host.pack(t)
+            return ("first",)
+        return pack
+
+    def unpack(self, packed) -> torch.Tensor:
+        if packed[0] == "first":          # the store refuses a second unpack (a second backward)
+            return self.first if self.host is None else self.host.unpack(self.first)
+        j = packed[1]
+        if j not in self.regained:        # the segment's first unpack in this backward
+            if self.stash is not None:
+                raise RuntimeError("train.offload_activations: a saved tensor was unpacked twice (a "
+                                   "second backward through the same graph, retain_graph=True): not "
+                                   "supported")
+            self._rerun()
+        value = self.regained.pop(j)
+        if self.host is None:
+            return value
+        if self.host.owner.prefetch_next and j - 1 in self.regained:
+            self.stash.fetch(self.regained[j - 1])    # the next block's input, fetched ahead
+        return self.stash.unpack(value)
+
+    def _rerun(self) -> None:
+        """The segment's blocks but the last, without grad, from the kept input; each output (the
+        next block's input) stashed: [B, T, h] per block."""
+        x = self.first if self.host is None else self.host.peek(self.first)
+        if self.host is not None:
+            self.stash = self.host.owner.stash(x.device)
+        with torch.no_grad():
+            for j, block in enumerate(self.segment.blocks[:-1], start=1):
+                x = block(x, self.rope)
+                self.regained[j] = x if self.stash is None else self.stash.pack(x)
+
+def wrap_blocks(model, *, checkpointing: bool, offload: bool, segment_blocks: int = 1,
+                prefetch: bool = True) -> None:
     """Set `model.block_wrapper` and `model.blocks_per_call` (model/transformer.py) for
-    train.activation_checkpointing, train.offload_activations and train.checkpoint_segment_blocks:
-    per-block checkpointing, or segments of `segment_blocks` blocks checkpointed around per-block
-    checkpoints, and the offload of what they keep (model/offload.py) around either."""
+    train.activation_checkpointing, train.offload_activations, train.checkpoint_segment_blocks and
+    train.offload_prefetch: per-block checkpointing, or segments of `segment_blocks` blocks whose
+    inner inputs are regained in backward, and the offload of what they keep (model/offload.py)
+    around either."""
     from tsp_trainer.model.offload import ActivationOffload
 
     if segment_blocks < 1 or (segment_blocks > 1 and not checkpointing):
@@ -125,4 +191,5 @@ def wrap_blocks(model, *, checkpointing: bool, offload: bool, segment_blocks: in
     if checkpointing:
         wrapper = checkpointed_segment if segment_blocks > 1 else checkpointed_block
     model.blocks_per_call = segment_blocks
-    model.block_wrapper = ActivationOffload(wrapper) if offload else wrapper
+    model.block_wrapper = (ActivationOffload(wrapper, prefetch=prefetch, hands_store=segment_blocks > 1)
+                           if offload else wrapper)

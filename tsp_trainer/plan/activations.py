@@ -32,6 +32,8 @@ class ActivationEstimate:
     peak_phase: str
     terms: dict[str, int] = field(default_factory=dict)   # named pieces, for the docs and JSON
     host: int = 0                  # offloaded to host memory (train.offload_activations)
+    host_traffic: int = 0          # offload: bytes copied device -> host and back, per micro-step
+    host_fetch_exposed: int = 0    # offload without prefetch: bytes fetched back on demand
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class _Saved:
     forward: int                   # layers' saved bytes on the GPU at the end of the forward
     backward: int                  # layers' saved bytes on the GPU during the backward
     host: int                      # layers' saved bytes in host memory (activation offload)
+    traffic: int = 0               # offload: bytes copied to the host and back per micro-step
+    fetched: int = 0               # offload: bytes copied back to the device per micro-step
 
 
 def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precision = BF16, *,
@@ -87,6 +91,8 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
                    outside + rope, rope)
     norm_tmp = e * tok["norm"] * h + norm_backward_chunk_bytes(h, min(tok["norm"], chunk_rows(h)), e)
     phases = _phases(layout, cfg.num_layers, e * tok["norm"] * h, saved, tr)
+    if layout.activation_checkpointing and min(layout.checkpoint_segment_blocks, cfg.num_layers) > 1:
+        phases["segment_rerun"] = _segment_rerun_phase(layout, e * tok["norm"] * h, saved, tr)
     phases["norm_backward"] = _norm_backward_phase(layout, prec, h, tok["norm"], saved, tr, norm_tmp)
     peak_phase = max(phases, key=phases.get)
     terms = {"rope_tables": rope, "loss_chunk_tokens": chunk, "mlp_chunk_tokens": m_chunk,
@@ -94,13 +100,15 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
              "tsp_selective_kept": sel,
              "tsp_mlp_kept": mlp_kept, "tsp_replay_kept": replay_attn + replay_mlp,
              "layer_saved_no_ac": layer, "ac_block_input": ac_input, "host_offloaded": saved.host,
+             "host_traffic": saved.traffic, "host_fetch_exposed": 0 if layout.offload_prefetch else saved.fetched,
              "kept_block_inputs": layout.kept_block_inputs(cfg.num_layers) if layout.activation_checkpointing
              else 0,
              **{f"transient_{k}": v for k, v in tr.items()}, "norm_backward_temporaries": norm_tmp}
     return ActivationEstimate(stored_per_layer=saved.per_layer, stored_outside=saved.outside,
                               stored=saved.forward + saved.outside, phases=phases,
                               peak=phases[peak_phase], peak_phase=peak_phase, terms=terms,
-                              host=saved.host)
+                              host=saved.host, host_traffic=saved.traffic,
+                              host_fetch_exposed=terms["host_fetch_exposed"])
 
 
 def loss_chunk(cfg: ModelConfig, layout: Layout, tok: dict[str, int], setting: int | str = "auto") -> int:
@@ -207,19 +215,39 @@ def _ac_block_input(layout: Layout, prec: Precision, h: int, tok: dict[str, int]
 def _place(layout: Layout, num_layers: int, layer: int, per_layer: int, outside: int,
            rope: int) -> _Saved:
     """Where the layers' saved tensors are. On the GPU: all of them, or with offload
-    (model/offload.py) one block in forward (its copy to host draining) and two in backward (the
-    block being backpropagated and the one prefetched); the host holds every layer's. Under
-    nested checkpointing (checkpoint_segment_blocks k > 1) only one block input per segment is
-    kept (ceil(L / k), on the GPU or the host), and while a segment is backpropagated its re-run
-    forward has regained up to k - 1 inner block inputs on the GPU."""
+    (model/offload.py) one block in forward (its copy to host draining) and in backward the block
+    being backpropagated, with train.offload_prefetch also the one fetched ahead; the host holds
+    every layer's. Under nested checkpointing (checkpoint_segment_blocks k > 1) only one block
+    input per segment is kept (ceil(L / k), on the GPU or the host), and while a segment is
+    backpropagated its re-run has regained up to k - 1 inner block inputs: on the GPU, or with
+    offload on the host (model/activation_checkpoint.py), each fetched back for its own block."""
     L = num_layers
     kept = layout.kept_block_inputs(L) if layout.activation_checkpointing else L
-    regained = (min(layout.checkpoint_segment_blocks, L) - 1) * per_layer
+    k = min(layout.checkpoint_segment_blocks, L) if layout.activation_checkpointing else 1
     if layout.offload_activations:
+        on_device = min(L, 2 if layout.offload_prefetch else 1)
+        # copies: every block's saved tensors to the host and back; nesting's re-runs send the
+        # inner inputs too, and each segment's input comes back twice (re-run and own backward)
+        sent = L * per_layer if k > 1 else kept * per_layer
+        fetched = sent + (_segments_with_inner(L, k) * per_layer if k > 1 else 0)
         return _Saved(layer, per_layer, outside, rope, forward=min(L, 1) * per_layer,
-                      backward=min(kept, 2) * per_layer + regained, host=kept * per_layer)
+                      backward=on_device * per_layer, host=_host_block_inputs(L, k) * per_layer,
+                      traffic=sent + fetched, fetched=fetched)
+    regained = (k - 1) * per_layer
     return _Saved(layer, per_layer, outside, rope, forward=kept * per_layer,
                   backward=kept * per_layer + regained, host=0)
+
+
+def _segments_with_inner(num_layers: int, k: int) -> int:
+    """Segments of k blocks (the last one shorter) that have inner block inputs to regain."""
+    return num_layers // k + (1 if num_layers % k > 1 else 0)
+
+
+def _host_block_inputs(num_layers: int, k: int) -> int:
+    """Block inputs on the host at the most under offload: the kept inputs of the segments not yet
+    backpropagated plus the regained inner inputs of the one that is (segment i, 0-based, of n_i
+    blocks: i + 1 kept, n_i - 1 regained); L under per-block checkpointing."""
+    return max(i + min(k, num_layers - i * k) for i in range(-(-num_layers // k)))
 
 
 def _phases(layout: Layout, num_layers: int, block_input: int, saved: _Saved,
@@ -248,6 +276,16 @@ def _shared_block_input(layout: Layout, block_input: int) -> int:
     TSP's backward peak sees that sharing, the baselines' peak comes while a second block-input
     sized tensor (the incoming gradient's region copy) is alive (measured on fake tensors)."""
     return block_input if (layout.activation_checkpointing and layout.scheme == "tsp") else 0
+
+
+def _segment_rerun_phase(layout: Layout, block_input: int, saved: _Saved, tr: dict[str, int]) -> int:
+    """Nested checkpointing: a segment's re-run in backward, a forward without grad of its blocks
+    but the last, on top of the incoming gradient (one block input) and what the layers keep
+    there: with offload, the output whose copy to the host drains; without it, the kept inputs
+    and the regained ones but the block's own output (inside the forward's transients)."""
+    s, k = saved, layout.checkpoint_segment_blocks
+    resident = s.per_layer if layout.offload_activations else s.forward + (k - 2) * s.per_layer
+    return s.rope + block_input + resident + max(tr["attn_fwd_nograd"], tr["mlp_fwd_nograd"])
 
 
 def _norm_backward_phase(layout: Layout, prec: Precision, h: int, n_n: int, saved: _Saved,

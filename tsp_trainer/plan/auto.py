@@ -1,6 +1,6 @@
 """`auto` for parallel.tsp_recompute, train.activation_checkpointing, parallel.head_buckets,
-train.checkpoint_segment_blocks, train.offload_activations, parallel.checkpoint_replay_keeps,
-parallel.ulysses_head_chunks and train.attention_gqa: the fastest combination by the planner's predicted step time
+train.checkpoint_segment_blocks, train.offload_activations, train.offload_prefetch,
+parallel.checkpoint_replay_keeps, parallel.ulysses_head_chunks and train.attention_gqa: the fastest combination by the planner's predicted step time
 (predict.py) whose predicted peak per process (model state + the activation peak of
 activations.py and transients.py) fits the memory budget. An explicit value stays as written;
 `auto` chooses the others around it.
@@ -22,6 +22,11 @@ ranked, and the fastest whose device peak fits the budget and whose node's pinne
 budget is the choice: the offload's PCIe copies are modelled as hidden behind compute and nesting
 costs an extra forward, so offload at k = 1 comes first where the host holds it, nesting (on the
 device, or offloaded with ceil(L / k) inputs pinned) where it does not.
+
+The offload's prefetch (train.offload_prefetch `auto`) is on wherever it fits: it hides the copies
+back to the device behind compute, where fetching a block's saved tensors when its backward asks
+for them exposes each copy (predict.py) but holds one block's on the device instead of two, so it
+is the choice only when memory requires it.
 
 The GQA attention path (train.attention_gqa `auto`) is weighed where it changes what runs: on
 CUDA's flash route under GQA (bf16 / fp16; `search.gqa_paths`). SDPA's fused GQA call is faster
@@ -114,6 +119,7 @@ class MemoryChoice:
     offload_activations: bool = False
     offload_decided: bool = False               # train.offload_activations was auto (it is named)
     host_bytes: float = 0.0                     # predicted pinned host bytes per node
+    offload_prefetch: bool = True               # named when the offload is on
     attention_gqa: str = "fused"                # train.attention_gqa as the run takes it
     gqa_decided: bool = False                   # train.attention_gqa was auto and weighed (it is named)
 
@@ -121,6 +127,8 @@ class MemoryChoice:
         ac = str(self.activation_checkpointing).lower()
         chunks = "" if self.ulysses_head_chunks is None else f", ulysses_head_chunks={self.ulysses_head_chunks}"
         offload = f", offload_activations={str(self.offload_activations).lower()}" if self.offload_decided else ""
+        if self.offload_activations:
+            offload += f", offload_prefetch={str(self.offload_prefetch).lower()}"
         gqa = f", attention_gqa={self.attention_gqa}" if self.gqa_decided else ""
         return (f"tsp_recompute={self.tsp_recompute}, activation_checkpointing={ac}, "
                 f"head_buckets={self.head_buckets}, "
@@ -147,6 +155,7 @@ class MemoryChoice:
             train=dataclasses.replace(cfg.train, activation_checkpointing=self.activation_checkpointing,
                                       checkpoint_segment_blocks=self.checkpoint_segment_blocks,
                                       offload_activations=self.offload_activations,
+                                      offload_prefetch=self.offload_prefetch,
                                       attention_gqa=self.attention_gqa))
 
     def facts(self) -> dict:
@@ -165,12 +174,14 @@ def gib_text(n: float) -> str:
 
 def uses_auto(cfg: TrainConfig) -> bool:
     """Whether any key `auto` resolves is auto (checkpoint_replay_keeps only where checkpointing
-    may be on: without it there is no replay, and plan/resolve.py writes all)."""
+    may be on: without it there is no replay, and plan/resolve.py writes all; offload_prefetch
+    only where the offload may be on, else resolve.py writes true)."""
     replay = cfg.parallel.checkpoint_replay_keeps if cfg.train.activation_checkpointing is not False else None
     chunks = cfg.parallel.ulysses_head_chunks if _chunked_scheme(cfg) else None
+    prefetch = cfg.train.offload_prefetch if cfg.train.offload_activations is not False else None
     return AUTO in (cfg.parallel.tsp_recompute, cfg.parallel.head_buckets, replay,
                     cfg.train.activation_checkpointing, cfg.train.checkpoint_segment_blocks, chunks,
-                    cfg.train.offload_activations)
+                    cfg.train.offload_activations, prefetch)
 
 
 def weighs_gqa(cfg: TrainConfig, *, cuda: bool) -> bool:
@@ -256,8 +267,8 @@ def choose_among(model: ModelConfig, layouts: list[Layout], stages: list[tuple[i
         raise AutoSettingsError(f"auto settings: no candidate runs here ({refusal}); set "
                                 "parallel.tsp_recompute, train.activation_checkpointing, "
                                 "parallel.head_buckets, train.checkpoint_segment_blocks, "
-                                "train.offload_activations and parallel.checkpoint_replay_keeps "
-                                "explicitly")
+                                "train.offload_activations, train.offload_prefetch and "
+                                "parallel.checkpoint_replay_keeps explicitly")
     best, chunks = ranked[0]
     if best.memory["total"] > budget.bytes or not _host_fits(best, budget):
         raise _nothing_fits(ranked, budget, offload_auto)
@@ -326,6 +337,7 @@ def run_layout(cfg: TrainConfig, world_size: int) -> Layout:
                   sp=p.sp_degree, zero_stage=stage,
                   micro_batch=cfg.data.micro_batch_size,
                   grad_accum=cfg.train.grad_accum, offload_activations=cfg.train.offload_activations is True,
+                  offload_prefetch=cfg.train.offload_prefetch is not False,
                   offload_optimizer=cfg.zero.offload_optimizer == "cpu" and stage in (1, 2),
                   loss_chunk_tokens=p.loss_chunk_tokens, mlp_chunk_tokens=p.mlp_chunk_tokens,
                   attention_chunk_tokens=p.attention_chunk_tokens,
@@ -336,7 +348,7 @@ def _candidates(cfg: TrainConfig, world_size: int, *, cuda: bool = False) -> lis
     """The run's layout under every value of the auto keys (the explicit ones fixed)."""
     p, ac = cfg.parallel, cfg.train.activation_checkpointing
     keeps, k = p.checkpoint_replay_keeps, cfg.train.checkpoint_segment_blocks
-    offload = cfg.train.offload_activations
+    offload, prefetch = cfg.train.offload_activations, cfg.train.offload_prefetch
     model = cfg.model.to_model_config()
     return memory_variants(model, run_layout(cfg, world_size),
                            recompute=TSP_RECOMPUTE if p.tsp_recompute == AUTO else (p.tsp_recompute,),
@@ -344,6 +356,7 @@ def _candidates(cfg: TrainConfig, world_size: int, *, cuda: bool = False) -> lis
                            buckets=None if p.head_buckets == AUTO else (p.head_buckets,),
                            replay=PLANNED_REPLAY_KEEPS if keeps == AUTO else (keeps,),
                            offload=(False, True) if offload == AUTO else (offload,),
+                           prefetch=(True, False) if prefetch == AUTO else (prefetch,),
                            segments=(tuple(n for n in NESTING_CANDIDATES if n <= max(1, model.num_layers))
                                      if k == AUTO else (k,)),
                            gqa=GQA_PATHS if weighs_gqa(cfg, cuda=cuda) else None)
@@ -397,7 +410,7 @@ def _choice(layout: Layout, peak: float, budget: Budget, chunks: int | None = No
                         checkpoint_segment_blocks=layout.checkpoint_segment_blocks,
                         ulysses_head_chunks=chunks, offload_activations=layout.offload_activations,
                         offload_decided=offload_auto, host_bytes=host, attention_gqa=layout.attention_gqa,
-                        gqa_decided=gqa_auto)
+                        gqa_decided=gqa_auto, offload_prefetch=layout.offload_prefetch)
 
 
 def memory_budget(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None) -> Budget:

@@ -342,7 +342,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
              seed: int = 0, attention: str = "cpu", tsp_recompute: str = "full",
              loss_chunk_tokens: int | str = "auto", mlp_chunk_tokens: int | str = "auto",
              offload_activations: bool = False, checkpoint_replay_keeps: str = "all",
-             attention_chunk_tokens: int | str = "auto", checkpoint_segment_blocks: int = 1) -> StepResult:
+             attention_chunk_tokens: int | str = "auto", checkpoint_segment_blocks: int = 1,
+             offload_prefetch: bool = True) -> StepResult:
     """One forward + backward of `cfg` (as many layers as it has) for global rank `rank`.
     attention: "cpu" (the fake tensors' own path) or "cuda" (`cuda_attention_path`);
     tsp_recompute: TSP's `parallel.tsp_recompute` ("full", "selective" or "none");
@@ -352,7 +353,8 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
     copies counted apart: `host_copies_on_host`);
     checkpoint_replay_keeps: TSP's `parallel.checkpoint_replay_keeps` (under checkpointing);
     attention_chunk_tokens: TSP's `parallel.attention_chunk_tokens` (K/V in chunks);
-    checkpoint_segment_blocks: `train.checkpoint_segment_blocks` (nested checkpointing)."""
+    checkpoint_segment_blocks: `train.checkpoint_segment_blocks` (nested checkpointing);
+    offload_prefetch: `train.offload_prefetch` (with offload_activations)."""
     if attention not in ("cpu", "cuda"):
         raise ValueError(f"attention={attention!r} must be 'cpu' or 'cuda'")
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -388,7 +390,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
             for p in params:
                 p.grad = torch.zeros_like(p)      # preallocated, as the benchmark does
         wrap_blocks(model, checkpointing=activation_checkpointing, offload=offload_activations,
-                    segment_blocks=checkpoint_segment_blocks)            # as the trainer wraps them
+                    segment_blocks=checkpoint_segment_blocks, prefetch=offload_prefetch)   # as the trainer
         batch = par.local_batch(ids, labels)      # real tensors (see the module docstring)
         mesh.ledger.reset()
         tracker = DeviceMemory()
@@ -413,7 +415,7 @@ def run_step(cfg: ModelConfig, scheme: str, *, world_size: int, degree: int, seq
         info = dict(par.info, world_size=world_size, degree=degree, dp=world_size // degree,
                     rank=rank, tsp_rank=mesh.tsp_rank, dp_rank=mesh.dp_rank, dtype=str(dtype),
                     activation_checkpointing=activation_checkpointing, attention=attention,
-                    offload_activations=offload_activations,
+                    offload_activations=offload_activations, offload_prefetch=offload_prefetch,
                     checkpoint_segment_blocks=checkpoint_segment_blocks)
         if fused_calls:
             info["fused_attention_calls"] = dict(fused_calls)     # the step's kernel launches
@@ -432,19 +434,20 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
     extrapolated the same way; the shapes are those of the run. With offload_activations the runs
     have 2 and 3 layers (module docstring item 2); under nested checkpointing
     (checkpoint_segment_blocks k > 1) whole segments: k and 2 k layers (2 k and 3 k with offload),
-    extrapolated per segment to ceil(L / k) of them."""
+    plus the L mod k blocks of the model's last, shorter segment, extrapolated per segment to the
+    model's ceil(L / k) of them."""
     if layers is not None and layers >= cfg.num_layers:
         return run_step(cfg, scheme, **kwargs)
     if layers is not None:
         raise ValueError(f"layers={layers}: run the full model (None or >= {cfg.num_layers}) or "
                          "let simulate extrapolate from 1 and 2 layers (layers=None)")
     k = kwargs.get("checkpoint_segment_blocks", 1)
-    first = (2 if kwargs.get("offload_activations") else 1) * k
+    first = _first_run_layers(cfg.num_layers, bool(kwargs.get("offload_activations")), k)
     if cfg.num_layers <= first + k:
         return run_step(cfg, scheme, **kwargs)
     one = run_step(cfg.replace(num_layers=first), scheme, **kwargs)
     two = run_step(cfg.replace(num_layers=first + k), scheme, **kwargs)
-    extra = -(-(cfg.num_layers - first) // k)
+    extra = (cfg.num_layers - first) // k
 
     def lin(a: int, b: int) -> int:
         return a + extra * (b - a)
@@ -477,8 +480,15 @@ def simulate(cfg: ModelConfig, scheme: str, *, layers: int | None = None, **kwar
 # the full-scale dry run (tsp-plan --dry-run)
 
 
-def _extrapolation(offload: bool, k: int) -> str:
+def _first_run_layers(num_layers: int, offload: bool, k: int) -> int:
+    """Layers of `simulate`'s first run: one segment of k blocks (two with offload), plus the
+    L mod k blocks of the model's last, shorter segment, so both runs end as the model does."""
     first = (2 if offload else 1) * k
+    return first + (num_layers - first) % k
+
+
+def _extrapolation(num_layers: int, offload: bool, k: int) -> str:
+    first = _first_run_layers(num_layers, offload, k)
     return f"extrapolated from {first} and {first + k} layers"
 
 
@@ -488,7 +498,8 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
             full_depth: bool = False, attention: str = "cpu", tsp_recompute: str = "full",
             offload_activations: bool = False, offload_optimizer: bool = False,
             checkpoint_replay_keeps: str = "all", gpu: str | None = None, log=None,
-            attention_chunk_tokens: int | str = "auto", checkpoint_segment_blocks: int = 1) -> dict:
+            attention_chunk_tokens: int | str = "auto", checkpoint_segment_blocks: int = 1,
+            offload_prefetch: bool = True) -> dict:
     """Run every scheme's training step on fake tensors at full scale and set the results beside
     the analytic model (plan/communication.py, plan/activations.py, plan/state.py): the ledger must
     equal it exactly; memory within a few %.
@@ -500,6 +511,7 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
     checkpoint_replay_keeps: TSP's parallel.checkpoint_replay_keeps (under checkpointing);
     attention_chunk_tokens: TSP's parallel.attention_chunk_tokens (K/V in chunks);
     checkpoint_segment_blocks: train.checkpoint_segment_blocks (nested checkpointing);
+    offload_prefetch: train.offload_prefetch (with offload_activations);
     gpu: a hardware profile name ("h100"): the planner's reserve for it (plan/reserved.py: buffers
     the libraries allocate beside the tensors, which fake tensors do not show) is reported and
     `device_total` = the measured tensors + that reserve, comparable with the planner's total.
@@ -521,8 +533,9 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
               "offload_activations": offload_activations, "offload_optimizer": offload_optimizer,
               "checkpoint_replay_keeps": checkpoint_replay_keeps, "gpu": gpu,
               "attention_chunk_tokens": attention_chunk_tokens,
-              "checkpoint_segment_blocks": checkpoint_segment_blocks,
-              "layers": "all" if full_depth else _extrapolation(offload_activations, checkpoint_segment_blocks),
+              "checkpoint_segment_blocks": checkpoint_segment_blocks, "offload_prefetch": offload_prefetch,
+              "layers": "all" if full_depth else _extrapolation(cfg.num_layers, offload_activations,
+                                                                      checkpoint_segment_blocks),
               "schemes": {}}
     for scheme in schemes:
         if log:
@@ -538,9 +551,10 @@ def dry_run(cfg: ModelConfig, *, seq_len: int, world_size: int, degree: int,
                        activation_checkpointing=activation_checkpointing, rank=rank,
                        attention=attention, tsp_recompute=mode,
                        offload_activations=offload_activations, checkpoint_replay_keeps=keeps,
-                       checkpoint_segment_blocks=checkpoint_segment_blocks, **chunking)
+                       checkpoint_segment_blocks=checkpoint_segment_blocks,
+                       offload_prefetch=offload_prefetch, **chunking)
         layout = Layout(scheme, degree, dp=dp, zero_stage=zero_stage,
-                        checkpoint_segment_blocks=checkpoint_segment_blocks,
+                        checkpoint_segment_blocks=checkpoint_segment_blocks, offload_prefetch=offload_prefetch,
                         activation_checkpointing=activation_checkpointing, head_buckets=nb,
                         micro_batch=micro_batch, tsp_recompute=mode, replay_keeps=keeps,
                         offload_activations=offload_activations, offload_optimizer=offload_optimizer,
@@ -680,6 +694,7 @@ def dry_run_at_longest(cfg: ModelConfig, gpu, *, nodes: int = 1, offload: bool =
                          tsp_recompute=lay.tsp_recompute, offload_activations=lay.offload_activations,
                          checkpoint_replay_keeps=lay.replay_keeps,
                          checkpoint_segment_blocks=lay.checkpoint_segment_blocks,
+                         offload_prefetch=lay.offload_prefetch,
                          offload_optimizer=lay.offload_optimizer, gpu=hw.name, log=log,
                          attention_chunk_tokens=lay.attention_chunk_tokens)
         runs[rank] = report["schemes"]["tsp"]

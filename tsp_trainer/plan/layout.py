@@ -77,6 +77,10 @@ class Layout:
     # train.checkpoint_segment_blocks: AC keeps every k-th block input only, each segment of k
     # blocks re-run forward in backward (model/activation_checkpoint.py); 1 = per-block AC
     checkpoint_segment_blocks: int = 1
+    # train.offload_prefetch (with offload_activations): a block's backward fetches the next
+    # block's saved tensors ahead (model/offload.py); False fetches each when its backward asks,
+    # one block's on the GPU at a time, each copy exposed
+    offload_prefetch: bool = True
     # planner-only, for the ablation table: False keeps a tiled TSP layer's [N/D, h] output and
     # dX accumulators in fp32, as an untiled layer has them (the trainer puts them in the
     # activation dtype whenever the MLP's tokens are tiled)
@@ -213,7 +217,7 @@ class Layout:
             parts.append(f"gqa={self.attention_gqa}")
         parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
         if self.offload_activations:
-            parts.append("offload")
+            parts.append("offload" if self.offload_prefetch else "offload noprefetch")
         parts += self._tiling_marks()
         return " ".join(parts)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsp_trainer.config import ModelConfig
+from tsp_trainer.config.model import FP32_EXACT_POSITIONS
 from tsp_trainer.plan.layout import NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
@@ -22,6 +23,9 @@ from tsp_trainer.plan.hardware import HardwareProfile
 from tsp_trainer.plan.search import candidate_layouts, gqa_paths
 
 LIMIT_TOKENS = 1 << 27          # 134M tokens: the search stops here
+# the trainer's longest sequence: RoPE's fp32 angles take exact positions below 2^24 only
+# (model/rope.py check_fp32_positions), so a TSP answer stops at 16,777,216 tokens
+TRAINER_LIMIT = FP32_EXACT_POSITIONS
 
 
 @dataclass
@@ -30,7 +34,8 @@ class Longest:
     seq_len: int                         # 0: not even one granule fits
     best: Prediction | None              # the fitting layout with the least memory at seq_len
     refused: str = ""                    # why no layout was tried (a pair the trainer refuses)
-    bound: str = ""                      # what one granule more overflows: "HBM", "host", "search limit"
+    bound: str = ""                      # what one granule more overflows: "HBM", "host", "search
+                                         # limit", "RoPE positions" (the trainer's longest)
 
     def as_dict(self) -> dict:
         out = {"scheme": self.scheme, "max_seq_len": self.seq_len, "bound_by": self.bound}
@@ -121,27 +126,33 @@ def longest_seq_len(cfg: ModelConfig, scheme: str, *, hw: HardwareProfile, nodes
                             tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
                             fields=fields, replay_keeps=replay_keeps, segments=segments)
 
-    seq_len, best, bound = search_longest(predictions, granule)
+    seq_len, best, bound = search_longest(predictions, granule, limit=TRAINER_LIMIT, limit_name="RoPE positions")
     return Longest(scheme, seq_len, best, bound=bound)
 
 
-def search_longest(predictions, granule: int) -> tuple[int, Prediction | None, str]:
+def search_longest(predictions, granule: int, limit: int = LIMIT_TOKENS,
+                   limit_name: str = "search limit") -> tuple[int, Prediction | None, str]:
     """(longest fitting multiple of `granule`, its least-memory prediction, what one granule more
     overflows) for `predictions(seq_len)`, the candidate layouts predicted at a length: doubling
-    until nothing fits, then bisection (memory grows with the length for every layout)."""
+    until nothing fits, then bisection (memory grows with the length for every layout); at most
+    `limit` tokens, named `limit_name` when that stops it."""
     def fit(units: int) -> tuple[Prediction | None, list[Prediction]]:
         preds = predictions(units * granule)
         return _least_memory(preds), preds
 
+    top = limit // granule
     lo, lo_pred = 0, None                      # lo units fit (0: trivially)
     hi, hi_preds = 1, []
-    while hi * granule <= LIMIT_TOKENS:
+    while hi <= top:
         p, hi_preds = fit(hi)
         if p is None:
             break
-        lo, lo_pred, hi = hi, p, hi * 2
+        lo, lo_pred = hi, p
+        if hi == top:
+            return lo * granule, lo_pred, limit_name
+        hi = min(hi * 2, top)
     else:
-        return lo * granule, lo_pred, "search limit"
+        return lo * granule, lo_pred, limit_name
     while hi - lo > 1:                         # invariant: lo fits, hi does not
         mid = (lo + hi) // 2
         p, preds = fit(mid)

@@ -101,12 +101,14 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
         * tokens_micro / layout.degree
     overlappable, exposed = _model_parallel_seconds(mp, layout, hw, assumptions)
     # activation offload: every block's saved tensors go to the host in forward and come back in
-    # backward on a side stream, overlapped with compute (model/offload.py)
-    t_offload = 2 * act.host / (hw.host_bw * eff_n)
+    # backward on a side stream, overlapped with compute (model/offload.py); without prefetch a
+    # block's come back when its backward asks for them, those copies exposed
+    t_offload = act.host_traffic / (hw.host_bw * eff_n)
+    t_fetch = act.host_fetch_exposed / (hw.host_bw * eff_n)
     # ZeRO-3 (sp, ulysses): each layer's weights gathered and its gradients reduce-scattered over
     # all ranks every micro-step, prefetched and bucketed beside compute (as the peers' model)
     t_zero3 = _zero3_seconds(dp, layout, hw, eff_n)
-    t_micro = max(t_compute, overlappable, t_offload, t_zero3) + exposed
+    t_micro = max(t_compute, overlappable, t_offload, t_zero3) + exposed + t_fetch
     # DP: gradients reduced while the last micro-step's backward runs (2/3 of its compute);
     # ZeRO-1/2 all-gather the updated parameters after the step (exposed)
     t_dp_grad, t_dp_params = _data_parallel_seconds(dp, layout, hw, eff_n)
@@ -121,7 +123,8 @@ def predict(cfg: ModelConfig, layout: Layout, seq_len: int, hw: HardwareProfile,
     tps = batch * seq_len / step
     per_gpu = tps / layout.world
     times = {"compute_per_micro": t_compute, "overlappable_comm_per_micro": overlappable,
-             "exposed_comm_per_micro": exposed, "offload_per_micro": t_offload, "micro_step": t_micro,
+             "exposed_comm_per_micro": exposed, "offload_per_micro": t_offload,
+             "offload_fetch_exposed_per_micro": t_fetch, "micro_step": t_micro,
              "dp_grad_comm": t_dp_grad, "dp_param_allgather": t_dp_params, "dp_exposed": t_dp_exposed,
              "optimizer": t_opt, "optimizer_pcie": t_pcie}
     return Prediction(layout=layout, memory=memory, fits=not limits, capacity=capacity, exceeds=limits,

@@ -59,6 +59,8 @@ def resolve_run(cfg: TrainConfig, *, world_size: int, cuda: bool, device=None,
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ulysses_head_chunks=1))
     if cfg.train.checkpoint_segment_blocks == "auto":       # no checkpointing: nothing to nest
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint_segment_blocks=1))
+    if cfg.train.offload_prefetch == "auto":                # no offload: nothing to fetch
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, offload_prefetch=True))
     if cfg.train.attention_gqa == "auto":                   # no GQA-native path here: SDPA's own call
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attention_gqa="fused"))
     model = cfg.model.to_model_config()

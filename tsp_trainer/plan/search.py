@@ -6,6 +6,7 @@ settings share: plan/auto.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import product
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
@@ -60,10 +61,12 @@ def ranking_key(p: Prediction, capacity: float):
     communication ties across recompute modes; where compute and transfers share the cores, as on
     CPU, the mode that recomputes least is the fastest), then no activation offload (its copies
     hidden behind compute tie with keeping the activations, and they still take PCIe and host
-    memory), then less nesting (checkpoint_segment_blocks), then less memory. The GQA-native path's
-    measured slowdown (predict.gqa_native_slowdown) puts SDPA's fused GQA first wherever both fit."""
+    memory), then the offload's prefetch, then less nesting (checkpoint_segment_blocks), then less
+    memory. The GQA-native path's measured slowdown (predict.gqa_native_slowdown) puts SDPA's fused
+    GQA first wherever both fit."""
     return (p.memory["total"] > capacity, p.step_time, p.times["compute_per_micro"],
-            p.layout.offload_activations, p.layout.checkpoint_segment_blocks, p.memory["total"])
+            p.layout.offload_activations, not p.layout.offload_prefetch,
+            p.layout.checkpoint_segment_blocks, p.memory["total"])
 
 
 def gqa_paths(cfg: ModelConfig, prec: Precision, device: str = "cuda") -> tuple[str, ...]:
@@ -78,7 +81,8 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
                     checkpointing=(False, True), buckets: tuple[int, ...] | None = None,
                     offload: tuple[bool, ...] | None = None,
                     replay: tuple[str, ...] = PLANNED_REPLAY_KEEPS,
-                    segments: tuple[int, ...] = (1,), gqa: tuple[str, ...] | None = None) -> list[Layout]:
+                    segments: tuple[int, ...] = (1,), gqa: tuple[str, ...] | None = None,
+                    prefetch: tuple[bool, ...] = (True, False)) -> list[Layout]:
     """`base` under every TSP recompute mode, activation checkpointing and head-bucket count it
     takes (the settings `auto` chooses among; TSP only recomputes by shard and splits heads in
     buckets, so the baselines vary checkpointing alone), under each of `replay` (what TSP's
@@ -88,7 +92,8 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
     or none recompute with checkpointing or offload) is left out. buckets=None: every divisor of
     the K/V heads per weight shard. segments: the checkpoint_segment_blocks values taken under
     checkpointing (nested checkpointing; 1 without it). gqa: the attention_gqa values (None:
-    base's own; `gqa_paths`)."""
+    base's own; `gqa_paths`). prefetch: the offload_prefetch values taken under activation offload
+    (True without it: nothing to fetch)."""
     tsp = base.scheme == "tsp"
     modes = recompute if tsp else ("full",)
     counts = (buckets or _buckets(cfg, base.degree)) if tsp else (1,)
@@ -99,13 +104,13 @@ def memory_variants(cfg: ModelConfig, base: Layout, *, recompute=TSP_RECOMPUTE,
             for ac in checkpointing:
                 for keeps in (replay if tsp and ac else replay[:1]):
                     for off in offloads:
-                        for k in (segments if ac else (1,)):
+                        for k, ahead in product(segments if ac else (1,), prefetch if off else (True,)):
                             for path in (gqa or (base.attention_gqa,)):
                                 try:
                                     out.append(replace(base, tsp_recompute=mode, activation_checkpointing=ac,
                                                        head_buckets=nb, offload_activations=off,
                                                        replay_keeps=keeps, checkpoint_segment_blocks=k,
-                                                       attention_gqa=path))
+                                                       offload_prefetch=ahead, attention_gqa=path))
                                 except ValueError:              # refused by the trainer
                                     continue
     return out
