@@ -69,17 +69,28 @@ def _batch():
     return tokens[:, :-1].contiguous(), labels
 
 
+# Qwen3's per-head q/k norms with the layers tiled (each block norm's work handed to the attention
+# and the MLP, parallel/tsp/norm.py), on 1, 2 and 4 ranks
+QK_NORM_CASES = [("tsp", 1, {"mlp_chunk_tokens": 5}, False, True),
+                 ("tsp", 2, {"mlp_chunk_tokens": 5}, True, False),
+                 ("tsp", 4, {"mlp_chunk_tokens": 3, "tsp_recompute": "selective"}, False, True)]
+
+
+def _cfg(qk_norm: bool) -> ModelConfig:
+    return CFG.replace(family="qwen3", qk_norm=True) if qk_norm else CFG
+
+
 @functools.lru_cache(maxsize=None)
-def _reference(reset_positions: bool):
-    model = Transformer(CFG)
+def _reference(reset_positions: bool, qk_norm: bool = False):
+    model = Transformer(_cfg(qk_norm))
     init_model(model, SEED)
     ids, labels = _batch()
     return per_document_reference(model, ids, labels, LENGTHS, reset_positions=reset_positions)
 
 
-def _masked_rank(rank, world, scheme, options, checkpointing, reset_positions, ids, labels):
+def _masked_rank(rank, world, scheme, options, checkpointing, reset_positions, ids, labels, qk_norm=False):
     mesh = build_mesh(world)
-    model = Transformer(CFG)
+    model = Transformer(_cfg(qk_norm))
     init_model(model, SEED)
     par = parallelize(model, scheme, mesh, seq_len=ids.shape[1], **options)
     if checkpointing:
@@ -97,12 +108,14 @@ def _masked_rank(rank, world, scheme, options, checkpointing, reset_positions, i
 RUNS = ForkedCases()
 
 
-def _key(scheme, options, checkpointing, reset_positions) -> tuple:
-    return scheme, tuple(sorted(options.items())), checkpointing, reset_positions
+def _key(scheme, options, checkpointing, reset_positions, qk_norm=False) -> tuple:
+    return scheme, tuple(sorted(options.items())), checkpointing, reset_positions, qk_norm
 
 
 for _s, _w, _o, _ac, _r in CASES:
     RUNS.add(_w, _key(_s, _o, _ac, _r), _masked_rank, _s, _o, _ac, _r, *_batch())
+for _s, _w, _o, _ac, _r in QK_NORM_CASES:
+    RUNS.add(_w, _key(_s, _o, _ac, _r, True), _masked_rank, _s, _o, _ac, _r, *_batch(), True)
 
 
 @pytest.mark.parametrize("scheme,world,options,checkpointing,reset_positions", CASES,
@@ -111,6 +124,22 @@ for _s, _w, _o, _ac, _r in CASES:
 def test_packed_documents_equal_documents_alone(scheme, world, options, checkpointing, reset_positions):
     ref_loss, ref_count, ref_grads = _reference(reset_positions)
     results = RUNS.result(world, _key(scheme, options, checkpointing, reset_positions))
+    for rank, out in enumerate(results):
+        assert out["count"] == ref_count
+        assert out["loss_sum"] == pytest.approx(ref_loss, rel=1e-5), f"rank {rank} loss"
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(out["grads"][name], grad, **TOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("scheme,world,options,checkpointing,reset_positions", QK_NORM_CASES,
+                         ids=[f"{s}-d{w}-{'-'.join(f'{k}{v}' for k, v in o.items())}"
+                              f"{'-ac' if ac else ''}{'-reset' if r else ''}" for s, w, o, ac, r in QK_NORM_CASES])
+def test_packed_documents_with_qk_norms_equal_documents_alone(scheme, world, options, checkpointing,
+                                                               reset_positions):
+    ref_loss, ref_count, ref_grads = _reference(reset_positions, True)
+    assert any("q_norm" in name for name in ref_grads)
+    results = RUNS.result(world, _key(scheme, options, checkpointing, reset_positions, True))
     for rank, out in enumerate(results):
         assert out["count"] == ref_count
         assert out["loss_sum"] == pytest.approx(ref_loss, rel=1e-5), f"rank {rank} loss"

@@ -295,3 +295,43 @@ def test_checkpoint_replay_keeps_what_the_setting_allows(keeps):
         gate_up = 8 * tokens * c["inter"] if keeps == "all" else None
         assert c["puts"] == [("attention", items), ("mlp", gate_up)] * layers, (c["puts"], items, gate_up)
         _assert_one_block_input_per_block_end(c, block_input)
+
+
+def _block_saved(rank, world, h, seq, chunk):
+    """Bytes one whole block (norms, attention, MLP) keeps between its forward and its backward,
+    its input, output, parameters and RoPE tables excluded; and the block's token count."""
+    from tsp_trainer.config import model_config
+    from tsp_trainer.model import Transformer
+    from tsp_trainer.model.layers import Rotary
+    from tsp_trainer.parallel import zigzag
+    from tsp_trainer.parallel.mesh import build_mesh
+    from tsp_trainer.parallel.schemes import parallelize
+    from tsp_trainer.tools.memory import LiveTensorMemory
+
+    cfg = model_config("tiny", hidden_size=h, num_heads=8, num_kv_heads=4, intermediate_size=2 * h)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    parallelize(model, "tsp", build_mesh(world), seq_len=seq, init_seed=0, mlp_chunk_tokens=chunk)
+    pos = zigzag.zigzag_positions(seq, rank, world)
+    rope = Rotary.build(pos, cfg.head_dim, cfg.rope_theta)
+    block = model.layers[0]
+    x = torch.randn(1, seq // world, h, requires_grad=True)
+    with LiveTensorMemory() as mem:
+        mem.ignore(x, *block.parameters(), rope.cos, rope.sin, pos)
+        y = block(x, rope)
+        saved = mem.live - y.numel() * 4
+    y.sum().backward()
+    return {"saved": saved, "tokens": seq // world}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tiled_block_keeps_its_norms_inputs_not_their_outputs(world):
+    """Untiled, a block keeps three [n, h] tensors besides its input: the attention's input (the
+    first norm's output), the second norm's input x + attn and the MLP's input (its output), and
+    the norms' rstd [n, 1]. Tiled, each norm hands its work to its consumer (parallel/tsp/norm.py):
+    the block keeps x + attn and the two rstd only (exactly, in fp32), two [n, h] fewer."""
+    h, seq = 64, 256
+    untiled, tiled = (run_on_ranks(_block_saved, world, h, seq, chunk)[0] for chunk in (10**9, 16))
+    n = tiled["tokens"]
+    assert tiled["saved"] == 4 * n * h + 2 * 4 * n, tiled
+    assert untiled["saved"] == 3 * 4 * n * h + 2 * 4 * n, untiled

@@ -17,9 +17,9 @@ from tsp_trainer.parallel.tsp.comm_model import ledger_totals, tsp_step_comm
 
 pytestmark = pytest.mark.distributed
 RTOL, ATOL = 1e-5, 1e-6
-# Every case's ranks run in a fork shared with the next cases of its degree (ForkedCases), ten
-# to a fork (33 cases on 2 ranks and 29 on 4: four and three forks).
-RUNS = ForkedCases(per_fork=10)
+# Every case's ranks run in a fork shared with the next cases of its degree (ForkedCases), eleven
+# to a fork (40 cases on 2 ranks and 33 on 4: four and three forks).
+RUNS = ForkedCases(per_fork=11)
 
 
 def _assert_parity(ref, outs):
@@ -473,3 +473,46 @@ def test_tiled_loss_in_bf16_stays_close_to_the_fp32_accumulating_path(degree, ru
     # the paths differ: the bf16 dX accumulator is not a no-op
     assert any(not torch.equal(t["grads"][n], u["grads"][n])
                for n in untiled[0]["grads"] for u, t in zip(untiled, tiled))
+
+
+# Tiled layers: each block norm hands its work to its consumer (parallel/tsp/norm.py), which keeps
+# the norm's input and remakes its output per token chunk. (degree, K/V heads, family,
+# tsp_recompute, checkpointing, checkpoint_replay_keeps, tokens per MLP chunk, K/V chunk): 2 x 24
+# tokens, 48 / D local tokens; Qwen3's per-head q/k norms; GQA, and MQA on 4 ranks (K/V head copies).
+QWEN3 = dict(family="qwen3", qk_norm=True)
+HANDOFF_CASES = [(1, 2, "qwen3", "full", False, "all", 5, "auto"),
+                 (2, 2, "qwen3", "selective", False, "all", 5, "auto"),
+                 (2, 4, "qwen3", "none", True, "all", 7, "auto"),
+                 (2, 4, "llama_bias_llama3", "full", True, "attention", 5, 3),
+                 (4, 2, "qwen3", "full", True, "nothing", 5, "auto"),
+                 (4, 2, "qwen3", "selective", True, "attention", 5, 2),
+                 (4, 1, "qwen3", "full", False, "all", 3, "auto")]
+
+
+def _handoff_cfg(kv_heads, family):
+    extra = QWEN3 if family == "qwen3" else FAMILY_CFGS[family]
+    cfg = model_config("tiny", num_heads=8, num_kv_heads=kv_heads, **extra)
+    return (cfg, *make_batch(cfg, 2, 24))
+
+
+for _d, _kv, _f, _m, _ac, _k, _c, _a in HANDOFF_CASES:
+    _cfg, _ids, _labels = _handoff_cfg(_kv, _f)
+    RUNS.add(_d, ("norm_handoff", _kv, _f, _m, _ac, _k, _c, _a), tsp_rank, _cfg, 7, _ids, _labels, 1, 0,
+             1e-2, False, "adamw", _m, "auto", _ac, _c, False, _k, _a)
+
+
+@pytest.mark.parametrize("degree,kv_heads,family,mode,checkpointing,keeps,chunk,kv_chunk", HANDOFF_CASES,
+                         ids=[f"d{d}-kv{kv}-{f}-{m}{'-ac-' + k if ac else ''}-chunk{c}-kv{a}"
+                              for d, kv, f, m, ac, k, c, a in HANDOFF_CASES])
+def test_norm_handed_to_its_consumer_matches_single_process(degree, kv_heads, family, mode, checkpointing,
+                                                            keeps, chunk, kv_chunk):
+    """With the layers' tokens tiled the block norms' outputs are remade per owner projection and
+    per ring step from the norms' inputs: the same logits, loss and gradients as one process, the
+    norm weights' (summed over the group) included."""
+    cfg, ids, labels = _handoff_cfg(kv_heads, family)
+    ref = reference(cfg, 7, ids, labels)
+    outs = RUNS.result(degree, ("norm_handoff", kv_heads, family, mode, checkpointing, keeps, chunk, kv_chunk))
+    _assert_parity(ref, outs)
+    assert any("layernorm" in name for name in ref["grads"])
+    for o in outs:
+        assert o["mlp_chunk"] == chunk

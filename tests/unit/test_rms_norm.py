@@ -171,3 +171,20 @@ def test_backward_holds_no_full_size_fp32_temporary(monkeypatch):
         y.backward(dy)
     # dx (bf16, n x h) is the only full-size tensor; every fp32 temporary is one chunk
     assert mode.largest == max(2 * n * h, 4 * 256 * h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_remade_from_kept_rstd_and_backward_in_place_equal_the_function(monkeypatch, dtype):
+    """What a layer that takes over the norm uses (parallel/tsp/norm.py): rstd, the output remade
+    from it (any rows, chunked with a ragged end) and the backward written over the incoming
+    gradient: the function's own output and gradients, bit for bit."""
+    monkeypatch.setattr(rn, "CHUNK_BYTES", 7 * 4 * 64)   # 7 tokens per chunk, ragged end
+    x, w, dy = _inputs(dtype, shape=(1, 50, 64))
+    y, dx, dw = _grads(rn.rms_norm, x, w, dy)
+    x2, dy2 = x.view(-1, 64), dy.view(-1, 64)
+    rstd = rn.rms_norm_rstd(x2, 1e-5)
+    assert torch.equal(rn.rms_norm_apply(x2, rstd, w, 1e-5), y.view(-1, 64))
+    assert torch.equal(rn.rms_norm_apply(x2[11:30], rstd[11:30], w, 1e-5), y.view(-1, 64)[11:30])
+    grad = dy2.clone()
+    dw_in_place = rn.rms_norm_backward_in_place(x2, rstd, w, grad)
+    assert torch.equal(grad, dx.view(-1, 64)) and torch.equal(dw_in_place.to(dtype), dw)

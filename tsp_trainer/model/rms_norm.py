@@ -104,6 +104,46 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return RmsNormFn.apply(x, weight, eps)
 
 
+def rms_norm_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rstd [n, 1] fp32 of x [n, h], as RmsNormFn's forward computes it (chunked: two fp32
+    [chunk, h] temporaries at most)."""
+    rstd = x.new_empty((x.shape[0], 1), dtype=torch.float32)
+    rows = chunk_rows(x.shape[-1])
+    for start in range(0, x.shape[0], rows):
+        x32 = x[start:start + rows].float()
+        torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps, out=rstd[start:start + rows])
+    return rstd
+
+
+def rms_norm_apply(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm`'s output for rows x [c, h], bit for bit, for a caller that kept their rstd [c, 1]:
+    on CUDA torch's fused kernel, as `rms_norm` (one kernel, rstd recomputed inside it); elsewhere
+    y = (x * rstd).to(x.dtype) * w from the kept rstd, written chunk by chunk into y, so besides y
+    the temporaries are two fp32 [chunk_rows, h] at most."""
+    if x.is_cuda and x.dtype == weight.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    rows = chunk_rows(x.shape[-1])
+    for start in range(0, x.shape[0], rows):
+        c = slice(start, start + rows)
+        torch.mul((x[c].float() * rstd[c]).to(x.dtype), weight, out=y[c])
+    return y
+
+
+def rms_norm_backward_in_place(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                               grad: torch.Tensor) -> torch.Tensor:
+    """RmsNormFn's backward for x [n, h] with rstd [n, 1]: `grad` [n, h] holds the gradient at the
+    norm's output and is overwritten, chunk by chunk, with the gradient at its input (no second
+    [n, h]). Returns dw [h] fp32, this input's part."""
+    dw = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+    rows = chunk_rows(x.shape[-1])
+    for start in range(0, x.shape[0], rows):
+        c = slice(start, start + rows)
+        # each chunk reads its dy before it writes its dx (g is a new tensor until the last copy)
+        _chunk_backward(x[c], grad[c], rstd[c], weight, grad[c], dw)
+    return dw
+
+
 def rms_norm_grads(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of y = rms_norm(x, weight, eps) for the incoming gradient dy, by RmsNormFn's

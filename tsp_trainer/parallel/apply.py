@@ -161,11 +161,15 @@ def apply_tsp(model: Transformer, comm: Comm, *, head_buckets: int = 1, seq_len:
         weights, biases = local.mlp(mlp, cfg)
         block.mlp = TSPGatedMLP(*weights, comm=comm, keep_gate_up=recompute == "none",
                                 tiling=tiling, replay_keeps=replay_mlp, replicated=replicated, **biases)
+        # each norm hands its work to its consumer once the layer's tokens are tiled (tsp/norm.py)
         block.input_layernorm = TSPRMSNorm(materialize_norm(block.input_layernorm, local,
-                                                        pre + "input_layernorm"), replicated=replicated)
+                                                        pre + "input_layernorm"), replicated=replicated,
+                                           tiling=tiling)
         block.post_attention_layernorm = TSPRMSNorm(
             materialize_norm(block.post_attention_layernorm, local, pre + "post_attention_layernorm"),
-            replicated=replicated)
+            replicated=replicated, tiling=tiling)
+        block.self_attn.norm_handoff = block.input_layernorm.handoff
+        block.mlp.norm_handoff = block.post_attention_layernorm.handoff
     model.norm = TSPRMSNorm(materialize_norm(model.norm, local, "norm"), replicated=replicated)
     embed = nn.Parameter(local("embed_tokens.weight"))
     head = embed if cfg.tie_embeddings else nn.Parameter(local("lm_head.weight"))

@@ -100,8 +100,8 @@ def _add_gate_up_input_grad(dx: torch.Tensor, dgu: torch.Tensor, w) -> None:
 
 def gated_mlp_forward_into(x2: torch.Tensor, ws: list[torch.Tensor], y2: torch.Tensor,
                            chunks: list[slice], kept: list | None = None) -> None:
-    """y2[c] += gated_mlp(x2[c], block ws) chunk by chunk, two GEMMs a chunk: x2 [n, h], y2 [n, h]
-    (fp32 or x's dtype); ws = [W_gate; W_up] [2 I/D, h], W_down [h, I/D] (+ [b_gate; b_up]), as
+    """y2[c] += gated_mlp(x2[c], block ws) chunk by chunk, two GEMMs a chunk: x2 [n, h] (or rows
+    made per chunk by x2[c], TSP's tsp/norm.py NormedRows), y2 [n, h] (fp32 or x's dtype); ws = [W_gate; W_up] [2 I/D, h], W_down [h, I/D] (+ [b_gate; b_up]), as
     `fused_weights` lays them out, or with the (W_gate, W_up) pairs of `split_gate_up`. With `kept` (a list) each chunk's gate/up pre-activations
     [chunk, 2 I/D] (gate first) are appended to it for the backward."""
     bias = ws[2] if len(ws) > 2 else None
@@ -118,7 +118,8 @@ def gated_mlp_backward_into(x: torch.Tensor, dy: torch.Tensor, ws: list[torch.Te
                             kept: list | None = None) -> None:
     """Backward of `gated_mlp` for one block of the intermediate dim, chunk by chunk of tokens, by
     hand so that the weight gradients are added into `acc` (fp32, e.g. views of TSP's packed
-    accumulator) without a gradient tensor of their own. x, dy [n, h]; ws as in
+    accumulator) without a gradient tensor of their own. x, dy [n, h] (x, or rows made per chunk
+    by x[c] as in gated_mlp_forward_into); ws as in
     gated_mlp_forward_into; acc the same shapes in fp32; dx [n, h] (fp32 or x's dtype, added
     into). kept: the chunks' gate/up pre-activations, in chunk order (each released once used);
     None recomputes them from x. Per chunk four GEMMs with fused weights (five with the gate/up

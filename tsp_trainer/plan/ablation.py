@@ -16,11 +16,15 @@ in the form of ALST's ablation table: each row keeps the techniques of the rows 
                            and gate/up)
     + chunked attention    parallel.attention_chunk_tokens: auto (the rows above gather each
                            item's K/V whole)
+    + norm handoff         a tiled layer's norms hand their work to the attention and the MLP,
+                           which keep the norms' inputs, not their outputs (parallel/tsp/norm.py;
+                           the trainer's behaviour whenever the MLP is tiled; the rows above keep
+                           the outputs, `Layout.norm_handoff` False)
 
 Every row is `longest_seq_len` of scheme tsp with that row's switches (activation checkpointing,
 head buckets and ZeRO stage searched as usual), checked against HBM and the node's host memory.
 A row whose prediction the dry run does not confirm (`Step.confirmed` False) is printed marked as
-the planner's only, never as a result. Every row is confirmed: the dry run of the real code at
+the planner's only, never as a result. Every row but the norm handoff's is confirmed: the dry run of the real code at
 the Llama-3.1-8B rows' lengths on 8 x H100 and 8 x H200 (`python -m tsp_trainer.plan.dry_run`,
 docs/long_context/longest_context.md) peaks within 10% of the planner and under usable HBM.
 """
@@ -54,7 +58,8 @@ class Step:
     confirmed: bool = True
 
 
-_WHOLE_KV = {"attention_chunk_tokens": UNTILED}
+_KEPT_NORMS = {"norm_handoff": False}
+_WHOLE_KV = {"attention_chunk_tokens": UNTILED, **_KEPT_NORMS}
 _UNTILED = {"loss_chunk_tokens": UNTILED, "mlp_chunk_tokens": UNTILED, "tiled_accumulators": False, **_WHOLE_KV}
 STEPS = (
     Step("baseline", _UNTILED),
@@ -67,8 +72,11 @@ STEPS = (
          segments=NESTING_CANDIDATES),
     Step("+ lean replay", _WHOLE_KV, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          segments=NESTING_CANDIDATES),
-    Step("+ chunked attention", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
+    Step("+ chunked attention", _KEPT_NORMS, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          segments=NESTING_CANDIDATES),
+    # the dry run has not run at this row's lengths: the planner's prediction until it has
+    Step("+ norm handoff", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
+         segments=NESTING_CANDIDATES, confirmed=False),
 )
 
 
@@ -150,8 +158,10 @@ def cost_at(cfg: ModelConfig, *, hw: HardwareProfile, seq_len: int = COST_SEQ_LE
     pairs = (("tiled loss", {"loss_chunk_tokens": UNTILED}, {"loss_chunk_tokens": chunk}),
              ("tiled MLP", {"mlp_chunk_tokens": UNTILED, "tiled_accumulators": False},
               {"mlp_chunk_tokens": chunk, "tiled_accumulators": False}),
-             ("tiled accumulators", {"mlp_chunk_tokens": chunk, "tiled_accumulators": False},
-              {"mlp_chunk_tokens": chunk}),
+             ("tiled accumulators", {"mlp_chunk_tokens": chunk, "tiled_accumulators": False,
+                                     "norm_handoff": False},
+              {"mlp_chunk_tokens": chunk, "norm_handoff": False}),
+             ("norm handoff", {"mlp_chunk_tokens": chunk, "norm_handoff": False}, {"mlp_chunk_tokens": chunk}),
              ("optimizer offload", {}, {"offload_optimizer": True, "zero_stage": max(1, base.zero_stage)}),
              ("activation offload", {}, {"offload_activations": True}),
              ("nested checkpointing (k=2)", {"activation_checkpointing": True},

@@ -19,7 +19,7 @@ from tsp_trainer.parallel.loss_chunks import (resolve_attention_chunk_tokens, re
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.transients import (baseline_transients, expands_kv, rms_norm_saved,
-                                         tsp_transients)
+                                         tsp_norms_handed_over, tsp_transients)
 
 
 @dataclass
@@ -78,7 +78,8 @@ def activation_memory(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Prec
     a_chunk = attention_chunk(cfg, layout, seq_len, prec, attention_chunk_tokens, device)
     replay_attn, replay_mlp = tsp_replay_kept(cfg, layout, seq_len, prec, device)   # 0 without AC
     if layout.scheme == "tsp":
-        layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept)
+        layer, outside = _tsp_saved(cfg, prec, tok, sel, mlp_kept,
+                                    tsp_norms_handed_over(layout, tok["region"], m_chunk))
         # the block in backward holds what its mode keeps, or under AC what its replay kept
         tr = tsp_transients(cfg, layout, seq_len, prec, tok["region"], device,
                             sel + replay_attn, mlp_kept + replay_mlp, chunk, m_chunk, a_chunk)
@@ -160,12 +161,13 @@ def _check_kept_attention(cfg: ModelConfig, layout: Layout, prec: Precision, dev
 
 
 def _tsp_saved(cfg: ModelConfig, prec: Precision, tok: dict[str, int], sel: int,
-               mlp_kept: int) -> tuple[int, int]:
+               mlp_kept: int, norms_handed_over: bool = False) -> tuple[int, int]:
     """(one layer without AC, outside the layers before the RoPE tables) saved by TSP: both norms
-    with their outputs (X_p) and what selective / none keep; the final norm and the loss's fp32
+    with their outputs (X_p; not once the norms hand their work over, transients.py
+    tsp_norms_handed_over) and what selective / none keep; the final norm and the loss's fp32
     log-sum-exp, target and loss per token."""
     e, h, n_n = prec.act, cfg.hidden_size, tok["norm"]
-    layer = 2 * rms_norm_saved(n_n, h, e, output_kept=True) + sel + mlp_kept
+    layer = 2 * rms_norm_saved(n_n, h, e, output_kept=not norms_handed_over) + sel + mlp_kept
     outside = rms_norm_saved(n_n, h, e, output_kept=True) + 4 * tok["region"] * 3
     return layer, outside
 

@@ -113,7 +113,9 @@ def executed_by_family(cfg: ModelConfig, layout: Layout, seq_len: int,
                if p != "core")
     return {"gemm": gemm, "attention_forward": f["core"] * runs["core"],
             "attention_backward": f["core"] * BACKWARD_COST["core"],
-            "elementwise_bytes": elementwise_bytes_per_token(cfg, layout, bytes_per_element)}
+            "elementwise_bytes": (elementwise_bytes_per_token(cfg, layout, bytes_per_element)
+                                  + norm_handoff_bytes_per_token(cfg, layout, seq_len, bytes_per_element,
+                                                                 chunks))}
 
 
 def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_element: int = 2) -> float:
@@ -126,6 +128,33 @@ def elementwise_bytes_per_token(cfg: ModelConfig, layout: Layout, bytes_per_elem
     per_pass = 10 * h + 2 * (cfg.num_heads * cfg.head_dim + cfg.kv_hidden_size) + 3 * inter
     passes = 3 + (1 if layout.activation_checkpointing else 0) + nested_forward_share(layout, cfg.num_layers)
     return float(cfg.num_layers * per_pass * passes * bytes_per_element + 3 * cfg.vocab_size * 4)
+
+
+def norm_handoff_bytes_per_token(cfg: ModelConfig, layout: Layout, seq_len: int,
+                                 bytes_per_element: int = 2, chunks: dict | None = None) -> float:
+    """HBM bytes per token of the norm applications a tiled TSP layer adds when its norms hand
+    their work over (parallel/tsp/norm.py), in `elementwise_bytes_per_token`'s units (an
+    application reads and writes h): in a forward that keeps its tensors (the forward, or the
+    replay under checkpointing) each consumer applies its norm once per owner or ring step, D in
+    all, instead of the norm's once; in backward the MLP D times, the attention D times for
+    dW_qkv and D more where it recomputes its projections (full recompute: no items kept, by the
+    mode or the replay). The first forward of a checkpointed block applies each norm once."""
+    from tsp_trainer.plan.activations import mlp_chunk, region_tokens
+    from tsp_trainer.plan.precision import PRECISIONS
+    from tsp_trainer.plan.transients import tsp_norms_handed_over
+
+    if layout.scheme != "tsp":
+        return 0.0
+    tokens = region_tokens(layout, seq_len)
+    prec = next(p for p in PRECISIONS.values() if p.act == bytes_per_element)
+    chunk = mlp_chunk(cfg, layout, tokens, prec, (chunks or {}).get("mlp_chunk_tokens", layout.mlp_chunk_tokens))
+    if not tsp_norms_handed_over(layout, tokens["region"], chunk):
+        return 0.0
+    d = layout.degree
+    items_kept = (layout.replay_keeps in ("all", "attention") if layout.activation_checkpointing
+                  else layout.tsp_recompute != "full")
+    applications = 2 * (d - 1) + d + d + (0 if items_kept else d)
+    return float(cfg.num_layers * applications * 2 * cfg.hidden_size * bytes_per_element)
 
 
 def recompute_runs(cfg: ModelConfig, layout: Layout, seq_len: int, bytes_per_element: int = 2,
@@ -183,5 +212,6 @@ def run_recompute(cfg: TrainConfig, model_cfg: ModelConfig, seq_len: int) -> dic
 
 
 __all__ = ["BACKWARD_COST", "BLOCK_PIECES", "PIECES", "checkpoint_replay", "elementwise_bytes_per_token",
+           "norm_handoff_bytes_per_token",
            "executed_by_family", "executed_pieces", "forward_pieces",
            "forward_runs", "hardware_flops_per_token", "nested_forward_share", "recompute_runs", "run_flops_layout", "run_recompute"]

@@ -85,6 +85,10 @@ class Layout:
     # dX accumulators in fp32, as an untiled layer has them (the trainer puts them in the
     # activation dtype whenever the MLP's tokens are tiled)
     tiled_accumulators: bool = True
+    # planner-only, for the ablation table: False keeps a tiled TSP layer's norm outputs [N/D, h]
+    # saved, as an untiled layer has them (the trainer hands each norm's work to its consumer
+    # whenever the layer is tiled: parallel/tsp/norm.py)
+    norm_handoff: bool = True
     # train.attention_gqa: "native" (model/attention_gqa.py: no dK/dV per query head, slower) or
     # "fused" (SDPA's GQA: FA2's backward writes dK/dV per query head, plan/reserved.py); acts on
     # CUDA's flash route under GQA only (plan/transients.py native_gqa)
@@ -228,6 +232,8 @@ class Layout:
                 marks.append(f"{name}={value}")
         if not self.tiled_accumulators:
             marks.append("fp32acc")
+        if not self.norm_handoff:
+            marks.append("norms-kept")
         return marks
 
     def kept_block_inputs(self, num_layers: int) -> int:

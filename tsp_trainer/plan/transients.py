@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.model import padded_vocab_size
+from tsp_trainer.model.rms_norm import chunk_rows
 from tsp_trainer.plan.layout import Layout
 from tsp_trainer.plan.precision import Precision
 
@@ -22,6 +23,20 @@ def rms_norm_saved(tokens: int, h: int, e: int, *, output_kept: bool) -> int:
     """Bytes RmsNormFn (model/rms_norm.py) saves for `tokens` tokens: its input x (activation
     dtype) and rstd [tokens, 1] in fp32; plus the output when the consumer saves it."""
     return (e + (e if output_kept else 0)) * tokens * h + 4 * tokens
+
+
+def tsp_norms_handed_over(layout: Layout, n: int, mlp_chunk: int | None) -> bool:
+    """Whether a TSP block's norms hand their work to the attention and the MLP
+    (parallel/tsp/norm.py): when the layer's tokens are tiled (m < n). The consumers then keep the
+    norms' inputs and rstd (no [n, h] output) and remake each output per token chunk."""
+    return (layout.scheme == "tsp" and mlp_chunk is not None and mlp_chunk < n
+            and layout.tiled_accumulators and layout.norm_handoff)
+
+
+def tsp_norm_chunk(h: int, m: int, e: int) -> int:
+    """Bytes of one norm output a consumer remakes (tsp/norm.py NormedRows): the [m, h] rows in the
+    activation dtype and the two fp32 [chunk_rows, h] temporaries of rms_norm_apply."""
+    return e * m * h + 8 * min(m, chunk_rows(h)) * h
 
 
 def expands_kv(e: int, device: str, gqa: bool) -> bool:
@@ -119,7 +134,14 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     a = _tsp_attention_terms(cfg, layout, seq_len, prec, n, device, sel, tiled, attention_chunk)
     c = n if loss_chunk is None else min(loss_chunk, n)
     w_mlp = cfg.mlp_sharded_params // d_ * ew
-    own = rms_norm_saved(n, h, e, output_kept=True)    # norm's saved tensors + X_p
+    # a norm's saved tensors: its input and rstd, and its output X_p, which the consumer keeps
+    # unless the norm handed its work over (tiled: the output is remade per token chunk, one
+    # chunk's rows alive where they are read, `norm_rows`)
+    handed = tsp_norms_handed_over(layout, n, mlp_chunk)
+    own = rms_norm_saved(n, h, e, output_kept=not handed)
+    # the MLP remakes its chunks of m tokens, the attention chunks of at most the norm's own rows
+    norm_rows = tsp_norm_chunk(h, m, e) if handed else 0
+    attn_norm_rows = tsp_norm_chunk(h, min(m, chunk_rows(h)), e) if handed else 0
     acc = (e if tiled else 4) * n * h                   # output (forward) or dX (backward)
     cast = 0 if tiled else e * n * h                    # dX cast from fp32 at the end
     mid = e * m * inter // d_                           # one [m, I/D] MLP intermediate
@@ -127,18 +149,20 @@ def tsp_transients(cfg: ModelConfig, layout: Layout, seq_len: int, prec: Precisi
     # under none g and u are the kept ones (in mlp_kept, every shard's by the last step), silu(g)
     # and the product are the step's own
     step_mids = 2 if mlp_kept else 3
-    mlp_fwd = acc + 2 * w_mlp + max(step_mids * mid, mid + e * m * h)
+    mlp_fwd = acc + 2 * w_mlp + max(step_mids * mid, mid + e * m * h) + norm_rows
     # dX += [dg | du] [W_gate; W_up] accumulates inside its GEMM (addmm_ into a tiled layer's
     # accumulator of the activation dtype, the fp32 output of CUDA's GEMM untiled): no [m, h]
     # product; CPU's bf16 GEMM into fp32 writes one, the size of the final cast, counted apart
     dx_product = 0
-    out = {"attn_fwd": own + a["fwd"], "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
-           "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd,
+    out = {"attn_fwd": own + a["fwd"] + attn_norm_rows, "mlp_fwd": 2 * own + sel + mlp_kept + mlp_fwd,
+           # a checkpointed block's first forward makes a handed-over norm's output at once, as the
+           # norm would (its saved tensors are dropped): no remade chunk
+           "attn_fwd_nograd": e * n * h + a["fwd"], "mlp_fwd_nograd": e * n * h + mlp_fwd - norm_rows,
            # backward: the incoming gradient dy [N/D, h]; the kept items stay until attention's
-           "attn_bwd": own + e * n * h + a["bwd"],
+           "attn_bwd": own + e * n * h + a["bwd"] + attn_norm_rows,
            "mlp_bwd": (2 * own + sel + mlp_kept + e * n * h + cast + acc
                        + _mlp_ring_backward_shards(w_mlp, ew, mlp_kept, d_)
-                       + _mlp_chunk_backward(mid, dx_product, kept=bool(mlp_kept))),
+                       + _mlp_chunk_backward(mid, dx_product, kept=bool(mlp_kept)) + norm_rows),
            # ring of vocab shards: one fp32 logits block [c, V/D] (its exp / softmax computed in
            # place) and, in bf16, the bf16 block it is cast from; dX and what is added into it
            # (`_head_dx`); in backward (tsp/ring.py::ring_backward) the shard in use and the one
@@ -359,4 +383,4 @@ def _baseline_head(n_r: int, loss_chunk: int | None, rows: int, h: int, e: int, 
 
 
 __all__ = ["baseline_transients", "expands_kv", "native_gqa", "native_gqa_terms", "rms_norm_saved",
-           "tsp_transients"]
+           "tsp_norm_chunk", "tsp_norms_handed_over", "tsp_transients"]

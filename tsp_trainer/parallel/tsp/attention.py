@@ -26,19 +26,19 @@ import typing
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tsp_trainer.config.schema import TspRecompute
 from tsp_trainer.model.layers import Rotary, apply_rope, attention_core
-from tsp_trainer.model.rms_norm import rms_norm, rms_norm_grads
+from tsp_trainer.model.rms_norm import chunk_rows, rms_norm, rms_norm_grads
 from tsp_trainer.model.rope import apply_rope_backward
 from tsp_trainer.parallel import zigzag
 from tsp_trainer.parallel.comm import Comm
 from tsp_trainer.parallel.gated_mlp import TokenTiling, add_matmul
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
-from tsp_trainer.parallel.loss_chunks import resolve_attention_chunk_tokens
+from tsp_trainer.parallel.loss_chunks import resolve_attention_chunk_tokens, token_chunks
 from tsp_trainer.parallel.tsp.chunked import ChunkedItem
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
+from tsp_trainer.parallel.tsp.norm import NormedRows, add_weight_grad, linear_rows
 from tsp_trainer.parallel.tsp.ring import ShardBroadcasts, unpack
 
 RECOMPUTE_MODES = typing.get_args(TspRecompute)   # parallel.tsp_recompute (module docstring)
@@ -117,6 +117,8 @@ class TSPAttention(nn.Module):
         resolve_attention_chunk_tokens(attention_chunk_tokens, 1, 1)      # a bad value: here, not in forward
         self.settings = AttentionSettings(comm, head_dim, head_buckets, self.tiling, norm_eps, kv_repeat,
                                           attention_chunk_tokens)
+        # the block's input norm handing its work over (tsp/norm.py NormHandoff; set by apply_tsp)
+        self.norm_handoff = None
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         # The shard's parameters, in packing order: W_q, W_k, W_v, W_o [, b_q, b_k, b_v]
@@ -129,7 +131,10 @@ class TSPAttention(nn.Module):
         norms = (None, None)
         if hasattr(self, "q_norm"):      # each rank's gradient is its tokens' part: summed over the group
             norms = tuple(self.replicated.use(m.weight) for m in (self.q_norm, self.k_norm))
-        y = _TSPAttentionFn.apply(x, rope, self.settings, kept, *norms, *shard)
+        # x is the input norm's output, or its input when the norm handed its work over
+        block_norm = self.norm_handoff.take() if self.norm_handoff is not None else None
+        norm_w, norm_eps = block_norm if block_norm is not None else (None, None)
+        y = _TSPAttentionFn.apply(x, rope, self.settings, kept, norm_w, norm_eps, *norms, *shard)
         if self.o_proj.bias is None:
             return y
         return y + self.replicated.use(self.o_proj.bias)
@@ -215,13 +220,14 @@ class _HeadNorms:
 
 class _OwnerProjection:
     """This rank's local tokens through owner r's whole shard in one GEMM, x [Wq; Wk; Wv]^T (+ b)
-    -> [B, T, (hq + 2 hkv)/D * d], then the per-head q/k norms (Qwen3) and RoPE on its q and k
+    -> [B, T, (hq + 2 hkv)/D * d] (`rows`: x as [n, h], or the block norm's output of it made per
+    token chunk, one GEMM a chunk: tsp/norm.py NormedRows), then the per-head q/k norms (Qwen3) and RoPE on its q and k
     heads; each bucket's item takes its heads' slices."""
 
-    def __init__(self, x: torch.Tensor, shard: _Shard, cols: _Columns, rope: Rotary, d: int,
-                 norms: _HeadNorms | None = None):
+    def __init__(self, x: torch.Tensor, rows: torch.Tensor | NormedRows, shard: _Shard, cols: _Columns,
+                 rope: Rotary, d: int, norms: _HeadNorms | None = None):
         b, t, _ = x.shape
-        p = F.linear(x, shard.wqkv, shard.bqkv)                             # [B, T, C]
+        p = linear_rows(rows, shard.wqkv, shard.bqkv).view(b, t, -1)      # [B, T, C]
         q, k = p[..., :cols.q].view(b, t, -1, d), p[..., cols.q:cols.q + cols.kv].view(b, t, -1, d)
         self.q_raw = self.k_raw = None
         if norms is not None:        # the norms' inputs, copied out of p (their backward needs them)
@@ -441,9 +447,10 @@ class _Projections:
     the item of its first bucket is prepared (waiting for shard r's broadcast if needed), the
     items of its other buckets slice it."""
 
-    def __init__(self, x: torch.Tensor, shards: ShardBroadcasts, settings: AttentionSettings, shapes,
-                 rope: Rotary, norms: _HeadNorms | None = None):
+    def __init__(self, x: torch.Tensor, rows: torch.Tensor | NormedRows, shards: ShardBroadcasts,
+                 settings: AttentionSettings, shapes, rope: Rotary, norms: _HeadNorms | None = None):
         self.x, self.shards, self.settings, self.shapes, self.rope = x, shards, settings, shapes, rope
+        self.rows = rows
         self.norms = norms
         self.cols = _Columns(shapes, settings.head_buckets)
         self.share = _KVShare(settings.kv_repeat)
@@ -455,8 +462,8 @@ class _Projections:
         """Item (r, b), its K/V all-gather issued."""
         if self._owner != r:
             shard = _Shard(self.shards.get(r), self.shapes)
-            self._projection = _OwnerProjection(self.x, shard, self.cols, self.rope, self.settings.head_dim,
-                                                self.norms)
+            self._projection = _OwnerProjection(self.x, self.rows, shard, self.cols, self.rope,
+                                                self.settings.head_dim, self.norms)
             self._owner = r
         item = self._projection.item(b, self.settings.comm, self.share, r, self.chunk)
         if b == self.settings.head_buckets - 1:           # the owner's last slices are taken
@@ -490,15 +497,18 @@ class _OwnerOutputs:
 
 class _TSPAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rope: Rotary, settings: AttentionSettings, keep: Kept, q_norm, k_norm, *params):
+    def forward(ctx, x, rope: Rotary, settings: AttentionSettings, keep: Kept, norm_w, norm_eps, q_norm,
+                k_norm, *params):
         # params: W_q, W_k, W_v, W_o [, b_q, b_k, b_v] of this rank's heads (one packed shard);
-        # q_norm, k_norm: the per-head norm weights [d] (Qwen3) or None
+        # q_norm, k_norm: the per-head norm weights [d] (Qwen3) or None; norm_w [h], norm_eps: the
+        # block's input norm when it handed its work over (x is then its input), else None
         comm, shapes = settings.comm, [tuple(w.shape) for w in params]
         norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, settings.norm_eps)
         items, last = _schedule(comm.size, settings.head_buckets), settings.head_buckets - 1
         selective = keep.items               # record each item's attention graph for backward
         shards = ShardBroadcasts(comm, list(params), buffers=3, tag="attn.weights")
-        projections = _Projections(x, shards, settings, shapes, rope, norms)
+        rows, rstd = _block_norm_rows(x, norm_w, norm_eps, settings, keep.first_forward)
+        projections = _Projections(x, rows, shards, settings, shapes, rope, norms)
         # the sum over owners: fp32, or x's dtype once the layer's tokens are tiled
         y = torch.zeros(x.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
         y2, outputs = y.view(-1, x.shape[-1]), _OwnerOutputs(settings.head_buckets)
@@ -513,22 +523,27 @@ class _TSPAttentionFn(torch.autograd.Function):
                 add_matmul(y2, outputs.take(), _Shard(shards.get(r), shapes).wo.t())
                 shards.release(r)
         projections.share.release()          # kept items regather from the first owner of a group
-        ctx.save_for_backward(x, q_norm, k_norm, *params)
-        ctx.rope, ctx.settings, ctx.shapes = rope, settings, shapes
+        del rows, projections
+        ctx.save_for_backward(x, norm_w, rstd, q_norm, k_norm, *params)
+        ctx.rope, ctx.settings, ctx.shapes, ctx.norm_eps = rope, settings, shapes, norm_eps
         keep.store(ctx, settings, kept if selective else None)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, q_norm, k_norm, *params = ctx.saved_tensors
+        x, norm_w, rstd, q_norm, k_norm, *params = ctx.saved_tensors
         settings, comm, shapes, rope = ctx.settings, ctx.settings.comm, ctx.shapes, ctx.rope
         norms = None if q_norm is None else _HeadNorms(q_norm, k_norm, settings.norm_eps)
         items, kept = _schedule(comm.size, settings.head_buckets), Kept.load(ctx, settings)
         shards = ShardBroadcasts(comm, params, buffers=2, tag="attn.weights")
         grads = _GradReduces(comm, sum(p.numel() for p in params), x.device)
-        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])     # [n, h]
+        dy2 = dy.reshape(-1, dy.shape[-1])                                      # [n, h]
+        # x [n, h], or the block norm's output of it, made per token chunk where it is read
+        x2 = (x.reshape(-1, x.shape[-1]) if norm_w is None
+              else NormedRows(x.reshape(-1, x.shape[-1]), norm_w, ctx.norm_eps, rstd, _norm_chunks(x, settings)))
+        # dX (at the block norm's output until the end, when the norm hands its work over)
         dx = torch.zeros(x2.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
-        projections = _Projections(x, shards, settings, shapes, rope, norms) if kept is None else None
+        projections = _Projections(x, x2, shards, settings, shapes, rope, norms) if kept is None else None
         cols = _Columns(shapes, settings.head_buckets)
         dkv_sum = _DKVSum(settings.kv_repeat)
 
@@ -563,7 +578,33 @@ class _TSPAttentionFn(torch.autograd.Function):
         own_grad = grads.finish()
         out = (g.to(p.dtype) for g, p in zip(unpack(own_grad, shapes), params))   # fp32 -> params'
         norm_grads = (None, None) if norms is None else norms.weight_grads()
-        return (dx.view(x.shape).to(x.dtype), None, None, None, *norm_grads, *out)
+        dx = dx.view(x.shape).to(x.dtype)
+        # the block norm's backward, in place: dX at its output -> at its input, and its weight's part
+        norm_w_grad = None if norm_w is None else x2.backward_in_place(dx.view(x2.shape))
+        return (dx, None, None, None, norm_w_grad, None, *norm_grads, *out)
+
+
+def _block_norm_rows(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float | None,
+                     settings: AttentionSettings, whole: bool) -> tuple[torch.Tensor | NormedRows,
+                                                                        torch.Tensor | None]:
+    """(what the owners' projections read, rstd [n, 1] to keep): x as [n, h] when it is the block
+    norm's output; with the norm handed over (norm_w), its output of x made per token chunk
+    (tsp/norm.py NormedRows, `_norm_chunks`), or at once when `whole` (a checkpointed block's
+    first forward, which keeps nothing: one norm pass, as the norm itself would run), and rstd."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if norm_w is None:
+        return x2, None
+    rows = NormedRows.of(x2, norm_w, eps, _norm_chunks(x, settings))
+    return (rows.whole() if whole else rows), rows.rstd
+
+
+def _norm_chunks(x: torch.Tensor, settings: AttentionSettings) -> list[slice]:
+    """The token chunks in which the owners' projections and dW_qkv read the block norm's output:
+    the layer's tiling, at most the norm's own chunk (model/rms_norm.py chunk_rows: 2,048 tokens
+    at h 4,096, GEMMs of [2,048, h] x [h, (hq + 2 hkv)/D * d]), so the remade rows stay a few
+    dozen MiB beside the attention's own transients."""
+    n, h = x.numel() // x.shape[-1], x.shape[-1]
+    return token_chunks(n, min(settings.tiling.chunk(n, x.element_size()), chunk_rows(h)))
 
 
 class _GradReduces:
@@ -668,7 +709,7 @@ class _OwnerBackward:
         self._put(self.cols.v_cols(b), dv)
         if b != self.last:
             return False
-        add_matmul(self.grads.wqkv, self.dp.t(), x2)                     # [dW_q; dW_k; dW_v]
+        add_weight_grad(self.grads.wqkv, self.dp, x2)                    # [dW_q; dW_k; dW_v]
         if self.grads.bqkv is not None:
             self.grads.bqkv.add_(self.dp.sum(0, dtype=torch.float32))
         add_matmul(dx, self.dp, self.weights.wqkv)                       # dX from q, k and v

@@ -28,6 +28,11 @@ class Kept(typing.NamedTuple):
     call: CheckpointCall | None       # under activation checkpointing: the call's slots
     replay: bool = False              # the replay (puts into call); else the first forward (takes)
 
+    @property
+    def first_forward(self) -> bool:
+        """The first forward of a checkpointed call: what it saves is dropped (its replay saves)."""
+        return self.call is not None and not self.replay
+
     def store(self, ctx, key: object, value) -> None:
         """End of the function's forward: `value` (None when items is False) goes on ctx, or into
         the call's slot for `key` (the replay); the first forward under checkpointing records the

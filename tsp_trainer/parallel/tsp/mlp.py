@@ -23,6 +23,7 @@ from tsp_trainer.parallel.gated_mlp import (TokenTiling, fused_weights, gated_ml
 from tsp_trainer.parallel.grad_sync import ReplicatedGrads
 from tsp_trainer.parallel.tsp.attention import _replicated, _weight_holder
 from tsp_trainer.parallel.tsp.kept import Kept, kept_for_backward
+from tsp_trainer.parallel.tsp.norm import NormedRows
 from tsp_trainer.parallel.tsp.ring import pack, ring_backward_into, ring_forward, unpack
 
 
@@ -55,14 +56,19 @@ class TSPGatedMLP(nn.Module):
         self.replicated = _replicated(replicated, comm, self.down_proj.bias)
         self.tiling = tiling if tiling is not None else TokenTiling(inter_shard=gate.shape[0])
         self.settings = MLPSettings(comm, self.tiling)
+        # the block's post-attention norm handing its work over (tsp/norm.py; set by apply_tsp)
+        self.norm_handoff = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The ring's packed shard: W_gate, W_up, W_down [, b_gate, b_up]
         shard = [m.weight for m in (self.gate_proj, self.up_proj, self.down_proj)]
         if self.gate_proj.bias is not None:
             shard += [self.gate_proj.bias, self.up_proj.bias]
+        # x is the norm's output, or its input when the norm handed its work over
+        block_norm = self.norm_handoff.take() if self.norm_handoff is not None else None
+        norm_w, norm_eps = block_norm if block_norm is not None else (None, None)
         y = _TSPMLPFn.apply(x, self.settings, kept_for_backward(self.keep_gate_up, self.replay_keeps),
-                            *shard)
+                            norm_w, norm_eps, *shard)
         if self.down_proj.bias is None:
             return y
         return y + self.replicated.use(self.down_proj.bias)
@@ -70,13 +76,19 @@ class TSPGatedMLP(nn.Module):
 
 class _TSPMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, settings: MLPSettings, keep: Kept, *params):
-        # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order)
+    def forward(ctx, x, settings: MLPSettings, keep: Kept, norm_w, norm_eps, *params):
+        # params: W_gate, W_up, W_down [, b_gate, b_up] (gated_mlp's argument order); norm_w [h],
+        # norm_eps: the block's post-attention norm when it handed its work over (x is then its
+        # input, normed per token chunk at every ring step), else None
         shapes = [tuple(w.shape) for w in params]
         fused = fused_weights(shapes)                    # [W_gate; W_up], W_down [, [b_gate; b_up]]
         chunks = settings.tiling.chunks(x)               # every ring step takes the same chunks
         y = torch.zeros(x.shape, dtype=settings.tiling.accumulator_dtype(x), device=x.device)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, x.shape[-1])    # [n, h]
+        rstd = None
+        if norm_w is not None:          # a checkpointed block's first forward keeps nothing: one pass
+            rows = NormedRows.of(x2, norm_w, norm_eps, chunks)
+            x2, rstd = (rows.whole() if keep.first_forward else rows), rows.rstd
         # under none (or the AC replay): step j's gate/up pre-activations, [chunk, 2 I/D] each
         kept: dict[int, list] | None = {} if keep.items else None
 
@@ -87,18 +99,20 @@ class _TSPMLPFn(torch.autograd.Function):
                                    kept[j] if kept is not None else None)
 
         ring_forward(settings.comm, pack(*params), step, tag="mlp.weights")
-        ctx.save_for_backward(x, *params)
-        ctx.shapes, ctx.settings = shapes, settings
+        ctx.save_for_backward(x, norm_w, rstd, *params)
+        ctx.shapes, ctx.settings, ctx.norm_eps = shapes, settings, norm_eps
         keep.store(ctx, settings, kept)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, *params = ctx.saved_tensors
+        x, norm_w, rstd, *params = ctx.saved_tensors
         kept = Kept.load(ctx, ctx.settings)
         tiling, h = ctx.settings.tiling, x.shape[-1]
         chunks = tiling.chunks(x)
         x2, dy2 = x.reshape(-1, h), dy.reshape(-1, h)                   # [n, h]
+        if norm_w is not None:          # the norm's output, remade per chunk at every ring step
+            x2 = NormedRows(x2, norm_w, ctx.norm_eps, rstd, chunks)
         dx = torch.zeros(x2.shape, dtype=tiling.accumulator_dtype(x), device=x.device)
         fused = fused_weights(ctx.shapes)
 
@@ -110,4 +124,7 @@ class _TSPMLPFn(torch.autograd.Function):
 
         full = ring_backward_into(ctx.settings.comm, pack(*params), grad_into, tag="mlp.weights")
         grads = (g.to(p.dtype) for g, p in zip(unpack(full, ctx.shapes), params))   # fp32 -> params'
-        return (dx.view(x.shape).to(x.dtype), None, None, *grads)
+        dx = dx.view(x.shape).to(x.dtype)
+        # the norm's backward, in place: dX at its output -> at its input, and its weight's part
+        norm_w_grad = None if norm_w is None else x2.backward_in_place(dx.view(-1, h))
+        return (dx, None, None, norm_w_grad, None, *grads)
