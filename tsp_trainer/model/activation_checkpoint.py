@@ -141,6 +141,8 @@ class _SegmentInputs:
 
     def packer(self, j: int):
         def pack(t: torch.Tensor):
+            if t.numel() == 0:            # the checkpoint's empty marker tensor (saved on CUDA)
+                return ("kept", t)
             if j > 0:
                 return ("inner", j)
             self.first = t if self.host is None else self.host.pack(t)
@@ -148,9 +150,13 @@ class _SegmentInputs:
         return pack
 
     def unpack(self, packed) -> torch.Tensor:
-        if packed[0] == "first":          # the store refuses a second unpack (a second backward)
+        if packed[0] == "kept":
+            return packed[1]
+        return self._unpack(0 if packed[0] == "first" else packed[1])
+
+    def _unpack(self, j: int) -> torch.Tensor:
+        if j == 0:                        # the store refuses a second unpack (a second backward)
             return self.first if self.host is None else self.host.unpack(self.first)
-        j = packed[1]
         if j not in self.regained:        # the segment's first unpack in this backward
             if self.stash is not None:
                 raise RuntimeError("train.offload_activations: a saved tensor was unpacked twice (a "
