@@ -74,7 +74,8 @@ STEPS = (
          segments=NESTING_CANDIDATES),
     Step("+ chunked attention", _KEPT_NORMS, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          segments=NESTING_CANDIDATES),
-    # the dry run has not run at this row's lengths: the planner's prediction until it has
+    # the dry run confirms this row on H100 (within 10%, under usable HBM); on H200 it has not
+    # run at the row's length: the planner's prediction until it has
     Step("+ norm handoff", {}, offload_optimizer=True, offload=True, replay_keeps=REPLAY_KEEPS,
          segments=NESTING_CANDIDATES, confirmed=False),
 )
