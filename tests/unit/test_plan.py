@@ -307,14 +307,18 @@ def test_at_128k_on_one_h100_node_tsp_fits_where_sp_does_not():
 def test_plan_errors():
     with pytest.raises(PlanError, match=r"nothing fits: the smallest layout.*needs"):
         plan(model_config("7b"), seq_len=16777216, global_batch=1, hw=get_profile("h100"), nodes=1)
-    # at 4M only offloading layouts fit in HBM (checkpointed ones with a lean replay), but the
-    # least of them pins 1.2 TB of host memory per node (32 block inputs of 4.3 GB per GPU, the
-    # checkpoint staging, AdamW's state), more than a 1 TB node has
+    # at 4M only offloading layouts fit in HBM (checkpointed ones with a lean replay); per-block
+    # checkpoints pin 1.2 TB of host memory per node (32 block inputs of 4.3 GB per GPU, the
+    # checkpoint staging, AdamW's state), more than a 1 TB node has, so nesting is weighed: k = 2
+    # keeps 16 of them and fits; a 300 GB node holds no nesting's inputs either
+    fits = plan(model_config("7b"), seq_len=4194304, global_batch=1,
+                hw=get_profile("h100", host_memory_gb=1000), nodes=1).fitting[0]
+    assert fits.layout.checkpoint_segment_blocks == 2 and fits.memory["host_per_node"] < 1000e9
     with pytest.raises(PlanError, match=r"nothing fits: the layouts that fit in HBM pin too much host "
-                                        r"memory; the smallest, tsp .* AC .*keep=.*offload, needs 1,194 GB "
-                                        r"per node, more than the 1,000 GB"):
+                                        r"memory; the smallest, tsp .* AC .*keep=.*nest=4 .*offload, needs "
+                                        r"472 GB per node, more than the 300 GB"):
         plan(model_config("7b"), seq_len=4194304, global_batch=1,
-             hw=get_profile("h100", host_memory_gb=1000), nodes=1)
+             hw=get_profile("h100", host_memory_gb=300), nodes=1)
     with pytest.raises(PlanError, match=r"--global-batch=3 .*multiple of the data-parallel degree"):
         plan(model_config("7b"), seq_len=4096, global_batch=3, hw=get_profile("h100"), nodes=4,
              max_degree=8)
@@ -378,7 +382,7 @@ def test_cli_optimizer_offload(capsys):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--global-batch", "1", "--seq-len", "8388608", "--gpu", "h100"], r"nothing fits"),
+    (["--global-batch", "1", "--seq-len", "16777216", "--gpu", "h100"], r"nothing fits"),
     (["--global-batch", "3", "--seq-len", "4096", "--nodes", "4", "--max-degree", "8"],
      r"--global-batch=3 sequences.*multiple of the data-parallel degree"),
     (["--seq-len", "4096"], r"--global-batch .* is required"),

@@ -10,7 +10,7 @@ from itertools import product
 
 from tsp_trainer.config import ModelConfig
 from tsp_trainer.config.validate import check_parallel_shapes
-from tsp_trainer.plan.layout import PLANNED_REPLAY_KEEPS, SCHEMES, TSP_RECOMPUTE, Layout
+from tsp_trainer.plan.layout import NESTING_CANDIDATES, PLANNED_REPLAY_KEEPS, SCHEMES, TSP_RECOMPUTE, Layout
 from tsp_trainer.plan.precision import BF16, Precision
 from tsp_trainer.plan.predict import Assumptions, Prediction, predict
 from tsp_trainer.plan.hardware import HardwareProfile
@@ -198,16 +198,36 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
          offload_activations: tuple[bool, ...] = (False, True)) -> PlanResult:
     """Predict every candidate layout; raise PlanError when none exists or none fits (in HBM or
     in the node's host memory). tsp_recompute: the TSP recompute modes to rank (default all, as
-    `auto` does); offload_activations: with and without activation offload (default both)."""
+    `auto` does); offload_activations: with and without activation offload (default both).
+    Nested checkpointing (checkpoint_segment_blocks > 1, an extra forward per segment) is weighed
+    only when no layout fits without it, as `auto` does."""
     world = nodes * hw.gpus_per_node
     if global_batch < 1:
         raise PlanError(f"--global-batch={global_batch} must be >= 1 (sequences per optimizer step)")
+    result = None
+    for segments in ((1,), NESTING_CANDIDATES):
+        result = _plan_with(cfg, seq_len=seq_len, global_batch=global_batch, hw=hw, world=world,
+                            nodes=nodes, schemes=schemes, prec=prec, assumptions=assumptions,
+                            max_degree=max_degree, micro_batches=micro_batches,
+                            tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
+                            offload_activations=offload_activations, segments=segments)
+        if result.fitting:
+            return result
+    raise _nothing_fits(result.candidates, hw, assumptions)
+
+
+def _plan_with(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfile, world: int,
+               nodes: int, schemes, prec: Precision, assumptions: Assumptions, max_degree: int,
+               micro_batches, tsp_recompute, offload_optimizer: bool, offload_activations,
+               segments: tuple[int, ...]) -> PlanResult:
+    """`plan` with checkpointed layouts under each of `segments`; the result, fitting or not."""
     rejected: dict[str, str] = {}
     layouts = candidate_layouts(cfg, seq_len=seq_len, global_batch=global_batch, world=world,
                                 schemes=schemes, max_degree=max_degree, micro_batches=micro_batches,
                                 zero_stages=prec.zero_stages, rejected=rejected,
                                 tsp_recompute=tsp_recompute, offload_optimizer=offload_optimizer,
-                                offload_activations=offload_activations, gqa=gqa_paths(cfg, prec))
+                                offload_activations=offload_activations, gqa=gqa_paths(cfg, prec),
+                                segments=segments)
     if not layouts:
         dps = sorted({world // d for d in _divisors(world) if d <= max_degree})
         raise PlanError(
@@ -224,11 +244,7 @@ def plan(cfg: ModelConfig, *, seq_len: int, global_batch: int, hw: HardwareProfi
         except ValueError as err:              # a recompute mode the CUDA kernel rules refuse
             rejected[lay.label()] = str(err)
     preds.sort(key=_key)
-    fitting = [p for p in preds if p.fits]
-    result = PlanResult(candidates=preds, fitting=fitting, rejected=rejected)
-    if not fitting:
-        raise _nothing_fits(preds, hw, assumptions)
-    return result
+    return PlanResult(candidates=preds, fitting=[p for p in preds if p.fits], rejected=rejected)
 
 
 def _nothing_fits(preds: list[Prediction], hw: HardwareProfile, assumptions: Assumptions) -> PlanError:
