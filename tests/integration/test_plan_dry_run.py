@@ -134,6 +134,7 @@ def _check_at_longest(c: dict, expected_seq_len: int) -> None:
 # in HBM), the two cheapest of the four; the GPU changes only the HBM the length must fit, which
 # both layouts' code paths meet on either.
 @pytest.mark.slow
+@pytest.mark.timeout(1800)          # the dry run at millions of tokens: minutes, past the default 300 s
 @pytest.mark.parametrize("gpu,offload", [("h100", True), ("h100", False)],
                          ids=["h100-activation-offload", "h100-in-hbm"])
 def test_dry_run_at_the_planners_longest_llama3_8b_sequence(tmp_path, gpu, offload):
