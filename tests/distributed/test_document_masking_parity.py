@@ -122,14 +122,8 @@ for _s, _w, _o, _ac, _r in QK_NORM_CASES:
                          ids=[f"{s}-d{w}{'-' + '-'.join(f'{k}{v}' for k, v in o.items()) if o else ''}"
                               f"{'-ac' if ac else ''}{'-reset' if r else ''}" for s, w, o, ac, r in CASES])
 def test_packed_documents_equal_documents_alone(scheme, world, options, checkpointing, reset_positions):
-    ref_loss, ref_count, ref_grads = _reference(reset_positions)
-    results = RUNS.result(world, _key(scheme, options, checkpointing, reset_positions))
-    for rank, out in enumerate(results):
-        assert out["count"] == ref_count
-        assert out["loss_sum"] == pytest.approx(ref_loss, rel=1e-5), f"rank {rank} loss"
-        for name, grad in ref_grads.items():
-            torch.testing.assert_close(out["grads"][name], grad, **TOL,
-                                       msg=lambda m: f"rank {rank} {name}: {m}")
+    _assert_equal_to_reference(RUNS.result(world, _key(scheme, options, checkpointing, reset_positions)),
+                               *_reference(reset_positions))
 
 
 @pytest.mark.parametrize("scheme,world,options,checkpointing,reset_positions", QK_NORM_CASES,
@@ -139,7 +133,12 @@ def test_packed_documents_with_qk_norms_equal_documents_alone(scheme, world, opt
                                                                reset_positions):
     ref_loss, ref_count, ref_grads = _reference(reset_positions, True)
     assert any("q_norm" in name for name in ref_grads)
-    results = RUNS.result(world, _key(scheme, options, checkpointing, reset_positions, True))
+    _assert_equal_to_reference(RUNS.result(world, _key(scheme, options, checkpointing, reset_positions, True)),
+                               ref_loss, ref_count, ref_grads)
+
+
+def _assert_equal_to_reference(results, ref_loss, ref_count, ref_grads) -> None:
+    """Every rank's token count, loss and every gradient equal the one-process reference's."""
     for rank, out in enumerate(results):
         assert out["count"] == ref_count
         assert out["loss_sum"] == pytest.approx(ref_loss, rel=1e-5), f"rank {rank} loss"

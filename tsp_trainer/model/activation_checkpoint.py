@@ -181,6 +181,7 @@ class _SegmentInputs:
                 x = block(x, self.rope)
                 self.regained[j] = x if self.stash is None else self.stash.pack(x)
 
+
 def wrap_blocks(model, *, checkpointing: bool, offload: bool, segment_blocks: int = 1,
                 prefetch: bool = True) -> None:
     """Set `model.block_wrapper` and `model.blocks_per_call` (model/transformer.py) for
