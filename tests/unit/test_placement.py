@@ -30,7 +30,8 @@ def test_a_tsp_group_across_nodes_is_found():
 
 def test_failed_collective_names_the_other_node_or_says_the_peer_was_local():
     assert TWO_NODES.lost_contact([1, 3], me=1).startswith("lost contact with node 1 (host b, ranks [2, 3])")
-    assert TWO_NODES.lost_contact([0, 1], me=1) == "a peer on this node (node 0 (host a)) failed"
+    assert TWO_NODES.lost_contact([0, 1], me=1) == ("a peer on this node (node 0 (host a)) left first "
+                                                     "(its own line gives the cause)")
 
 
 def test_comm_failure_line_with_and_without_placement():

@@ -80,11 +80,13 @@ class Placement:
     def lost_contact(self, ranks, *, me: int) -> str:
         """The sentence a rank prints when a collective over `ranks` failed: which nodes it lost
         contact with (a killed launcher, a dead, stalled or unreachable node), or that the peers
-        were on its own node."""
+        were on its own node. The latter follows the former: a node's first rank to fail has a peer
+        on the lost node and names it, then exits, and a local peer waiting on it in a node-local
+        collective fails next (it cannot know the cause, so it points to that line)."""
         others = self.other_nodes(ranks, me=me)
         if others:
             return f"lost contact with {others} (its launcher or node is gone, stalled, or unreachable)"
-        return f"a peer on this node ({self.where(me)}) failed"
+        return f"a peer on this node ({self.where(me)}) left first (its own line gives the cause)"
 
 
 def gather_placement(world: Comm, environ=os.environ) -> Placement:
