@@ -267,7 +267,9 @@ def test_bad_shapes_are_refused_with_one_line(heads, degree, seq_len, match):
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("first,then", [("tsp", "ulysses"), ("ulysses", "tsp")])
+# one direction in the default suite, the other in the slow tier (each ~6 s)
+@pytest.mark.parametrize("first,then", [pytest.param("tsp", "ulysses", marks=pytest.mark.slow),
+                                        ("ulysses", "tsp")])
 def test_resume_across_schemes(first, then, tmp_path):
     """A 5-step run of `first` (DP 2 x D 2, zero.stage auto: ZeRO-1 over dp for tsp, ZeRO-3 over all
     4 ranks for ulysses) saves step 3; resuming it as `then` trains steps 4 and 5 like the

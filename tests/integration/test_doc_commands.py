@@ -132,6 +132,7 @@ def run_blocks(blocks: list[DocBlock], cwd: Path, env: dict, timeout: float = 60
         i += len(group)
 
 
+@pytest.mark.slow           # every documented error through a real launch (~11 s)
 def test_troubleshooting_errors_are_the_documented_lines(tmp_path):
     """Each error of the troubleshooting guide, caused as the guide causes it: exit code 2 and the
     line the guide quotes (the checks run before any process group, a few seconds each)."""

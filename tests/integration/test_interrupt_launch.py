@@ -27,6 +27,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_lifecycle_launch import SHORT, _accelerate, _env, recipe_launch_line
 from tests.integration.test_orphans import losses
 from tests.integration.test_tsp_launch import REPO, TSP_LAUNCH
@@ -34,6 +36,10 @@ from tests.integration.test_tsp_launch import REPO, TSP_LAUNCH
 RUN = SHORT + ["optim.min_lr=3.0e-3", "train.eval_every=0"]
 STEPS = 16
 ENV = _env(WANDB_MODE="offline", WANDB_SILENT="true")
+
+# three 4-rank launches in a row (~50 s): the slow tier; the default suite's twin is
+# tests/distributed/test_preemption.py (a signal on one rank, the checkpoint and the exact resume)
+pytestmark = pytest.mark.slow
 
 
 def _tsp_launch(args: list[str]) -> list[str]:

@@ -10,6 +10,7 @@ import pytest
 from tests.integration.test_doc_commands import run_blocks, scenario, workspace
 
 
+@pytest.mark.slow           # real launches (~16 s); Ulysses' parity is tests/distributed/test_ulysses_parity.py
 @pytest.mark.timeout(600)
 def test_ulysses_doc_commands_run_as_written(tmp_path):
     cwd, env = workspace(tmp_path)
