@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tsp_trainer.data.checks import SAMPLE_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +42,7 @@ def _corpus(folder: Path) -> tuple[Path, int, int]:
     return broken, bad, offset
 
 
+@pytest.mark.slow           # 4 rank processes started by hand (~13 s)
 def test_bad_line_mid_training_stops_every_rank_with_one_line_and_exit_2(tmp_path):
     broken, bad, offset = _corpus(tmp_path / "corpus")
     world, port = 4, _free_port()
