@@ -133,6 +133,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow           # tsp-eval as subprocesses, one and two (~8 s); the in-process cases stay
 def test_cli_as_a_user_runs_it(tmp_path, checkpoint):
     """`tsp-eval` on one process and under torchrun (2 processes, TSP D=2): the table on stdout,
     exit 0; bad input: exit 2 and one line naming the flag, before any process group."""

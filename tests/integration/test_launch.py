@@ -24,6 +24,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow           # a 2-process torchrun run (~12 s); its command lines run below
 def test_torchrun_script_and_bad_recipe_message(tmp_path):
     env = dict(_env(), NPROC="2", MASTER_PORT="0", PYTHON=sys.executable)
     # the bad recipe's tsp-train beside the run (it stops before anything is written)

@@ -29,6 +29,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow           # two real launches (~6 s); the lease against a live holder stays below
 def test_two_jobs_into_one_folder_at_once_one_runs_the_other_is_refused(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tsp_trainer", "train", "recipes/tiny_cpu.yaml", "parallel.tsp_degree=1",

@@ -60,6 +60,7 @@ def _check(report: dict, schemes=("tsp", "tp", "tp_sp")) -> None:
     assert tsp["comm"]["all_gather/attn.kv"]["count"] > 0 and "all_reduce/attn.tp" not in tsp["comm"]
 
 
+@pytest.mark.slow           # ~10 s; the small-model dry runs below cover its code in the default suite
 def test_dry_run_7b_16k_world_1024(tmp_path):
     """The same code paths at 16K tokens and one head bucket: ~20 s."""
     report = _dry_run(tmp_path, "--seq-len", "16384", "--head-buckets", "1", timeout=600)
